@@ -1,0 +1,176 @@
+"""What the transformer sees, built exactly as diffusers' edit pipelines build it.
+
+QwenImageEditPipeline ("edit", v1) and QwenImageEditPlusPipeline ("edit_plus", 2509) differ in three places:
+the prompt template (v1 puts one vision block in the template; 2509 prefixes "Picture i: " blocks to the
+instruction), the image the VL model sees (v1: the same ~1 MP reference the VAE encodes; 2509: a ~384^2 copy),
+and the number of references (v1: 1; 2509: 1-3). tests/test_conditioning.py checks every tensor built here
+against what the pipelines pass to the transformer.
+
+Shape legend: B batch, C latent channels (16), h/w latent height/width, L packed tokens, T text tokens, D width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from PIL import Image
+
+VARIANTS = ("edit", "edit_plus")
+MAX_REFERENCES = {"edit": 1, "edit_plus": 3}
+PIPELINE_CLASS_NAMES = {"QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit_plus"}
+
+_SYSTEM = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n"
+)
+_VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPT_TEMPLATES = {
+    "edit": _SYSTEM + _VISION + "{}<|im_end|>\n<|im_start|>assistant\n",
+    "edit_plus": _SYSTEM + "{}<|im_end|>\n<|im_start|>assistant\n",
+}
+DROP_IDX = 64  # template tokens before the instruction's own; dropped from the hidden states
+PIXELS_PER_LATENT = 8  # VAE spatial factor; tokens are 2x2 latent patches, so sizes are multiples of 16
+# Defaults of the released pipelines: target and VAE copies ~1 MP, the 2509 VL copies ~384^2.
+DEFAULT_AREA = 1024 * 1024
+DEFAULT_CONDITION_AREA = 384 * 384
+
+_image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_LATENT * 2)
+
+
+def dimensions(area: int, image: Image.Image) -> tuple[int, int]:
+    """(width, height) of `image` scaled to about `area` pixels, multiples of 32, as the pipelines round."""
+    width, height = pipeline_qwenimage_edit_plus.calculate_dimensions(area, image.width / image.height)
+    return int(width), int(height)
+
+
+def resize(image: Image.Image, area: int) -> Image.Image:
+    width, height = dimensions(area, image)
+    return _image_processor.resize(image, height, width)
+
+
+def to_pixels(image: Image.Image, area: int) -> torch.Tensor:
+    """Resize to ~`area` and map to a [-1, 1] tensor of shape (3, H, W), as the pipelines' preprocess."""
+    width, height = dimensions(area, image)
+    return _image_processor.preprocess(image, height, width)[0]
+
+
+def reference_inputs(images: list[Image.Image], variant: str, area: int, condition_area: int):
+    """The references as the pipelines feed them: (images for the VL model, VAE pixel tensors (3, H, W))."""
+    if variant == "edit":
+        # v1 resizes once and gives that same image to the VL model and the VAE.
+        resized = [resize(im, area) for im in images]
+        return resized, [_image_processor.preprocess(im, im.height, im.width)[0] for im in resized]
+    return [resize(im, condition_area) for im in images], [to_pixels(im, area) for im in images]
+
+
+def prompt_texts(prompts: list[str], num_references: int, variant: str) -> list[str]:
+    if variant == "edit":
+        return [PROMPT_TEMPLATES["edit"].format(p) for p in prompts]
+    prefix = "".join(f"Picture {i + 1}: {_VISION}" for i in range(num_references))
+    return [PROMPT_TEMPLATES["edit_plus"].format(prefix + p) for p in prompts]
+
+
+@torch.no_grad()
+def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[list[Image.Image]], variant: str):
+    """Qwen2.5-VL last hidden states of the instructions, template prefix dropped.
+
+    Returns (embeds_BTD, mask_BT) with padding on the right; mask is None when no sample is padded, as the
+    pipelines pass it (an all-ones mask would only keep SDPA off its fastest kernels).
+    """
+    texts = prompt_texts(prompts, len(vl_images[0]), variant)
+    flat_images = [im for sample in vl_images for im in sample]
+    inputs = processor(text=texts, images=flat_images, padding=True, return_tensors="pt").to(text_encoder.device)
+    out = text_encoder(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        pixel_values=inputs.get("pixel_values"),
+        image_grid_thw=inputs.get("image_grid_thw"),
+        output_hidden_states=True,
+    )
+    hidden_BTD = out.hidden_states[-1]
+    keep = inputs["attention_mask"].bool()
+    per_sample = [hidden_BTD[i][keep[i]][DROP_IDX:] for i in range(len(texts))]
+    max_len = max(e.shape[0] for e in per_sample)
+    embeds_BTD = torch.stack([torch.cat([e, e.new_zeros(max_len - e.shape[0], e.shape[1])]) for e in per_sample])
+    mask_BT = torch.stack([torch.arange(max_len, device=e.device) < e.shape[0] for e in per_sample]).long()
+    return embeds_BTD, (None if bool(mask_BT.all()) else mask_BT)
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels_B3HW: torch.Tensor) -> torch.Tensor:
+    """VAE posterior mode, normalised with the VAE's latents_mean/std: (B, C, 1, h, w)."""
+    x = pixels_B3HW.to(vae.device, vae.dtype)[:, :, None]
+    z = vae.encode(x).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
+
+
+def pack(latents_BC1hw: torch.Tensor) -> torch.Tensor:
+    """2x2 patches to tokens: (B, C, 1, h, w) -> (B, h/2 * w/2, 4C), channel-major inside a patch."""
+    b, c, _, h, w = latents_BC1hw.shape
+    x = latents_BC1hw.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens_BLC: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of `pack` for latent size (h, w)."""
+    b, _, c4 = tokens_BLC.shape
+    x = tokens_BLC.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, 1, h, w)
+
+
+@dataclass
+class Conditioning:
+    """Everything but the noisy target that the transformer takes for one micro-batch."""
+
+    prompt_embeds: torch.Tensor  # B T D
+    prompt_mask: torch.Tensor | None  # B T, None when nothing is padded
+    reference_tokens: torch.Tensor  # B Lr 4C: packed references, one after the other
+    reference_shapes: list[tuple[int, int, int]]  # (1, h/2, w/2) per reference
+
+
+def encode_references(vae, reference_pixels: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Pack every reference slot (each (B, 3, H, W)) and concatenate them along the sequence."""
+    tokens, shapes = [], []
+    for pixels in reference_pixels:
+        latents = encode_latents(vae, pixels)
+        tokens.append(pack(latents))
+        shapes.append((1, latents.shape[-2] // 2, latents.shape[-1] // 2))
+    return torch.cat(tokens, dim=1), shapes
+
+
+def img_shapes(target_hw: tuple[int, int], reference_shapes, batch_size: int) -> list[list[tuple[int, int, int]]]:
+    """The pipelines' img_shapes: per sample, the target's token grid then each reference's."""
+    return [[(1, target_hw[0] // 2, target_hw[1] // 2), *reference_shapes]] * batch_size
+
+
+@contextlib.contextmanager
+def pipeline_areas(area: int, condition_area: int = DEFAULT_CONDITION_AREA):
+    """Make the diffusers edit pipelines size images to `area` (and 2509's VL copies to `condition_area`).
+
+    The pipelines hard-code ~1 MP (1024*1024) whatever height/width is asked; a model trained at another
+    area (the tiny demo trains at 128^2) must be sampled at that area, so their module-level sizing is
+    swapped for the duration of the block (2509 passes its own area constants through the same function).
+    """
+    areas = {DEFAULT_AREA: area, DEFAULT_CONDITION_AREA: condition_area}
+    saved = []
+    for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
+        original = module.calculate_dimensions
+
+        def scaled(target_area, ratio, _original=original):
+            return _original(areas.get(target_area, target_area), ratio)
+
+        saved.append((module, original))
+        module.calculate_dimensions = scaled
+    try:
+        yield
+    finally:
+        for module, original in saved:
+            module.calculate_dimensions = original

@@ -1,0 +1,359 @@
+"""Typed configuration: one JSON file holds DeepSpeed's keys plus this project's section `qwen_edit`.
+
+Everything is validated before any model loads, and every problem is reported in one `ConfigError`
+that names each key and its fix. A knob lives in one place: precision, micro-batch, gradient
+accumulation, clipping, optimizer and LR schedule are DeepSpeed's keys; the rest is ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT_KEY = "qwen_edit"
+
+# Top-level keys DeepSpeed 0.19 reads (runtime/constants.py and the sub-configs). DeepSpeed ignores
+# unknown keys silently, so a typo like "gradient_acumulation_steps" would train with the default.
+DEEPSPEED_KEYS = frozenset(
+    """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps steps_per_print
+    dump_state optimizer scheduler fp16 bf16 bfloat16 amp torch_autocast gradient_clipping
+    prescale_gradients gradient_predivide_factor sparse_gradients zero_optimization zero_allow_untested_optimizer
+    zero_force_ds_cpu_optimizer activation_checkpointing wall_clock_breakdown memory_breakdown flops_profiler
+    tensorboard wandb csv_monitor comet comms_logger communication_data_type seq_parallel_communication_data_type
+    elasticity checkpoint data_types aio compression_training data_efficiency curriculum_learning
+    autotuning nebula pipeline pld disable_allgather dataloader_drop_last timers graph_harvesting
+    use_data_before_expert_parallelism_ compile weight_quantization hybrid_engine sparse_attention
+    load_universal_checkpoint use_node_local_storage""".split()
+)
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message lists every problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def choice(*values: str):
+    """Field metadata restricting a str field to `values`."""
+    return {"choices": values}
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local diffusers-format directory of Qwen-Image-Edit or -2509 (model_index.json inside). CLI: --model."""
+    variant: str = field(default="auto", metadata=choice("auto", "edit", "edit_plus"))
+    """auto reads model_index.json; edit = v1 (one reference), edit_plus = 2509 (1-3 references)."""
+    encoder_dtype: str = field(default="auto", metadata=choice("auto", "bfloat16", "float32"))
+    """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Directory with metadata.jsonl or metadata.csv and the images it names. CLI: --data."""
+    area: int = 1024 * 1024
+    """Pixel area targets and VAE copies of references are resized to (aspect kept, sides multiples of 32)."""
+    condition_area: int = 384 * 384
+    """Pixel area of the copies the VL encoder sees (2509 only; v1 shows it the VAE copy)."""
+    bad_rows: str = field(default="stop", metadata=choice("stop", "skip"))
+    """What to do when the pre-flight check finds bad rows: stop with the report, or skip them (reported)."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+    pin_memory: bool = True
+    """Pin host memory of batches (ignored on CPU)."""
+    shuffle: bool = True
+    """Shuffle each epoch (DistributedSampler, seeded by train.seed, reseeded per epoch)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 64
+    """LoRA rank r."""
+    alpha: float = 64.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+        ]
+    )
+    """Module-name suffixes inside each transformer block that get LoRA (default: attention + MLP projections)."""
+
+
+@dataclass
+class TrainConfig:
+    mode: str = field(default="lora", metadata=choice("lora", "full"))
+    """lora trains adapters on a frozen transformer; full trains every transformer weight."""
+    max_steps: int = 1000
+    """Optimizer steps to run. CLI: --max_steps."""
+    seed: int = 42
+    """Seed for weights (same on every rank) and for noise/timesteps (seed + rank). CLI: --seed."""
+    timestep_density: str = field(default="shifted", metadata=choice("shifted", "uniform", "logit_normal"))
+    """How noise levels s are drawn; shifted matches the scheduler's inference shift (see objective.py)."""
+    shift: float = 0.0
+    """Shift for timestep_density=shifted; 0 = the scheduler's dynamic shift for each target size."""
+    logit_mean: float = 0.0
+    """Mean of the normal for timestep_density=logit_normal."""
+    logit_std: float = 1.0
+    """Std of the normal for timestep_density=logit_normal."""
+    loss_weighting: str = field(default="none", metadata=choice("none", "cosmap"))
+    """Per-sample loss weight as a function of s."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer blocks in backward: far less activation memory, about 40% slower."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = ""
+    """Where config, checkpoints, metrics and exports go. CLI: --output_dir."""
+    save_every_steps: int = 500
+    """DeepSpeed checkpoint cadence in optimizer steps (0 = only at the end)."""
+    log_every_steps: int = 10
+    """Metrics cadence in optimizer steps (a device sync happens only then)."""
+    tensorboard: bool = True
+    """Write tensorboard scalars under output/tensorboard."""
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = field(default="zero2", metadata=choice("zero2", "model_parallel"))
+    """zero2: data parallel with ZeRO; model_parallel: encoder and decoder on separate GPUs (not built yet)."""
+
+
+@dataclass
+class ProjectConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+@dataclass
+class Config:
+    project: ProjectConfig
+    deepspeed: dict
+    """DeepSpeed's own keys, resolved for this world size and machine; passed to deepspeed.initialize."""
+    world_size: int = 1
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.deepspeed["train_micro_batch_size_per_gpu"]
+
+    @property
+    def precision(self) -> str:
+        if self.deepspeed.get("bf16", {}).get("enabled"):
+            return "bfloat16"
+        if self.deepspeed.get("fp16", {}).get("enabled"):
+            return "float16"
+        return "float32"
+
+
+def _type_ok(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _build(cls, data, path: str, problems: list[str]):
+    """Instantiate dataclass `cls` from `data`, appending a message per problem instead of raising."""
+    if not isinstance(data, dict):
+        problems.append(f"{path}: expected an object, got {type(data).__name__}; write it as {{...}}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            near = [n for n in fields if n[:4] == key[:4]]
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            problems.append(f"{path}.{key}: unknown key{hint}; known keys: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        hint, value = hints[name], data[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, f"{path}.{name}", problems)
+        elif not _type_ok(value, hint):
+            want = getattr(hint, "__name__", str(hint))
+            problems.append(f"{path}.{name}: expected {want}, got {json.dumps(value)}; fix its type in the JSON")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            problems.append(f"{path}.{name}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
+        else:
+            values[name] = value
+    return cls(**values)
+
+
+def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
+    p = PROJECT_KEY
+    if not cfg.model.path:
+        problems.append(f"{p}.model.path: not set; pass --model DIR (a diffusers-format Qwen-Image-Edit directory)")
+    elif not (Path(cfg.model.path) / "model_index.json").is_file():
+        problems.append(f"{p}.model.path: {cfg.model.path!r} has no model_index.json; point --model at the "
+                        "directory that holds model_index.json, transformer/, vae/, text_encoder/ ...")
+    if not cfg.data.path:
+        problems.append(f"{p}.data.path: not set; pass --data DIR (a folder with metadata.jsonl or metadata.csv)")
+    elif not any((Path(cfg.data.path) / n).is_file() for n in ("metadata.jsonl", "metadata.csv")):
+        problems.append(f"{p}.data.path: {cfg.data.path!r} has no metadata.jsonl or metadata.csv")
+    if not cfg.output.dir:
+        problems.append(f"{p}.output.dir: not set; pass --output_dir DIR")
+    positive = {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area,
+                "lora.rank": cfg.lora.rank, "train.max_steps": cfg.train.max_steps,
+                "output.log_every_steps": cfg.output.log_every_steps, "lora.alpha": cfg.lora.alpha}
+    for key, value in positive.items():
+        if value <= 0:
+            problems.append(f"{p}.{key}: must be > 0, got {value}")
+    for key, value in {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area}.items():
+        if 0 < value < 32 * 32:
+            problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+    if cfg.output.save_every_steps < 0:
+        problems.append(f"{p}.output.save_every_steps: must be >= 0 (0 = only at the end)")
+    if cfg.data.num_workers < 0:
+        problems.append(f"{p}.data.num_workers: must be >= 0")
+    if not 0 <= cfg.lora.dropout < 1:
+        problems.append(f"{p}.lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
+    if cfg.train.mode == "lora" and not cfg.lora.target_modules:
+        problems.append(f"{p}.lora.target_modules: empty; name at least one module, e.g. \"attn.to_q\"")
+    if cfg.train.shift < 0:
+        problems.append(f"{p}.train.shift: must be >= 0 (0 = the scheduler's dynamic shift)")
+    if cfg.train.logit_std <= 0:
+        problems.append(f"{p}.train.logit_std: must be > 0")
+    if cfg.parallel.mode == "model_parallel":
+        problems.append(f"{p}.parallel.mode: 'model_parallel' is not available yet; use 'zero2'")
+
+
+def _check_deepspeed(ds: dict, world_size: int, max_steps: int, problems: list[str]) -> None:
+    for key in ds:
+        if key not in DEEPSPEED_KEYS and key != PROJECT_KEY:
+            problems.append(f"{key}: unknown top-level key (neither DeepSpeed's nor {PROJECT_KEY!r}); "
+                            f"remove it or move it into the {PROJECT_KEY!r} section")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{key}: must be an integer >= 1, got {json.dumps(value)}")
+    micro, gas = ds.get("train_micro_batch_size_per_gpu", 1), ds.get("gradient_accumulation_steps", 1)
+    total = ds.get("train_batch_size")
+    if total is not None and isinstance(micro, int) and isinstance(gas, int) and total != micro * gas * world_size:
+        problems.append(
+            f"train_batch_size: {total} != train_micro_batch_size_per_gpu ({micro}) x gradient_accumulation_steps "
+            f"({gas}) x world size ({world_size}) = {micro * gas * world_size}; remove train_batch_size so one file "
+            "fits any world size"
+        )
+    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+        problems.append("bf16.enabled and fp16.enabled: both true; enable one (bf16 for Qwen-Image)")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        problems.append(f"zero_optimization.stage: {stage} is not supported by this trainer's zero2 mode; use 0, 1 or 2")
+    params = ds.get("scheduler", {}).get("params", {})
+    if "total_num_steps" in params and params["total_num_steps"] != max_steps:
+        problems.append(f"scheduler.params.total_num_steps: {params['total_num_steps']} != {PROJECT_KEY}.train.max_steps "
+                        f"({max_steps}); remove total_num_steps, it is filled from max_steps")
+
+
+def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool) -> dict:
+    """DeepSpeed's section as it will be run: project section removed, schedule length and CPU choices filled."""
+    ds = json.loads(json.dumps({k: v for k, v in ds.items() if k != PROJECT_KEY}))
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds.setdefault("gradient_accumulation_steps", 1)
+    ds.setdefault("steps_per_print", 10**9)  # progress goes through our own logger
+    scheduler = ds.get("scheduler")
+    if scheduler and scheduler.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
+        scheduler.setdefault("params", {})["total_num_steps"] = max_steps
+    if not has_gpu:
+        if ds.get("fp16", {}).get("enabled"):
+            ds["fp16"]["enabled"] = False  # CPUs have no fast fp16 training path; bf16 is the nearest
+            ds.setdefault("bf16", {})["enabled"] = True
+        optimizer = ds.get("optimizer")
+        if optimizer and optimizer.get("type", "").lower() in ("adam", "adamw"):
+            # DeepSpeed's fused Adam is CUDA only; torch's Adam also skips a 40 s CPU op build.
+            optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    return ds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Fine-tune Qwen-Image-Edit / -2509 with DeepSpeed")
+    parser.add_argument("--ds_config", required=True, help="JSON: DeepSpeed keys + the qwen_edit section")
+    parser.add_argument("--model", help=f"overrides {PROJECT_KEY}.model.path")
+    parser.add_argument("--data", help=f"overrides {PROJECT_KEY}.data.path")
+    parser.add_argument("--output_dir", help=f"overrides {PROJECT_KEY}.output.dir")
+    parser.add_argument("--max_steps", type=int, help=f"overrides {PROJECT_KEY}.train.max_steps")
+    parser.add_argument("--seed", type=int, help=f"overrides {PROJECT_KEY}.train.seed")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return parser.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool) -> Config:
+    """Read, override, validate and resolve; raises ConfigError listing every problem."""
+    path = Path(args.ds_config)
+    if not path.is_file():
+        raise ConfigError([f"--ds_config: {str(path)!r} does not exist; pass a JSON file such as ds_configs/zero2.json"])
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"--ds_config: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"])
+    if not isinstance(raw, dict):
+        raise ConfigError([f"--ds_config: {path} must hold a JSON object at the top level"])
+    problems: list[str] = []
+    project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}), PROJECT_KEY, problems)
+    overrides = {"model.path": args.model, "data.path": args.data, "output.dir": args.output_dir,
+                 "train.max_steps": args.max_steps, "train.seed": args.seed}
+    for dotted, value in overrides.items():
+        if value is not None:
+            section, name = dotted.split(".")
+            setattr(getattr(project, section), name, value)
+    _check_project(project, problems)
+    _check_deepspeed(raw, world_size, project.train.max_steps, problems)
+    if problems:
+        raise ConfigError(problems)
+    return Config(project=project, deepspeed=resolve_deepspeed(raw, project.train.max_steps, has_gpu),
+                  world_size=world_size)
+
+
+def to_dict(config: Config) -> dict:
+    """The resolved config as one JSON-able dict in the input layout (DeepSpeed keys + project section)."""
+    return {**config.deepspeed, PROJECT_KEY: dataclasses.asdict(config.project)}
+
+
+def write_resolved(config: Config, directory: str | os.PathLike) -> Path:
+    out = Path(directory) / "config.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(to_dict(config), indent=2) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def field_docs(cls=ProjectConfig, prefix: str = "") -> dict[str, str]:
+    """{'model.path': 'docstring', ...} read from the attribute docstrings in this file (for docs and tests)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[prefix + node.target.id] = nxt.value.value
+    for name, hint in hints.items():
+        if dataclasses.is_dataclass(hint) and not isinstance(hint, types.GenericAlias):
+            docs.update(field_docs(hint, f"{prefix}{name}."))
+    return docs

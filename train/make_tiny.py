@@ -1,0 +1,233 @@
+"""Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline.
+
+    python -m train.make_tiny --out DIR [--variant edit|edit_plus] [--num_samples N] [--size PX]
+
+writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit or -2509: model_index.json, transformer/,
+vae/, text_encoder/, tokenizer/, processor/, scheduler/) and DIR/data (images + metadata.jsonl).
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on the prompt templates, and
+every network is randomly initialised from a fixed seed, so the demo and the tests load them through
+exactly the `from_pretrained` and dataset paths that real weights and data take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+# Qwen2 special tokens the edit pipelines' templates use; they must be single tokens.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Scheduler settings of the released Qwen-Image family (dynamic shift: about 2.0 at 1024^2).
+SCHEDULER_CONFIG = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+    use_dynamic_shifting=True,
+)
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 210, 40),
+}
+SHAPES = ("circle", "square")
+TEXT_DIM = 32  # hidden size of the tiny Qwen2.5-VL = joint_attention_dim of the tiny transformer
+
+
+def build_tokenizer(corpus: list[str]):
+    """A byte-level BPE in the Qwen2 format, trained on `corpus`, with the Qwen2 special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    state = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=state["vocab"], merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    return tokenizer
+
+
+def build_processor(tokenizer):
+    """Qwen2VLProcessor with the released image-processor settings (14 px patches, 2x2 merge)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    return Qwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor()
+    )
+
+
+def build_text_encoder(tokenizer):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=TEXT_DIM,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=len(tokenizer),
+            rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
+            rope_theta=1000000.0,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+        ),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_DIM,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_vae():
+    from diffusers import AutoencoderKLQwenImage
+
+    # 8x spatial downsampling and 16 latent channels, as in the released VAE, at a small width.
+    return AutoencoderKLQwenImage(
+        base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        temperal_downsample=[False, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
+    ).eval()
+
+
+def build_transformer():
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=TEXT_DIM, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+
+
+def set_latent_statistics(vae, images: list[Image.Image]) -> None:
+    """Give the random VAE per-channel latents_mean/std measured on `images`, as the real VAE's are."""
+    import numpy as np
+
+    batch = torch.stack([torch.from_numpy(np.asarray(im, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+                         for im in images])
+    with torch.no_grad():
+        z = vae.encode(batch[:, :, None]).latent_dist.mode()  # B C 1 h w
+    vae.register_to_config(
+        latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=z.std(dim=(0, 2, 3, 4)).clamp_min(1e-3).tolist()
+    )
+
+
+def draw_scene(shape: str, colour: str, xy: tuple[int, int], size: int, background: tuple[int, int, int]) -> Image:
+    image = Image.new("RGB", (size, size), background)
+    draw = ImageDraw.Draw(image)
+    r = size // 5
+    box = (xy[0] - r, xy[1] - r, xy[0] + r, xy[1] + r)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
+    return image
+
+
+def make_dataset(out: Path, variant: str, num_samples: int, size: int, seed: int = 0) -> list[Image.Image]:
+    """Recolour edits: the target is the reference with its shape in the colour the prompt names.
+
+    Edit (v1): one reference, prompt "make the circle red". Edit-2509: a second reference is a swatch of
+    the new colour and the prompt refers to it ("Picture 2"), so the model must read both references.
+    Returns the images written (for the VAE statistics).
+    """
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, images = [], []
+    names = list(COLOURS)
+    for i in range(num_samples):
+        shape = rng.choice(SHAPES)
+        old, new = rng.sample(names, 2)
+        grey = rng.randint(150, 240)
+        xy = (rng.randint(size // 4, 3 * size // 4), rng.randint(size // 4, 3 * size // 4))
+        reference = draw_scene(shape, old, xy, size, (grey, grey, grey))
+        target = draw_scene(shape, new, xy, size, (grey, grey, grey))
+        reference.save(out / f"{i:04d}_ref.png")
+        target.save(out / f"{i:04d}_target.png")
+        row = {"image": f"{i:04d}_target.png", "edit_image": f"{i:04d}_ref.png", "prompt": f"make the {shape} {new}"}
+        images += [reference, target]
+        if variant == "edit_plus":
+            Image.new("RGB", (size // 2, size // 2), COLOURS[new]).save(out / f"{i:04d}_swatch.png")
+            row["edit_image"] = [f"{i:04d}_ref.png", f"{i:04d}_swatch.png"]
+            row["prompt"] = f"paint the {shape} of picture 1 in the colour of picture 2"
+        rows.append(row)
+    with open(out / "metadata.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return images
+
+
+def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, size: int = 128, seed: int = 0) -> Path:
+    """Write OUT/model and OUT/data; returns OUT."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    if variant not in ("edit", "edit_plus"):
+        raise ValueError(f"--variant must be 'edit' or 'edit_plus', got {variant!r}")
+    out = Path(out)
+    images = make_dataset(out / "data", variant, num_samples, size, seed)
+    template_words = ("Describe the key features of the input image (color, shape, size, texture, objects, "
+                      "background), then explain how the user's text instruction should alter or modify the image. "
+                      "Generate a new image that meets the user's requirements while maintaining consistency with "
+                      "the original input where appropriate. system user assistant Picture 1: 2: 3:")
+    corpus = [template_words] + [f"make the {s} {c} paint the {s} of picture 1 in the colour of picture 2"
+                                 for s in SHAPES for c in COLOURS]
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(corpus * 4)
+    vae = build_vae()
+    set_latent_statistics(vae, images[:16])
+    pipeline_class = QwenImageEditPlusPipeline if variant == "edit_plus" else QwenImageEditPipeline
+    pipeline = pipeline_class(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        vae=vae,
+        text_encoder=build_text_encoder(tokenizer),
+        tokenizer=tokenizer,
+        processor=build_processor(tokenizer),
+        transformer=build_transformer(),
+    )
+    pipeline.save_pretrained(out / "model")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="directory to write model/ and data/ into")
+    parser.add_argument("--variant", default="edit", choices=["edit", "edit_plus"])
+    parser.add_argument("--num_samples", type=int, default=32)
+    parser.add_argument("--size", type=int, default=128, help="side of the square synthetic images, px")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed)
+    print(f"wrote {out / 'model'} and {out / 'data'}")
+
+
+if __name__ == "__main__":
+    main()
