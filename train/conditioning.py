@@ -41,11 +41,13 @@ DEFAULT_AREA = 1024 * 1024
 DEFAULT_CONDITION_AREA = 384 * 384
 
 _image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_LATENT * 2)
+# Bound at import so that `pipeline_areas`, which swaps the pipelines' function, never rescales our sizing.
+_calculate_dimensions = pipeline_qwenimage_edit_plus.calculate_dimensions
 
 
 def dimensions(area: int, image: Image.Image) -> tuple[int, int]:
     """(width, height) of `image` scaled to about `area` pixels, multiples of 32, as the pipelines round."""
-    width, height = pipeline_qwenimage_edit_plus.calculate_dimensions(area, image.width / image.height)
+    width, height = _calculate_dimensions(area, image.width / image.height)
     return int(width), int(height)
 
 
@@ -104,8 +106,13 @@ def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[
 
 @torch.no_grad()
 def encode_latents(vae, pixels_B3HW: torch.Tensor) -> torch.Tensor:
-    """VAE posterior mode, normalised with the VAE's latents_mean/std: (B, C, 1, h, w)."""
-    x = pixels_B3HW.to(vae.device, vae.dtype)[:, :, None]
+    """VAE posterior mode, normalised with the VAE's latents_mean/std: (B, C, 1, h, w).
+
+    The pipelines' preprocess hands the VAE channels-last strides (its tensors come from HWC numpy arrays);
+    a collated (torch.stack-ed, contiguous) batch gets the same layout here, since CPU convolutions round
+    differently per layout (~1e-5) and the latents must equal the pipelines' bit for bit.
+    """
+    x = pixels_B3HW.contiguous(memory_format=torch.channels_last).to(vae.device, vae.dtype)[:, :, None]
     z = vae.encode(x).latent_dist.mode()
     mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)

@@ -241,6 +241,15 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
         problems.append(f"{p}.parallel.mode: 'model_parallel' is not available yet; use 'zero2'")
 
 
+def _section(parent: dict, key: str, name: str, problems: list[str]) -> dict:
+    """parent[key] when it is an object (or absent: {}); otherwise a problem naming `name`, and {}."""
+    value = parent.get(key, {})
+    if isinstance(value, dict):
+        return value
+    problems.append(f"{name}: expected an object, got {json.dumps(value)}; write it as {{...}}")
+    return {}
+
+
 def _check_deepspeed(ds: dict, world_size: int, max_steps: int, problems: list[str]) -> None:
     for key in ds:
         if key not in DEEPSPEED_KEYS and key != PROJECT_KEY:
@@ -258,12 +267,14 @@ def _check_deepspeed(ds: dict, world_size: int, max_steps: int, problems: list[s
             f"({gas}) x world size ({world_size}) = {micro * gas * world_size}; remove train_batch_size so one file "
             "fits any world size"
         )
-    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+    bf16, fp16 = (_section(ds, k, k, problems) for k in ("bf16", "fp16"))
+    if bf16.get("enabled") and fp16.get("enabled"):
         problems.append("bf16.enabled and fp16.enabled: both true; enable one (bf16 for Qwen-Image)")
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = _section(ds, "zero_optimization", "zero_optimization", problems).get("stage", 0)
     if stage not in (0, 1, 2):
         problems.append(f"zero_optimization.stage: {stage} is not supported by this trainer's zero2 mode; use 0, 1 or 2")
-    params = ds.get("scheduler", {}).get("params", {})
+    _section(_section(ds, "optimizer", "optimizer", problems), "params", "optimizer.params", problems)
+    params = _section(_section(ds, "scheduler", "scheduler", problems), "params", "scheduler.params", problems)
     if "total_num_steps" in params and params["total_num_steps"] != max_steps:
         problems.append(f"scheduler.params.total_num_steps: {params['total_num_steps']} != {PROJECT_KEY}.train.max_steps "
                         f"({max_steps}); remove total_num_steps, it is filled from max_steps")
@@ -283,7 +294,7 @@ def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool) -> dict:
             ds["fp16"]["enabled"] = False  # CPUs have no fast fp16 training path; bf16 is the nearest
             ds.setdefault("bf16", {})["enabled"] = True
         optimizer = ds.get("optimizer")
-        if optimizer and optimizer.get("type", "").lower() in ("adam", "adamw"):
+        if optimizer and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
             # DeepSpeed's fused Adam is CUDA only; torch's Adam also skips a 40 s CPU op build.
             optimizer.setdefault("params", {}).setdefault("torch_adam", True)
     return ds

@@ -1,0 +1,614 @@
+"""Tests for train/config.py: every ConfigError path, CLI overrides, DeepSpeed resolution, writing, field docs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+from train.config import (
+    PROJECT_KEY,
+    Config,
+    ConfigError,
+    ProjectConfig,
+    field_docs,
+    load_config,
+    parse_args,
+    resolve_deepspeed,
+    to_dict,
+    write_resolved,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DELETE = object()  # value for `Setup.set` that removes the key
+
+
+@dataclasses.dataclass
+class Setup:
+    """A valid minimal setup under tmp_path: fake model dir, data dir, output dir and a JSON config to mutate."""
+
+    root: Path
+    model: Path
+    data: Path
+    output: Path
+    raw: dict
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    def set(self, dotted: str, value) -> Setup:
+        """Set (or, with DELETE, remove) a dotted key such as 'qwen_edit.lora.rank' in the raw config."""
+        *parents, last = dotted.split(".")
+        node = self.raw
+        for name in parents:
+            node = node.setdefault(name, {})
+        if value is DELETE:
+            node.pop(last, None)
+        else:
+            node[last] = value
+        return self
+
+    def write(self) -> Path:
+        self.config.write_text(json.dumps(self.raw, indent=2))
+        return self.config
+
+    def load(self, *cli: str, world_size: int = 1, has_gpu: bool = False) -> Config:
+        self.write()
+        return load_config(parse_args(["--ds_config", str(self.config), *cli]), world_size, has_gpu)
+
+    def problems(self, *cli: str, **kwargs) -> list[str]:
+        with pytest.raises(ConfigError) as info:
+            self.load(*cli, **kwargs)
+        return info.value.problems
+
+    def problem(self, *cli: str, **kwargs) -> str:
+        """The single problem the current config has."""
+        problems = self.problems(*cli, **kwargs)
+        assert len(problems) == 1, problems
+        return problems[0]
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Setup:
+    """Writes an empty-but-present model_index.json, a metadata.jsonl and a valid config into tmp_path."""
+    model, data, output = tmp_path / "model", tmp_path / "data", tmp_path / "out"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    data.mkdir()
+    (data / "metadata.jsonl").write_text('{"image": "a.png", "edit_image": "b.png", "prompt": "x"}\n')
+    raw = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1}},
+        "zero_optimization": {"stage": 2},
+        PROJECT_KEY: {
+            "model": {"path": str(model)},
+            "data": {"path": str(data)},
+            "output": {"dir": str(output)},
+            "train": {"max_steps": 5},
+        },
+    }
+    return Setup(tmp_path, model, data, output, raw)
+
+
+def q(key: str) -> str:
+    """Dotted key inside the project section."""
+    return f"{PROJECT_KEY}.{key}"
+
+
+# --- the fixture itself -------------------------------------------------------------------------------------------
+
+
+def test_minimal_setup_is_valid(setup):
+    """The fixture's config loads and keeps its values."""
+    config = setup.load()
+    assert config.project.model.path == str(setup.model)
+    assert config.project.train.max_steps == 5
+    assert config.micro_batch_size == 1 and config.world_size == 1
+    assert config.precision == "bfloat16"
+    assert PROJECT_KEY not in config.deepspeed
+
+
+# --- the file itself ----------------------------------------------------------------------------------------------
+
+
+def test_missing_ds_config(tmp_path):
+    """A --ds_config path that does not exist names the flag, the path and an example file."""
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ConfigError) as info:
+        load_config(parse_args(["--ds_config", str(missing)]), 1, False)
+    (msg,) = info.value.problems
+    assert "--ds_config" in msg and str(missing) in msg and "ds_configs/zero2.json" in msg
+
+
+def test_invalid_json_reports_line_and_column(setup):
+    """Broken JSON reports the file with the decoder's line and column."""
+    setup.config.write_text('{\n  "bf16": {"enabled": true},\n  "fp16": {enabled: true}\n}\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(parse_args(["--ds_config", str(setup.config)]), 1, False)
+    (msg,) = info.value.problems
+    assert "--ds_config" in msg and "not valid JSON" in msg and "line 3, column 12" in msg
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"zero2"', "3", "null"])
+def test_top_level_not_an_object(setup, text):
+    """A top level that is not a JSON object is reported as such."""
+    setup.config.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(parse_args(["--ds_config", str(setup.config)]), 1, False)
+    (msg,) = info.value.problems
+    assert "--ds_config" in msg and "JSON object at the top level" in msg
+
+
+def test_parse_args_requires_ds_config():
+    """--ds_config is mandatory on the command line."""
+    with pytest.raises(SystemExit):
+        parse_args([])
+
+
+# --- project section: keys, types, choices ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dotted, value, got", [
+    (PROJECT_KEY, [1], "list"),
+    (q("lora"), 5, "int"),
+    (q("train"), "fast", "str"),
+])
+def test_section_not_an_object(setup, dotted, value, got):
+    """A project section written as a non-object names the section first (defaults then stand in for it)."""
+    msg = setup.set(dotted, value).problems()[0]
+    assert msg.startswith(f"{dotted}: expected an object, got {got}") and "{...}" in msg
+
+
+def test_unknown_project_key_with_near_miss(setup):
+    """A typo of a known key names the key and suggests the right one."""
+    msg = setup.set(q("train.max_step"), 10).problem()
+    assert msg.startswith(q("train.max_step") + ": unknown key")
+    assert "did you mean 'max_steps'?" in msg and "known keys: mode, max_steps" in msg
+
+
+def test_unknown_project_key_without_near_miss(setup):
+    """An unrelated unknown key lists the known keys but makes no suggestion."""
+    msg = setup.set(q("lora.zzz"), 1).problem()
+    assert msg.startswith(q("lora.zzz") + ": unknown key") and "did you mean" not in msg
+    assert "known keys: rank, alpha, dropout, target_modules" in msg
+
+
+def test_unknown_project_section(setup):
+    """An unknown section under the project key is reported with the section names."""
+    msg = setup.set(q("optimizer"), {}).problem()
+    assert msg.startswith(q("optimizer") + ": unknown key") and "known keys: model, data, lora" in msg
+
+
+def test_unknown_top_level_key(setup):
+    """A DeepSpeed-level typo is not ignored silently: it is named with a fix."""
+    msg = setup.set("gradient_acumulation_steps", 4).problem()
+    assert msg.startswith("gradient_acumulation_steps: unknown top-level key")
+    assert "remove it or move it into the 'qwen_edit' section" in msg
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("lora.rank", "8", 'expected int, got "8"'),
+    ("lora.rank", True, "expected int, got true"),
+    ("lora.rank", 8.0, "expected int, got 8.0"),
+    ("data.area", None, "expected int, got null"),
+    ("lora.alpha", "16", 'expected float, got "16"'),
+    ("lora.alpha", False, "expected float, got false"),
+    ("data.pin_memory", 1, "expected bool, got 1"),
+    ("model.path", 5, "expected str, got 5"),
+    ("lora.target_modules", "attn.to_q", 'expected list, got "attn.to_q"'),
+    ("lora.target_modules", ["attn.to_q", 3], 'expected list, got ["attn.to_q", 3]'),
+])
+def test_wrong_type(setup, key, value, want):
+    """A value of the wrong JSON type names the key, the expected type, the value and the fix (listed first)."""
+    msg = setup.set(q(key), value).problems()[0]
+    assert msg == f"{q(key)}: {want}; fix its type in the JSON"
+
+
+@pytest.mark.parametrize("key, value", [("lora.alpha", 16), ("lora.dropout", 0)])
+def test_int_accepted_for_float(setup, key, value):
+    """JSON integers are accepted where a float is expected."""
+    config = setup.set(q(key), value).load()
+    section, name = key.split(".")
+    assert getattr(getattr(config.project, section), name) == value
+
+
+@pytest.mark.parametrize("key, value, choices", [
+    ("train.mode", "qlora", "lora, full"),
+    ("model.variant", "v2", "auto, edit, edit_plus"),
+    ("model.encoder_dtype", "float16", "auto, bfloat16, float32"),
+    ("data.bad_rows", "ignore", "stop, skip"),
+    ("train.timestep_density", "normal", "shifted, uniform, logit_normal"),
+    ("train.loss_weighting", "sigma", "none, cosmap"),
+    ("parallel.mode", "zero3", "zero2, model_parallel"),
+])
+def test_value_not_in_choices(setup, key, value, choices):
+    """A string outside a field's choices names the key, the value and every allowed value."""
+    msg = setup.set(q(key), value).problem()
+    assert msg == f"{q(key)}: {value!r} is not one of {choices}"
+
+
+# --- project section: value checks --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, value", [
+    ("lora.rank", 0), ("lora.rank", -4), ("lora.alpha", 0), ("lora.alpha", -1.5),
+    ("train.max_steps", 0), ("output.log_every_steps", 0),
+])
+def test_must_be_positive(setup, key, value):
+    """Counts and sizes that must be positive say so with the offending value."""
+    assert setup.set(q(key), value).problem() == f"{q(key)}: must be > 0, got {value}"
+
+
+@pytest.mark.parametrize("key", ["data.area", "data.condition_area"])
+def test_area_zero(setup, key):
+    """A zero area is reported as non-positive (not also as too small)."""
+    assert setup.set(q(key), 0).problem() == f"{q(key)}: must be > 0, got 0"
+
+
+@pytest.mark.parametrize("key, value", [("data.area", 100), ("data.condition_area", 1023)])
+def test_area_too_small(setup, key, value):
+    """An area below one 32x32 tile names the key and the minimum."""
+    msg = setup.set(q(key), value).problem()
+    assert msg.startswith(f"{q(key)}: {value} px is below one 32x32 tile") and "use at least 1024" in msg
+
+
+def test_area_of_one_tile_is_accepted(setup):
+    """Exactly one 32x32 tile is the smallest area accepted."""
+    assert setup.set(q("data.area"), 1024).load().project.data.area == 1024
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("output.save_every_steps", -1, "must be >= 0 (0 = only at the end)"),
+    ("data.num_workers", -1, "must be >= 0"),
+    ("lora.dropout", 1.0, "must be in [0, 1), got 1.0"),
+    ("lora.dropout", -0.1, "must be in [0, 1), got -0.1"),
+    ("train.shift", -1.0, "must be >= 0 (0 = the scheduler's dynamic shift)"),
+    ("train.logit_std", 0, "must be > 0"),
+])
+def test_out_of_range(setup, key, value, want):
+    """Other range checks name the key and the allowed range."""
+    assert setup.set(q(key), value).problem() == f"{q(key)}: {want}"
+
+
+def test_empty_target_modules_in_lora_mode(setup):
+    """LoRA mode with no target modules asks for at least one, with an example."""
+    msg = setup.set(q("lora.target_modules"), []).problem()
+    assert msg.startswith(q("lora.target_modules") + ": empty") and '"attn.to_q"' in msg
+
+
+def test_empty_target_modules_in_full_mode(setup):
+    """Full fine-tuning does not need target modules."""
+    config = setup.set(q("lora.target_modules"), []).set(q("train.mode"), "full").load()
+    assert config.project.train.mode == "full"
+
+
+def test_model_parallel_not_available(setup):
+    """parallel.mode model_parallel is refused with the alternative."""
+    msg = setup.set(q("parallel.mode"), "model_parallel").problem()
+    assert msg == f"{q('parallel.mode')}: 'model_parallel' is not available yet; use 'zero2'"
+
+
+# --- paths --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, flag", [("model.path", "--model DIR"), ("data.path", "--data DIR"),
+                                       ("output.dir", "--output_dir DIR")])
+def test_path_not_set(setup, key, flag):
+    """A path set neither in JSON nor on the CLI names the key and the CLI flag."""
+    msg = setup.set(q(key), DELETE).problem()
+    assert msg.startswith(f"{q(key)}: not set") and f"pass {flag}" in msg
+
+
+def test_model_dir_missing(setup):
+    """A model path that does not exist names the key and model_index.json."""
+    missing = setup.root / "missing"
+    msg = setup.set(q("model.path"), str(missing)).problem()
+    assert msg.startswith(f"{q('model.path')}: {str(missing)!r} has no model_index.json")
+    assert "point --model at the directory that holds model_index.json" in msg
+
+
+def test_model_dir_without_model_index(setup):
+    """A model directory without model_index.json is refused."""
+    (setup.model / "model_index.json").unlink()
+    assert "has no model_index.json" in setup.problem()
+
+
+def test_data_dir_missing(setup):
+    """A data path that does not exist names the key and the metadata files."""
+    missing = setup.root / "missing"
+    msg = setup.set(q("data.path"), str(missing)).problem()
+    assert msg == f"{q('data.path')}: {str(missing)!r} has no metadata.jsonl or metadata.csv"
+
+
+def test_data_dir_without_metadata(setup):
+    """A data directory without metadata.jsonl / metadata.csv is refused."""
+    (setup.data / "metadata.jsonl").unlink()
+    assert "has no metadata.jsonl or metadata.csv" in setup.problem()
+
+
+def test_data_dir_with_metadata_csv(setup):
+    """metadata.csv is accepted in place of metadata.jsonl."""
+    (setup.data / "metadata.jsonl").unlink()
+    (setup.data / "metadata.csv").write_text("image,edit_image,prompt\n")
+    assert setup.load().project.data.path == str(setup.data)
+
+
+def test_output_dir_need_not_exist(setup):
+    """The output directory is created later; it need not exist at validation time."""
+    assert not setup.output.exists()
+    setup.load()
+
+
+# --- DeepSpeed section --------------------------------------------------------------------------------------------
+
+
+def test_train_batch_size_inconsistent_with_world_size(setup):
+    """train_batch_size must equal micro x GAS x world size; the message shows the product and the fix."""
+    setup.set("train_batch_size", 2)  # micro 1 x GAS 2 x world 1
+    assert setup.load(world_size=1).deepspeed["train_batch_size"] == 2
+    msg = setup.problem(world_size=2)
+    assert msg.startswith("train_batch_size: 2 != train_micro_batch_size_per_gpu (1) x gradient_accumulation_steps "
+                          "(2) x world size (2) = 4")
+    assert "remove train_batch_size" in msg
+
+
+def test_no_train_batch_size_fits_any_world_size(setup):
+    """Without train_batch_size the same file validates at several world sizes."""
+    for world_size in (1, 2, 8):
+        assert setup.load(world_size=world_size).world_size == world_size
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train_micro_batch_size_per_gpu", 0), ("train_micro_batch_size_per_gpu", "2"),
+    ("train_micro_batch_size_per_gpu", True), ("gradient_accumulation_steps", -1),
+    ("gradient_accumulation_steps", 1.5),
+])
+def test_batch_counts_must_be_positive_integers(setup, key, value):
+    """Micro-batch and accumulation steps must be integers >= 1."""
+    assert setup.set(key, value).problem() == f"{key}: must be an integer >= 1, got {json.dumps(value)}"
+
+
+def test_bf16_and_fp16_both_enabled(setup):
+    """Enabling both precisions names both keys and the recommended one."""
+    msg = setup.set("fp16", {"enabled": True}).problem()
+    assert msg == "bf16.enabled and fp16.enabled: both true; enable one (bf16 for Qwen-Image)"
+
+
+@pytest.mark.parametrize("stage", [3, 4, -1])
+def test_zero_stage_unsupported(setup, stage):
+    """ZeRO stages other than 0-2 are refused with the supported ones."""
+    msg = setup.set("zero_optimization.stage", stage).problem()
+    assert msg.startswith(f"zero_optimization.stage: {stage} is not supported") and "use 0, 1 or 2" in msg
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_stage_supported(setup, stage):
+    """ZeRO stages 0, 1 and 2 are accepted."""
+    assert setup.set("zero_optimization.stage", stage).load().deepspeed["zero_optimization"]["stage"] == stage
+
+
+def test_scheduler_total_steps_disagrees_with_max_steps(setup):
+    """A scheduler length other than max_steps names both keys and says to remove it."""
+    msg = setup.set("scheduler.params.total_num_steps", 10).problem()
+    assert msg.startswith(f"scheduler.params.total_num_steps: 10 != {q('train.max_steps')} (5)")
+    assert "remove total_num_steps" in msg
+
+
+def test_scheduler_total_steps_equal_to_max_steps(setup):
+    """A scheduler length equal to max_steps is accepted."""
+    assert setup.set("scheduler.params.total_num_steps", 5).load().deepspeed["scheduler"]["params"]["total_num_steps"] == 5
+
+
+@pytest.mark.parametrize("dotted, value", [
+    ("bf16", True), ("fp16", None), ("zero_optimization", 2), ("optimizer", "AdamW"),
+    ("scheduler", "WarmupLR"), ("scheduler.params", [1]), ("optimizer.params", 3),
+])
+def test_deepspeed_section_not_an_object(setup, dotted, value):
+    """A DeepSpeed section that is not an object is a ConfigError naming it, not a crash."""
+    msg = setup.set(dotted, value).problem()
+    assert msg == f"{dotted}: expected an object, got {json.dumps(value)}; write it as {{...}}"
+
+
+# --- everything at once -------------------------------------------------------------------------------------------
+
+
+def test_all_problems_in_one_error(setup):
+    """Problems across both sections are all listed in one ConfigError."""
+    (setup.set(q("lora.rank"), "8").set(q("train.mode"), "qlora").set(q("model.path"), DELETE)
+     .set("gradient_acumulation_steps", 2).set("zero_optimization.stage", 3).set("fp16", {"enabled": True}))
+    with pytest.raises(ConfigError) as info:
+        setup.load()
+    problems = info.value.problems
+    assert len(problems) >= 6
+    keys = [q("lora.rank"), q("train.mode"), q("model.path"), "gradient_acumulation_steps",
+            "zero_optimization.stage", "bf16.enabled and fp16.enabled"]
+    for key in keys:
+        assert any(p.startswith(key) for p in problems), key
+        assert key in str(info.value)
+    assert str(info.value).startswith("invalid configuration:\n  - ")
+
+
+# --- CLI overrides ------------------------------------------------------------------------------------------------
+
+
+def test_cli_overrides_win_over_json(setup, tmp_path):
+    """--model/--data/--output_dir/--max_steps/--seed replace the JSON values."""
+    other_model, other_data = tmp_path / "m2", tmp_path / "d2"
+    other_model.mkdir()
+    (other_model / "model_index.json").write_text("{}")
+    other_data.mkdir()
+    (other_data / "metadata.csv").write_text("image,prompt\n")
+    setup.set(q("train.seed"), 1)
+    config = setup.load("--model", str(other_model), "--data", str(other_data), "--output_dir", str(tmp_path / "o2"),
+                        "--max_steps", "7", "--seed", "3")
+    project = config.project
+    assert project.model.path == str(other_model) and project.data.path == str(other_data)
+    assert project.output.dir == str(tmp_path / "o2")
+    assert project.train.max_steps == 7 and project.train.seed == 3
+    assert config.deepspeed["scheduler"]["params"]["total_num_steps"] == 7
+
+
+def test_cli_fills_paths_missing_from_json(setup):
+    """A config without any paths validates when the CLI gives them."""
+    for key in ("model.path", "data.path", "output.dir"):
+        setup.set(q(key), DELETE)
+    config = setup.load("--model", str(setup.model), "--data", str(setup.data), "--output_dir", str(setup.output))
+    assert config.project.model.path == str(setup.model)
+
+
+def test_cli_fixes_a_bad_json_path(setup):
+    """A wrong model path in JSON is not reported when --model overrides it."""
+    setup.set(q("model.path"), str(setup.root / "missing"))
+    assert setup.load("--model", str(setup.model)).project.model.path == str(setup.model)
+
+
+def test_cli_values_are_validated(setup):
+    """Overrides go through the same checks as JSON values."""
+    assert setup.problem("--max_steps", "0") == f"{q('train.max_steps')}: must be > 0, got 0"
+    assert "has no model_index.json" in setup.problem("--model", str(setup.data))
+
+
+def test_cli_max_steps_checked_against_scheduler(setup):
+    """The scheduler length is compared with the overridden max_steps."""
+    setup.set("scheduler.params.total_num_steps", 5)
+    assert "!= qwen_edit.train.max_steps (9)" in setup.problem("--max_steps", "9")
+
+
+# --- resolve_deepspeed --------------------------------------------------------------------------------------------
+
+
+def fp16_adam(setup: Setup) -> Setup:
+    return setup.set("bf16", DELETE).set("fp16", {"enabled": True, "loss_scale": 0}).set("optimizer.type", "Adam")
+
+
+def test_resolve_on_cpu_turns_fp16_into_bf16(setup):
+    """On CPU, fp16 becomes bf16 and Adam uses torch's implementation."""
+    ds = fp16_adam(setup).load(has_gpu=False).deepspeed
+    assert ds["fp16"]["enabled"] is False and ds["bf16"]["enabled"] is True
+    assert ds["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_resolve_on_gpu_leaves_precision_and_adam(setup):
+    """On GPU, fp16 and DeepSpeed's Adam are left as written."""
+    config = fp16_adam(setup).load(has_gpu=True)
+    ds = config.deepspeed
+    assert ds["fp16"]["enabled"] is True and "bf16" not in ds
+    assert "torch_adam" not in ds["optimizer"]["params"]
+    assert config.precision == "float16"
+
+
+def test_resolve_cpu_precision_property(setup):
+    """The precision property follows the resolved CPU choice."""
+    assert fp16_adam(setup).load(has_gpu=False).precision == "bfloat16"
+    assert setup.set("fp16", {"enabled": False}).load(has_gpu=False).precision == "float32"
+
+
+def test_resolve_keeps_explicit_torch_adam(setup):
+    """An explicit torch_adam in the file is not overwritten on CPU."""
+    ds = setup.set("optimizer.params.torch_adam", False).load(has_gpu=False).deepspeed
+    assert ds["optimizer"]["params"]["torch_adam"] is False
+
+
+def test_resolve_non_adam_optimizer_untouched(setup):
+    """torch_adam is only added for Adam/AdamW."""
+    ds = setup.set("optimizer", {"type": "SGD", "params": {"lr": 0.1}}).load(has_gpu=False).deepspeed
+    assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 0.1}}
+
+
+@pytest.mark.parametrize("sched, filled", [("WarmupDecayLR", True), ("WarmupCosineLR", True), ("WarmupLR", False)])
+def test_resolve_fills_schedule_length(sched, filled):
+    """Decaying schedules get total_num_steps from max_steps; WarmupLR does not."""
+    ds = resolve_deepspeed({"scheduler": {"type": sched}}, max_steps=12, has_gpu=True)
+    assert ds["scheduler"].get("params", {}).get("total_num_steps") == (12 if filled else None)
+
+
+def test_resolve_defaults_and_no_mutation():
+    """Defaults are filled, the project section dropped, and the input left unchanged."""
+    raw = {"fp16": {"enabled": True}, "optimizer": {"type": "AdamW"}, PROJECT_KEY: {"train": {}}}
+    before = copy.deepcopy(raw)
+    ds = resolve_deepspeed(raw, max_steps=3, has_gpu=False)
+    assert raw == before
+    assert PROJECT_KEY not in ds
+    assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_accumulation_steps"] == 1
+    assert ds["steps_per_print"] >= 10**9
+    assert ds["bf16"] == {"enabled": True} and ds["optimizer"]["params"] == {"torch_adam": True}
+
+
+# --- write_resolved / to_dict -------------------------------------------------------------------------------------
+
+
+def test_write_resolved_round_trips(setup):
+    """OUT/config.json holds exactly to_dict(config)."""
+    config = setup.load()
+    out = write_resolved(config, setup.output)
+    assert out == setup.output / "config.json" and out.is_file()
+    assert json.loads(out.read_text()) == to_dict(config)
+    assert not list(setup.output.glob("*.tmp"))
+
+
+def test_written_config_loads_back(setup):
+    """The resolved file is itself a valid config that resolves to the same dict."""
+    config = setup.load()
+    out = write_resolved(config, setup.output)
+    again = load_config(parse_args(["--ds_config", str(out)]), 1, False)
+    assert to_dict(again) == to_dict(config)
+
+
+def test_to_dict_layout(setup):
+    """to_dict has DeepSpeed keys at the top and every project field under the project key."""
+    d = to_dict(setup.load())
+    assert d["zero_optimization"] == {"stage": 2}
+    assert d[PROJECT_KEY]["train"]["max_steps"] == 5 and d[PROJECT_KEY]["lora"]["rank"] == 64
+    assert set(d[PROJECT_KEY]) == {f.name for f in dataclasses.fields(ProjectConfig)}
+
+
+# --- field docs ---------------------------------------------------------------------------------------------------
+
+
+def leaf_fields(cls=ProjectConfig, prefix: str = "") -> list[str]:
+    """Dotted names of every non-dataclass field, found independently of field_docs."""
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            out += leaf_fields(hint, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def test_every_field_has_a_docstring():
+    """field_docs() covers every project field, each with a non-empty docstring."""
+    docs = field_docs()
+    fields = leaf_fields()
+    assert len(fields) > 20
+    assert sorted(docs) == sorted(fields)
+    for name, doc in docs.items():
+        assert isinstance(doc, str) and doc.strip(), name
+
+
+# --- the repo's own configs ---------------------------------------------------------------------------------------
+
+
+def test_repo_ds_configs_validate(setup):
+    """Every ds_configs/*.json validates with the fixture's paths as overrides (on CPU and GPU)."""
+    files = sorted((REPO / "ds_configs").glob("*.json"))
+    assert files, "no ds_configs/*.json found"
+    failures = {}
+    for path in files:
+        for has_gpu in (False, True):
+            args = parse_args(["--ds_config", str(path), "--model", str(setup.model), "--data", str(setup.data),
+                               "--output_dir", str(setup.output)])
+            try:
+                load_config(args, world_size=1, has_gpu=has_gpu)
+            except ConfigError as e:
+                failures[f"{path.name} (has_gpu={has_gpu})"] = e.problems
+    assert not failures, failures

@@ -1,0 +1,329 @@
+"""Tests for train/data.py: every bad-row kind and its message, stop/skip policies, CSV, dataset, collate, loader.
+
+Each test builds a tiny dataset in tmp_path (64x64 PNGs); the bad row is usually line 2, after a good line 1, so
+that a message naming "row 2" / "line 2" proves the number is the row's own 1-based line.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from train import conditioning
+from train.data import BadRowsError, EditDataset, Row, build_loader, check_row, collate, preflight, read_rows
+
+AREA = 64 * 64
+CONDITION_AREA = 32 * 32
+FIELDS = "image, edit_image, prompt"
+
+
+def png(path: Path, size: tuple[int, int] = (64, 64), seed: int = 0) -> None:
+    """Write an RGB noise PNG of `size` (width, height)."""
+    rng = random.Random(seed)
+    Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3))).save(path)
+
+
+def good(tmp: Path, i: int, refs: int = 1) -> dict:
+    """A valid row i (its target and references written as 64x64 PNGs)."""
+    names = [f"t{i}.png"] + [f"r{i}_{k}.png" for k in range(refs)]
+    for k, name in enumerate(names):
+        png(tmp / name, seed=10 * i + k)
+    return {"image": names[0], "edit_image": names[1] if refs == 1 else names[1:], "prompt": f"edit number {i}"}
+
+
+def write_jsonl(tmp: Path, lines: list) -> Path:
+    """metadata.jsonl from dicts (dumped) and raw strings (written as they are)."""
+    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines)
+    (tmp / "metadata.jsonl").write_text(text + "\n")
+    return tmp
+
+
+def stop_message(tmp: Path, variant: str = "edit", **kw) -> str:
+    """The BadRowsError message of preflight with policy "stop"."""
+    with pytest.raises(BadRowsError) as e:
+        preflight(tmp, variant, "stop", **kw)
+    return str(e.value)
+
+
+def truncated_png(path: Path) -> None:
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (64, 64), random.Random(1).randbytes(64 * 64 * 3)).save(buf, "PNG")
+    path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+
+
+FILE_CASES = {
+    "missing": (None, "nothere.png", ["file not found", "fix the path"]),
+    "zero_byte": (lambda p: p.write_bytes(b""), "empty.png", ["file is empty (0 bytes)", "re-export the image"]),
+    "random_bytes": (lambda p: p.write_bytes(random.Random(0).randbytes(500)), "noise.png",
+                     ["cannot be decoded", "re-save it as PNG/JPEG"]),
+    "truncated_png": (truncated_png, "cut.png", ["cannot be decoded", "truncated", "re-save it as PNG/JPEG"]),
+    "mode_I;16_png": (lambda p: Image.new("I;16", (64, 64)).save(p), "deep.png",
+                      ["unsupported image mode 'I;16'", "convert it to 8-bit RGB"]),
+    "mode_F_tiff": (lambda p: Image.new("F", (64, 64)).save(p), "float.tif",
+                    ["unsupported image mode 'F'", "convert it to 8-bit RGB"]),
+    "mode_I_tiff": (lambda p: Image.new("I", (64, 64)).save(p), "int.tif",
+                    ["unsupported image mode 'I'", "convert it to 8-bit RGB"]),
+}
+
+
+@pytest.mark.parametrize("slot", ["image", "edit_image"])
+@pytest.mark.parametrize("case", FILE_CASES.values(), ids=FILE_CASES.keys())
+def test_bad_file_names_row_file_and_fix(tmp_path, case, slot):
+    """A missing, empty, corrupt or unsupported-mode target or reference is one problem naming row, file and fix."""
+    make, name, fragments = case
+    if make:
+        make(tmp_path / name)
+    msg = stop_message(write_jsonl(tmp_path, [good(tmp_path, 1), {**good(tmp_path, 2), slot: name}]))
+    assert msg.startswith(f"1 problem(s) in {tmp_path}:")
+    assert f"row 2 ({name}): " in msg and all(f in msg for f in fragments), msg
+    assert 'set qwen_edit.data.bad_rows to "skip"' in msg
+
+
+def test_too_large_image_is_reported_not_raised(tmp_path, monkeypatch):
+    """An image over Pillow's decompression-bomb limit is a reported problem, not a crash in preflight."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is over twice this: DecompressionBombError
+    msg = stop_message(write_jsonl(tmp_path, [good(tmp_path, 1)]))
+    assert "row 1 (t1.png): too large" in msg and "downscale it" in msg
+
+
+@pytest.mark.parametrize("prompt", ["", "  \t ", None, 123, ["a list"], "<absent>"])
+def test_bad_prompt_names_row_target_and_fix(tmp_path, prompt):
+    """An empty, blank, absent or non-string prompt is reported with the row's target and the fix."""
+    row = good(tmp_path, 2)
+    if prompt == "<absent>":
+        del row["prompt"]
+    else:
+        row["prompt"] = prompt
+    msg = stop_message(write_jsonl(tmp_path, [good(tmp_path, 1), row]))
+    assert "1 problem(s)" in msg
+    assert "row 2 (t2.png): empty or non-text prompt; write the edit instruction in 'prompt'" in msg
+
+
+@pytest.mark.parametrize("variant, refs, limit", [("edit", 2, 1), ("edit_plus", 4, 3)])
+def test_too_many_references(tmp_path, variant, refs, limit):
+    """More references than the variant takes names the row, the count, the limit and the fix."""
+    msg = stop_message(write_jsonl(tmp_path, [good(tmp_path, 1), good(tmp_path, 2, refs=refs)]), variant)
+    assert "1 problem(s)" in msg
+    assert f"row 2 (t2.png): {refs} edit images but the {variant} variant takes at most {limit}" in msg
+    assert f"keep at most {limit} in 'edit_image'" in msg
+
+
+@pytest.mark.parametrize("variant, refs", [("edit", 1), ("edit_plus", 1), ("edit_plus", 3)])
+def test_allowed_reference_counts_pass(tmp_path, variant, refs):
+    """Up to the variant's limit of references is fine; a clean dataset returns every row and writes no report."""
+    report = tmp_path / "out" / "bad_rows.txt"
+    rows = preflight(write_jsonl(tmp_path, [good(tmp_path, 1, refs)]), variant, "stop", report_path=report)
+    assert [(r.line, len(r.references)) for r in rows] == [(1, refs)] and not report.exists()
+
+
+PARSE_CASES = {
+    "malformed_json": ('{"image": "t.png", ', ["not valid JSON", "write one JSON object per line"]),
+    "not_an_object": ("[1, 2, 3]", [f"expected a JSON object with keys {FIELDS}"]),
+    "string_line": ('"just text"', [f"expected a JSON object with keys {FIELDS}"]),
+    "missing_image": ({"edit_image": "r.png", "prompt": "p"}, ["missing image", f"every row needs {FIELDS}"]),
+    "missing_edit_image": ({"image": "t.png", "prompt": "p"}, ["missing edit_image", f"every row needs {FIELDS}"]),
+    "empty_edit_list": ({"image": "t.png", "edit_image": [], "prompt": "p"}, ["missing edit_image"]),
+    "missing_both": ({"prompt": "p"}, ["missing image, edit_image;"]),
+}
+
+
+@pytest.mark.parametrize("case", PARSE_CASES.values(), ids=PARSE_CASES.keys())
+def test_unparsable_line_names_line_and_fix(tmp_path, case):
+    """Malformed JSON, a non-object line or a missing column names the file, the line and the fix."""
+    line, fragments = case
+    msg = stop_message(write_jsonl(tmp_path, [good(tmp_path, 1), line]))
+    assert "1 problem(s)" in msg and "metadata.jsonl line 2: " in msg and all(f in msg for f in fragments), msg
+
+
+def test_blank_lines_are_skipped_but_counted(tmp_path):
+    """Blank lines are ignored, and the numbers of later rows stay their file line numbers."""
+    rows, problems = read_rows(write_jsonl(tmp_path, ["", good(tmp_path, 1), "   ", good(tmp_path, 2)]))
+    assert [r.line for r in rows] == [2, 4] and problems == []
+
+
+def write_mixed(tmp: Path) -> Path:
+    """Rows: 1 good; 2 missing reference; 3 malformed JSON; 4 empty prompt and zero-byte target; 5 good."""
+    bad4 = {**good(tmp, 4), "prompt": " "}
+    (tmp / "t4.png").write_bytes(b"")
+    return write_jsonl(tmp, [good(tmp, 1), {**good(tmp, 2), "edit_image": "gone.png"}, "{oops", bad4, good(tmp, 5)])
+
+
+MIXED_PROBLEMS = ["metadata.jsonl line 3: not valid JSON", "row 2 (gone.png): file not found",
+                  "row 4 (t4.png): empty or non-text prompt", "row 4 (t4.png): file is empty (0 bytes)"]
+
+
+def test_stop_lists_every_problem_in_one_error_and_writes_report(tmp_path):
+    """With "stop", all problems of all rows come in one BadRowsError, and the same list goes to the report."""
+    report = tmp_path / "logs" / "bad_rows.txt"
+    msg = stop_message(write_mixed(tmp_path), report_path=report)
+    assert msg.startswith(f"4 problem(s) in {tmp_path}:") and all(p in msg for p in MIXED_PROBLEMS)
+    lines = report.read_text().splitlines()
+    assert len(lines) == 4 and all(any(p in line for line in lines) for p in MIXED_PROBLEMS)
+
+
+def test_skip_keeps_exactly_the_good_rows_and_writes_report(tmp_path):
+    """With "skip", the good rows come back in order and the report lists every skipped problem."""
+    report = tmp_path / "logs" / "bad_rows.txt"
+    rows = preflight(write_mixed(tmp_path), "edit", "skip", report_path=report)
+    assert [(r.line, r.target, r.references, r.prompt) for r in rows] == [
+        (1, "t1.png", ["r1_0.png"], "edit number 1"), (5, "t5.png", ["r5_0.png"], "edit number 5")]
+    text = report.read_text()
+    assert len(text.splitlines()) == 4 and all(p in text for p in MIXED_PROBLEMS)
+
+
+def test_skip_with_no_usable_rows_raises(tmp_path):
+    """With "skip", a dataset whose every row is bad still raises, saying no rows are left."""
+    write_jsonl(tmp_path, [{**good(tmp_path, 1), "prompt": ""}, "not json"])
+    with pytest.raises(BadRowsError, match=r"2 problem\(s\) in .* \(no usable rows left\)"):
+        preflight(tmp_path, "edit", "skip")
+
+
+def test_no_metadata_file(tmp_path):
+    """A folder without metadata names the folder and the expected files."""
+    with pytest.raises(FileNotFoundError, match="has no metadata.jsonl or metadata.csv"):
+        read_rows(tmp_path)
+
+
+def test_csv_semicolon_references(tmp_path):
+    """metadata.csv splits edit_image on ';', keeps quoted commas, and numbers rows by file line (header = 1)."""
+    for i in (1, 2):
+        good(tmp_path, i, refs=2)
+    (tmp_path / "metadata.csv").write_text(
+        'image,edit_image,prompt\nt1.png,r1_0.png; r1_1.png ;,"red, then blue"\nt2.png,r2_0.png,second\n')
+    rows, problems = read_rows(tmp_path)
+    assert problems == [] and rows == [Row(2, "t1.png", ["r1_0.png", "r1_1.png"], "red, then blue"),
+                                       Row(3, "t2.png", ["r2_0.png"], "second")]
+    assert preflight(tmp_path, "edit_plus", "stop") == rows
+    assert "row 2 (t1.png): 2 edit images but the edit variant" in stop_message(tmp_path, "edit")
+
+
+def test_csv_missing_column_names_file_line(tmp_path):
+    """A CSV row with an empty image cell names metadata.csv and its file line."""
+    good(tmp_path, 1)
+    (tmp_path / "metadata.csv").write_text("image,edit_image,prompt\nt1.png,r1_0.png,ok\n,r1_0.png,no target\n")
+    assert "metadata.csv line 3: missing image" in stop_message(tmp_path)
+
+
+def test_jsonl_preferred_over_csv(tmp_path):
+    """With both files present, metadata.jsonl is read."""
+    write_jsonl(tmp_path, [good(tmp_path, 1)])
+    (tmp_path / "metadata.csv").write_text("image,edit_image,prompt\nx.png,y.png,z\n")
+    assert [r.target for r in read_rows(tmp_path)[0]] == ["t1.png"]
+
+
+def test_check_row_direct(tmp_path):
+    """check_row returns a list: empty for a good row, one entry per problem otherwise."""
+    good(tmp_path, 1)
+    assert check_row(Row(1, "t1.png", ["r1_0.png"], "p"), tmp_path, "edit") == []
+    problems = check_row(Row(7, "t1.png", ["a.png", "b.png"], ""), tmp_path, "edit")
+    assert len(problems) == 4 and all(p.startswith("row 7 (") for p in problems)
+
+
+def test_ranks_without_process_group_check_only_their_share(tmp_path):
+    """Without a process group each rank checks and reports only rows[rank::world_size]: the gather needs one."""
+    assert not dist.is_initialized()
+    lines = [good(tmp_path, 1), {**good(tmp_path, 2), "prompt": ""}, {**good(tmp_path, 3), "image": "x.png"},
+             good(tmp_path, 4)]
+    write_jsonl(tmp_path, lines)  # rank 0 checks lines 1 and 3, rank 1 lines 2 and 4
+    msg0 = stop_message(tmp_path, rank=0, world_size=2)
+    msg1 = stop_message(tmp_path, rank=1, world_size=2)
+    assert "1 problem(s)" in msg0 and "row 3 (x.png): file not found" in msg0 and "row 2" not in msg0
+    assert "1 problem(s)" in msg1 and "row 2 (t2.png): empty" in msg1 and "row 3" not in msg1
+    assert [r.line for r in preflight(tmp_path, "edit", "skip", rank=0, world_size=2)] == [1, 2, 4]
+    report = tmp_path / "report.txt"
+    assert [r.line for r in preflight(tmp_path, "edit", "skip", 1, 2, report)] == [1, 3, 4]
+    assert not report.exists()  # only rank 0 writes the report
+
+
+def dataset(tmp: Path, variant: str, rows: list[dict]) -> EditDataset:
+    return EditDataset(write_jsonl(tmp, rows), preflight(tmp, variant, "stop"), variant, AREA, CONDITION_AREA)
+
+
+def expected_hw(size: tuple[int, int], area: int) -> tuple[int, int]:
+    width, height = conditioning.dimensions(area, Image.new("RGB", size))
+    assert width % 32 == 0 and height % 32 == 0
+    return height, width
+
+
+def test_edit_dataset_v1_shapes(tmp_path):
+    """'edit': target and the one reference are (3, H, W) in [-1, 1]; the VL model gets the same resized image."""
+    row = good(tmp_path, 1)
+    png(tmp_path / "r1_0.png", size=(128, 64))
+    sample = dataset(tmp_path, "edit", [row])[0]
+    assert sample["target"].shape == (3, 64, 64) and sample["target"].dtype == torch.float32
+    assert -1 <= sample["target"].min() < 0 < sample["target"].max() <= 1
+    (ref,) = sample["reference_pixels"]
+    h, w = expected_hw((128, 64), AREA)
+    assert ref.shape == (3, h, w) and -1 <= ref.min() and ref.max() <= 1 and h != w
+    assert [im.size for im in sample["vl_images"]] == [(w, h)]
+    assert sample["prompt"] == "edit number 1" and sample["line"] == 1
+
+
+def test_edit_plus_dataset_shapes(tmp_path):
+    """'edit_plus': each reference's VAE copy is sized to `area`, its VL copy to `condition_area`."""
+    row = good(tmp_path, 1, refs=2)
+    png(tmp_path / "r1_1.png", size=(64, 128))
+    sample = dataset(tmp_path, "edit_plus", [row])[0]
+    assert sample["target"].shape == (3, 64, 64)
+    assert [tuple(t.shape) for t in sample["reference_pixels"]] == [(3, 64, 64), (3, *expected_hw((64, 128), AREA))]
+    assert [im.size[::-1] for im in sample["vl_images"]] == [expected_hw(s, CONDITION_AREA) for s in [(64, 64), (64, 128)]]
+    assert all(t.min() >= -1 and t.max() <= 1 for t in sample["reference_pixels"])
+
+
+def test_dataset_file_changed_after_preflight(tmp_path):
+    """A file deleted after the checks raises BadRowsError naming the row and file, not a bare OSError."""
+    ds = dataset(tmp_path, "edit", [good(tmp_path, 1)])
+    (tmp_path / "r1_0.png").unlink()
+    with pytest.raises(BadRowsError, match=r"row 1 \(r1_0.png\): cannot be read any more"):
+        ds[0]
+
+
+def test_collate_stacks_same_size(tmp_path):
+    """Same-size samples stack into (B, 3, H, W) per slot, with prompts and lines in order."""
+    ds = dataset(tmp_path, "edit_plus", [good(tmp_path, 1, refs=2), good(tmp_path, 2, refs=2)])
+    batch = collate([ds[0], ds[1]])
+    assert batch["target"].shape == (2, 3, 64, 64)
+    assert [tuple(t.shape) for t in batch["reference_pixels"]] == [(2, 3, 64, 64)] * 2
+    assert batch["prompts"] == ["edit number 1", "edit number 2"] and batch["lines"] == [1, 2]
+    assert len(batch["vl_images"]) == 2 and len(batch["vl_images"][0]) == 2
+
+
+@pytest.mark.parametrize("resized, what", [("t2.png", "target"), ("r2_0.png", "reference 1")])
+def test_collate_mixed_sizes_names_both_rows(tmp_path, resized, what):
+    """Different target or reference sizes in one micro-batch raise a ValueError naming both rows and the fix."""
+    rows = [good(tmp_path, 1), good(tmp_path, 2)]
+    png(tmp_path / resized, size=(128, 64))
+    ds = dataset(tmp_path, "edit", rows)
+    with pytest.raises(ValueError, match=rf"rows \[1, 2\] mixes {what} sizes .*train_micro_batch_size_per_gpu = 1"):
+        collate([ds[0], ds[1]])
+
+
+def test_collate_mixed_reference_counts(tmp_path):
+    """Samples with different numbers of references cannot share a micro-batch."""
+    ds = dataset(tmp_path, "edit_plus", [good(tmp_path, 1, refs=1), good(tmp_path, 2, refs=2)])
+    with pytest.raises(ValueError, match=r"rows \[1, 2\] mixes reference counts \[1, 2\]"):
+        collate([ds[0], ds[1]])
+
+
+@pytest.mark.parametrize("micro, world", [(1, 2), (2, 1)])
+def test_build_loader_too_few_rows(tmp_path, micro, world):
+    """Fewer rows than one micro-batch per rank raise BadRowsError with the counts and the fix."""
+    ds = dataset(tmp_path, "edit", [good(tmp_path, 1)])
+    with pytest.raises(BadRowsError, match=rf"1 usable rows cannot fill one micro-batch of {micro} on each of {world} "
+                                           r"ranks; add rows or lower train_micro_batch_size_per_gpu"):
+        build_loader(ds, micro, 0, world, seed=0, num_workers=0, pin_memory=False, shuffle=False)
+
+
+def test_build_loader_yields_batches(tmp_path):
+    """Enough rows give full micro-batches through collate (drop_last, per-rank share)."""
+    ds = dataset(tmp_path, "edit", [good(tmp_path, i) for i in range(1, 6)])
+    loader = build_loader(ds, 2, rank=1, world_size=2, seed=0, num_workers=0, pin_memory=False, shuffle=False)
+    batches = list(loader)
+    assert len(batches) == 1 and batches[0]["target"].shape == (2, 3, 64, 64) and batches[0]["lines"] == [2, 4]

@@ -1,0 +1,227 @@
+"""Edit pairs from a folder: metadata.jsonl (or .csv) + images; pre-flight row checks; loader.
+
+A row has `image` (the target), `edit_image` (one path, or a list of 1-3 for 2509; in CSV several paths are
+separated by ';') and `prompt`. Paths are relative to the data folder. Every row is checked before training
+(each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
+each row and file, or are skipped and counted when data.bad_rows = "skip". Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, DistributedSampler
+
+from train import conditioning
+
+COLUMNS = ("image", "edit_image", "prompt")
+# Modes that convert("RGB") maps faithfully; 16-bit and float images would be clipped, not scaled.
+SUPPORTED_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr"}
+
+
+class BadRowsError(ValueError):
+    """Rows that cannot be trained on; the message lists each with its file and the fix."""
+
+
+@dataclass
+class Row:
+    line: int  # 1-based line of the metadata file (for CSV the header is line 1; a record's last line)
+    target: str
+    references: list[str]
+    prompt: str
+
+
+def _metadata_file(data_dir: Path) -> Path:
+    for name in ("metadata.jsonl", "metadata.csv"):
+        if (data_dir / name).is_file():
+            return data_dir / name
+    raise FileNotFoundError(f"{data_dir} has no metadata.jsonl or metadata.csv; see README 'Dataset format'")
+
+
+def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+    records, problems = [], []
+    if meta.suffix == ".csv":
+        with open(meta, newline="") as f:
+            reader = csv.DictReader(f)
+            for rec in reader:
+                if rec.get("edit_image"):
+                    rec["edit_image"] = [p.strip() for p in rec["edit_image"].split(";") if p.strip()]
+                records.append((reader.line_num, rec))
+        return records, problems
+    for n, text in enumerate(meta.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            problems.append(f"{meta.name} line {n}: not valid JSON ({e.msg}); write one JSON object per line")
+            continue
+        if not isinstance(rec, dict):
+            problems.append(f"{meta.name} line {n}: expected a JSON object with keys {', '.join(COLUMNS)}")
+            continue
+        records.append((n, rec))
+    return records, problems
+
+
+def read_rows(data_dir: str | Path) -> tuple[list[Row], list[str]]:
+    """Parse the metadata file; returns rows and the problems with rows that could not be parsed."""
+    meta = _metadata_file(Path(data_dir))
+    records, problems = _raw_records(meta)
+    rows = []
+    for n, rec in records:
+        missing = [c for c in COLUMNS if rec.get(c) in (None, "", [])]
+        if missing and missing != ["prompt"]:  # an empty prompt is reported by check_row with the row's file
+            problems.append(f"{meta.name} line {n}: missing {', '.join(missing)}; every row needs {', '.join(COLUMNS)}")
+            continue
+        refs = rec["edit_image"] if isinstance(rec["edit_image"], list) else [rec["edit_image"]]
+        prompt = rec.get("prompt")
+        rows.append(Row(n, str(rec["image"]), [str(r) for r in refs], prompt if isinstance(prompt, str) else ""))
+    return rows, problems
+
+
+def _check_image(path: Path) -> str | None:
+    if not path.is_file():
+        return "file not found; fix the path (relative to the data folder) or remove the row"
+    if path.stat().st_size == 0:
+        return "file is empty (0 bytes); re-export the image or remove the row"
+    try:
+        with Image.open(path) as im:
+            im.load()
+            mode = im.mode
+    except Image.DecompressionBombError as e:
+        return f"too large ({e}); downscale it or remove the row"
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        return f"cannot be decoded ({type(e).__name__}: {e}); re-save it as PNG/JPEG or remove the row"
+    if mode not in SUPPORTED_MODES:
+        return f"unsupported image mode {mode!r}; convert it to 8-bit RGB"
+    return None
+
+
+def check_row(row: Row, data_dir: Path, variant: str) -> list[str]:
+    """Problems of one row, each naming the row, the file and the fix."""
+    where = f"row {row.line}"
+    problems = []
+    if not row.prompt.strip():
+        problems.append(f"{where} ({row.target}): empty or non-text prompt; write the edit instruction in 'prompt'")
+    limit = conditioning.MAX_REFERENCES[variant]
+    if len(row.references) > limit:
+        problems.append(f"{where} ({row.target}): {len(row.references)} edit images but the {variant} variant takes "
+                        f"at most {limit}; keep at most {limit} in 'edit_image' or remove the row")
+    for name in [row.target, *row.references]:
+        issue = _check_image(data_dir / name)
+        if issue:
+            problems.append(f"{where} ({name}): {issue}")
+    return problems
+
+
+def _gather(items: list, world_size: int) -> list:
+    if world_size == 1 or not dist.is_initialized():
+        return items
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
+              report_path: Path | None = None) -> list[Row]:
+    """Check every row (each rank a strided share); stop or skip per `policy`. Same result on every rank."""
+    data_dir = Path(data_dir)
+    rows, problems = read_rows(data_dir)
+    mine = [(row.line, check_row(row, data_dir, variant)) for row in rows[rank::world_size]]
+    results = dict(_gather(mine, world_size))
+    problems += [p for line in sorted(results) for p in results[line]]
+    good = [row for row in rows if not results.get(row.line)]
+    if problems:
+        report = "\n".join(problems)
+        if report_path is not None and rank == 0:
+            report_path.parent.mkdir(parents=True, exist_ok=True)
+            report_path.write_text(report + "\n")
+        if policy == "stop" or not good:
+            tail = "" if good else " (no usable rows left)"
+            raise BadRowsError(
+                f"{len(problems)} problem(s) in {data_dir}{tail}:\n{report}\n"
+                "Fix the rows, or set qwen_edit.data.bad_rows to \"skip\" to train without them."
+            )
+    return good
+
+
+class EditDataset(torch.utils.data.Dataset):
+    """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs)."""
+
+    def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int):
+        self.data_dir = Path(data_dir)
+        # Arrow-backed, so workers share the table instead of pickling Python lists.
+        self.table = datasets.Dataset.from_list(
+            [{"line": r.line, "image": r.target, "edit_image": r.references, "prompt": r.prompt} for r in rows]
+        )
+        self.variant, self.area, self.condition_area = variant, area, condition_area
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _open(self, name: str, line: int) -> Image.Image:
+        try:
+            with Image.open(self.data_dir / name) as im:
+                return im.convert("RGB")
+        except OSError as e:  # checked before training, so the file changed since
+            raise BadRowsError(f"row {line} ({name}): cannot be read any more ({e})") from e
+
+    def __getitem__(self, i: int) -> dict:
+        rec = self.table[i]
+        target = self._open(rec["image"], rec["line"])
+        refs = [self._open(name, rec["line"]) for name in rec["edit_image"]]
+        vl_images, ref_pixels = conditioning.reference_inputs(refs, self.variant, self.area, self.condition_area)
+        return {
+            "target": conditioning.to_pixels(target, self.area),
+            "reference_pixels": ref_pixels,
+            "vl_images": vl_images,
+            "prompt": rec["prompt"],
+            "line": rec["line"],
+        }
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack a micro-batch; every sample must share the target and reference sizes."""
+    def stack(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) > 1:
+            lines = [s["line"] for s in samples]
+            raise ValueError(
+                f"micro-batch of rows {lines} mixes {what} sizes {sorted(shapes)}; use "
+                "train_micro_batch_size_per_gpu = 1 or images of one aspect ratio per dataset"
+            )
+        return torch.stack(tensors)
+
+    counts = {len(s["reference_pixels"]) for s in samples}
+    if len(counts) > 1:
+        raise ValueError(f"micro-batch of rows {[s['line'] for s in samples]} mixes reference counts {sorted(counts)}")
+    num_refs = counts.pop()
+    return {
+        "target": stack([s["target"] for s in samples], "target"),
+        "reference_pixels": [stack([s["reference_pixels"][k] for s in samples], f"reference {k + 1}")
+                             for k in range(num_refs)],
+        "vl_images": [s["vl_images"] for s in samples],
+        "prompts": [s["prompt"] for s in samples],
+        "lines": [s["line"] for s in samples],
+    }
+
+
+def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 num_workers: int, pin_memory: bool, shuffle: bool) -> DataLoader:
+    if len(dataset) < micro_batch_size * world_size:
+        raise BadRowsError(
+            f"{len(dataset)} usable rows cannot fill one micro-batch of {micro_batch_size} on each of {world_size} "
+            "ranks; add rows or lower train_micro_batch_size_per_gpu"
+        )
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    return DataLoader(
+        dataset, batch_size=micro_batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
+        pin_memory=pin_memory and torch.cuda.is_available(), persistent_workers=num_workers > 0, drop_last=True,
+    )

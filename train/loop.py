@@ -1,0 +1,149 @@
+"""The training loop: encode, noise, predict, step; cadence decisions in small helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from train import checkpoint, conditioning, objective
+from train.config import Config
+from train.engine import Dist
+from train.metrics import Throughput, peak_memory_gb
+from train.models import Encoders
+
+
+@dataclass
+class Batch:
+    """A micro-batch as the transformer takes it (all on the training device)."""
+
+    x0: torch.Tensor  # B L 4C packed clean target latents, float32
+    target_hw: tuple[int, int]  # latent height, width of the target
+    cond: conditioning.Conditioning
+
+
+def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
+    """Frozen encoders: prompt embeddings, target and reference latents (no gradients)."""
+    embeds, mask = conditioning.encode_prompts(
+        encoders.text_encoder, encoders.processor, batch["prompts"], batch["vl_images"], variant
+    )
+    target = conditioning.encode_latents(encoders.vae, batch["target"])
+    ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"])
+    cond = conditioning.Conditioning(embeds, mask, ref_tokens, ref_shapes)
+    return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
+
+
+def forward_loss(model, b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Flow-matching loss of one micro-batch through `model` (the engine or the bare transformer)."""
+    t = cfg.project.train
+    batch_size, num_tokens = b.x0.shape[:2]
+    shift = t.shift or objective.dynamic_shift(num_tokens, scheduler_cfg)
+    sigmas = objective.sample_sigmas(batch_size, t.timestep_density, generator, shift, t.logit_mean, t.logit_std)
+    noise = torch.randn(b.x0.shape, generator=generator, device=b.x0.device, dtype=b.x0.dtype)
+    x_t = objective.noisy_input(b.x0, noise, sigmas)
+    pred = model(
+        hidden_states=torch.cat([x_t, b.cond.reference_tokens.float()], dim=1).to(dtype),
+        timestep=sigmas.to(dtype),
+        encoder_hidden_states=b.cond.prompt_embeds.to(dtype),
+        encoder_hidden_states_mask=b.cond.prompt_mask,
+        img_shapes=conditioning.img_shapes(b.target_hw, b.cond.reference_shapes, batch_size),
+        return_dict=False,
+    )[0]
+    weights = objective.loss_weights(sigmas, t.loss_weighting)
+    return objective.flow_loss(pred, objective.velocity_target(b.x0, noise), weights)
+
+
+def micro_batch_generator(seed: int, step: int, micro_step: int, cfg: Config, d: Dist, device) -> torch.Generator:
+    """Noise and timesteps for one micro-batch, seeded by its global slot (step, accumulation index, rank).
+
+    Slot k of optimizer step n is the same sample position whether it runs as rank k of a data-parallel
+    world or as accumulation step k of one process, so 2 ranks x GAS 1 and 1 rank x GAS 2 draw the same
+    noise for the same samples, and a resumed run needs no generator state.
+    """
+    gas = cfg.deepspeed["gradient_accumulation_steps"]
+    slot = (step * gas + micro_step) * d.world_size + d.rank
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + slot)
+
+
+def should_log(step: int, cfg: Config) -> bool:
+    return step % cfg.project.output.log_every_steps == 0 or step == cfg.project.train.max_steps
+
+
+def should_save(step: int, cfg: Config) -> bool:
+    every = cfg.project.output.save_every_steps
+    return bool(every) and step % every == 0 and step != cfg.project.train.max_steps
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value = value / dist.get_world_size()
+    return value.item()  # sync point: only at log cadence
+
+
+def train(cfg: Config, d: Dist, engine, lr_scheduler, encoders: Encoders, loader, variant: str,
+          scheduler_cfg: dict, metrics, resolved: dict) -> int:
+    """Run until train.max_steps optimizer steps; returns the last step. Checkpoints at the cadence and at the end."""
+    dtype = getattr(torch, cfg.precision)
+    out_dir = cfg.project.output.dir
+    gas = cfg.deepspeed["gradient_accumulation_steps"]
+    step, epoch, last_logged = 0, 0, 0
+    loss_sum, micro_steps = torch.zeros((), device=d.device), 0
+    speed = Throughput()
+    engine.train()
+    while step < cfg.project.train.max_steps:
+        loader.sampler.set_epoch(epoch)
+        for raw in loader:
+            batch = encode_batch(raw, encoders, variant)
+            generator = micro_batch_generator(cfg.project.train.seed, step, engine.micro_steps % gas, cfg, d, d.device)
+            loss = forward_loss(engine, batch, cfg, generator, scheduler_cfg, dtype)
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances it
+            engine.step()
+            loss_sum += loss.detach()
+            micro_steps += 1
+            tokens = batch.x0.shape[1] + batch.cond.reference_tokens.shape[1] + batch.cond.prompt_embeds.shape[1]
+            speed.add(batch.x0.shape[0] * d.world_size, batch.x0.shape[0] * tokens * d.world_size)
+            if not boundary:
+                continue
+            step += 1
+            metrics.step()
+            if should_log(step, cfg):
+                record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(loss_sum / micro_steps),
+                          "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine),
+                          **speed.read(step - last_logged), "peak_memory_gb": peak_memory_gb(d.device)}
+                metrics.log(record)
+                loss_sum.zero_()
+                micro_steps, last_logged = 0, step
+            if should_save(step, cfg):
+                checkpoint.save(engine, out_dir, step, resolved)
+            if step >= cfg.project.train.max_steps:
+                break
+        epoch += 1
+    checkpoint.save(engine, out_dir, step, resolved)
+    return step
+
+
+def replica_digests(module: torch.nn.Module) -> list[str]:
+    """sha256 of every rank's trainable weights (a collective); data-parallel replicas must all agree."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    digests = [h.hexdigest()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, h.hexdigest())
+    return digests
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if torch.is_tensor(norm) else norm)

@@ -1,0 +1,122 @@
+"""Entry point: `deepspeed --num_gpus N train/main.py --ds_config ds_configs/zero2.json --model M --data D --output_dir O`.
+
+Also runs as one process without the launcher (`python train/main.py ...`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from train import checkpoint, config, data, engine, loop, models
+from train.metrics import Metrics, NullMetrics, print0
+
+
+def build_data(cfg: config.Config, d: engine.Dist, variant: str):
+    p = cfg.project
+    rows = data.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
+                          report_path=Path(p.output.dir) / "bad_rows.txt")
+    dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area)
+    loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
+                               p.data.num_workers, p.data.pin_memory, p.data.shuffle)
+    return rows, loader
+
+
+def build_transformer(cfg: config.Config):
+    p = cfg.project
+    torch.manual_seed(p.train.seed)  # same LoRA init on every rank
+    transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
+    if p.train.mode == "lora":
+        models.add_lora(transformer, p.lora)
+    else:
+        transformer.requires_grad_(True)
+    if p.train.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return transformer
+
+
+def encoder_dtype(cfg: config.Config, d: engine.Dist) -> torch.dtype:
+    name = cfg.project.model.encoder_dtype
+    if name == "auto":
+        name = "bfloat16" if d.device.type == "cuda" else "float32"
+    return getattr(torch, name)
+
+
+def write_summary(out_dir: str, summary: dict) -> None:
+    import json
+
+    (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def run(cfg: config.Config, d: engine.Dist) -> None:
+    p = cfg.project
+    variant = models.detect_variant(p.model.path, p.model.variant)
+    resolved = config.to_dict(cfg)
+    if d.is_main:
+        config.write_resolved(cfg, p.output.dir)
+    rows, loader = build_data(cfg, d, variant)
+    print0(f"{len(rows)} rows, variant {variant}, world size {d.world_size}, precision {cfg.precision}", rank=d.rank)
+    encoders = models.load_encoders(p.model.path, encoder_dtype(cfg, d), d.device)
+    transformer = build_transformer(cfg)
+    eng, lr_scheduler = engine.build_engine(transformer, cfg.deepspeed)
+    metrics = Metrics(p.output.dir, p.train.max_steps, tensorboard=p.output.tensorboard) if d.is_main else NullMetrics()
+    try:
+        steps = loop.train(cfg, d, eng, lr_scheduler, encoders, loader, variant,
+                           models.scheduler_config(p.model.path), metrics, resolved)
+    finally:
+        metrics.close()
+    digests = loop.replica_digests(eng.module)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"trainable weights differ between ranks after training: {digests}")
+    if d.is_main:
+        write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
+                                     "replica_digests": digests})
+        export_dir = Path(p.output.dir) / "export"
+        if p.train.mode == "lora":
+            path = checkpoint.export_lora(eng.module, export_dir)
+        else:
+            path = checkpoint.export_full(eng.module, export_dir)
+        print0(f"exported {path}", rank=d.rank)
+    engine.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Returns the process exit code: 0 done, 2 bad configuration or data."""
+    args = config.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available())
+    except config.ConfigError as e:
+        print0(f"error: {e}", rank=rank, file=sys.stderr)
+        return 2
+    d = engine.init_distributed()
+    code = 0
+    try:
+        run(cfg, d)
+    except data.BadRowsError as e:  # raised on every rank alike (the reports are gathered)
+        print0(f"error: {e}", rank=d.rank, file=sys.stderr)
+        code = 2
+    engine.teardown()
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without running interpreter/atexit teardown: after the final barrier all work is done, and
+    # gloo/DeepSpeed threads racing the interpreter's exit killed about 3% of CPU launches with rc 250.
+    os._exit(code)

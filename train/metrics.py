@@ -1,0 +1,86 @@
+"""Rank-0 output: progress bar, metrics.jsonl, tensorboard. Other ranks get a sink that does nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def print0(*args, rank: int = 0, **kwargs) -> None:
+    if rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return 0.0
+
+
+class Metrics:
+    """Writes each logged record to OUT/metrics.jsonl and tensorboard, and updates the tqdm bar."""
+
+    def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0, tensorboard: bool = True):
+        from tqdm import tqdm
+
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stdout,
+                        dynamic_ncols=True)
+
+    def step(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"train/{key}", value, record["step"])
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                             sps=f"{record['samples_per_s']:.2f}")
+
+    def message(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class NullMetrics:
+    def step(self, n: int = 1) -> None: ...
+    def log(self, record: dict) -> None: ...
+    def message(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class Throughput:
+    """Wall time and samples between two log points (callers sync the device before `read`)."""
+
+    def __init__(self):
+        self.t0, self.samples, self.tokens = time.perf_counter(), 0, 0
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def read(self, steps: int) -> dict:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        out = {"step_time_s": elapsed / max(steps, 1), "samples_per_s": self.samples / elapsed,
+               "tokens_per_s": self.tokens / elapsed}
+        self.__init__()
+        return out

@@ -1,0 +1,88 @@
+"""Load the components of a local diffusers-format Qwen-Image-Edit directory; LoRA or full training.
+
+Everything loads with `local_files_only=True` from the directory given; nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train import conditioning
+from train.config import LoraConfig, ModelConfig
+
+
+def detect_variant(model_dir: str | Path, override: str = "auto") -> str:
+    """'edit' or 'edit_plus', from model_index.json's pipeline class unless overridden."""
+    if override != "auto":
+        return override
+    index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    name = index.get("_class_name", "")
+    if name not in conditioning.PIPELINE_CLASS_NAMES:
+        raise ValueError(
+            f"{model_dir}/model_index.json names pipeline {name!r}, not one of "
+            f"{', '.join(conditioning.PIPELINE_CLASS_NAMES)}; set qwen_edit.model.variant to edit or edit_plus"
+        )
+    return conditioning.PIPELINE_CLASS_NAMES[name]
+
+
+def scheduler_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
+
+
+@dataclass
+class Encoders:
+    """The frozen conditioning models; they stay outside the DeepSpeed engine."""
+
+    text_encoder: torch.nn.Module
+    processor: object
+    vae: torch.nn.Module
+
+
+def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Encoders:
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
+
+    model_dir = Path(model_dir)
+    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir / "text_encoder", dtype=dtype, local_files_only=True
+    )
+    processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
+    vae = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype, local_files_only=True)
+    for module in (text_encoder, vae):
+        module.requires_grad_(False).eval().to(device)
+    return Encoders(text_encoder, processor, vae)
+
+
+def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype):
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel.from_pretrained(
+        model_cfg.path, subfolder="transformer", torch_dtype=dtype, local_files_only=True
+    )
+
+
+def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> None:
+    """Freeze the transformer and add a peft LoRA adapter on `lora.target_modules` of every block."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    names = [n for n, _ in transformer.named_modules()]
+    unmatched = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"qwen_edit.lora.target_modules: {unmatched} match no module of the transformer; names look like "
+            "'attn.to_q', 'img_mlp.net.0.proj' (suffixes of transformer_blocks.N.*)"
+        )
+    transformer.requires_grad_(False)
+    transformer.add_adapter(
+        PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                       target_modules=list(lora.target_modules)),
+        adapter_name=adapter_name,
+    )
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
