@@ -273,7 +273,8 @@ def test_edit_plus_dataset_shapes(tmp_path):
     sample = dataset(tmp_path, "edit_plus", [row])[0]
     assert sample["target"].shape == (3, 64, 64)
     assert [tuple(t.shape) for t in sample["reference_pixels"]] == [(3, 64, 64), (3, *expected_hw((64, 128), AREA))]
-    assert [im.size[::-1] for im in sample["vl_images"]] == [expected_hw(s, CONDITION_AREA) for s in [(64, 64), (64, 128)]]
+    vl_hw = [expected_hw(size, CONDITION_AREA) for size in [(64, 64), (64, 128)]]
+    assert [im.size[::-1] for im in sample["vl_images"]] == vl_hw
     assert all(t.min() >= -1 and t.max() <= 1 for t in sample["reference_pixels"])
 
 

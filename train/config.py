@@ -89,7 +89,7 @@ class LoraConfig:
             "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
         ]
     )
-    """Module-name suffixes inside each transformer block that get LoRA (default: attention + MLP projections)."""
+    """Module names or name suffixes that get LoRA (default: attention + MLP projections of every block)."""
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps to run. CLI: --max_steps."""
     seed: int = 42
-    """Seed for weights (same on every rank) and for noise/timesteps (seed + rank). CLI: --seed."""
+    """Seed for LoRA init and data order (same on every rank) and for noise/timesteps (per sample slot). CLI: --seed."""
     timestep_density: str = field(default="shifted", metadata=choice("shifted", "uniform", "logit_normal"))
     """How noise levels s are drawn; shifted matches the scheduler's inference shift (see objective.py)."""
     shift: float = 0.0
@@ -111,7 +111,7 @@ class TrainConfig:
     loss_weighting: str = field(default="none", metadata=choice("none", "cosmap"))
     """Per-sample loss weight as a function of s."""
     gradient_checkpointing: bool = False
-    """Recompute transformer blocks in backward: far less activation memory, about 40% slower."""
+    """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
 
 
 @dataclass

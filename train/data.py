@@ -48,14 +48,14 @@ def _metadata_file(data_dir: Path) -> Path:
 def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
     records, problems = [], []
     if meta.suffix == ".csv":
-        with open(meta, newline="") as f:
+        with open(meta, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             for rec in reader:
                 if rec.get("edit_image"):
                     rec["edit_image"] = [p.strip() for p in rec["edit_image"].split(";") if p.strip()]
                 records.append((reader.line_num, rec))
         return records, problems
-    for n, text in enumerate(meta.read_text().splitlines(), start=1):
+    for n, text in enumerate(meta.read_text(encoding="utf-8").splitlines(), start=1):
         if not text.strip():
             continue
         try:

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny checkpoints built once per session, and a runner for the real entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_CONFIG = REPO / "ds_configs" / "tiny_cpu.json"
+
+
+@pytest.fixture(scope="session")
+def tiny_edit(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-Edit (v1) checkpoint + synthetic dataset: DIR/model, DIR/data."""
+    from train.make_tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny_edit"), "edit", num_samples=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_plus(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-Edit-2509 checkpoint; its dataset has two references per row."""
+    from train.make_tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny_plus"), "edit_plus", num_samples=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, base: Path = TINY_CONFIG, **changes) -> Path:
+    """Copy a config with dotted-key changes, e.g. {"qwen_edit.train.mode": "full"}."""
+    cfg = json.loads(base.read_text())
+    for dotted, value in changes.items():
+        node = cfg
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: int | None = None,
+                extra: tuple[str, ...] = (), timeout: int = 900) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N train/main.py ...` (num_procs given) or plain `python train/main.py ...`."""
+    args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
+            "--output_dir", str(out), *extra]
+    if num_procs is None:
+        cmd = [sys.executable, str(REPO / "train" / "main.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
+               "--master_port", str(free_port()), str(REPO / "train" / "main.py"), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

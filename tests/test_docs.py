@@ -1,0 +1,24 @@
+"""The README matches the code: every config key is documented, and the commands it gives exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from train.config import field_docs
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def test_every_config_key_is_in_the_readme_table():
+    """Each qwen_edit field appears in the configuration table as `section.name`."""
+    missing = [key for key in field_docs() if f"| `{key}` |" not in README]
+    assert not missing, f"README configuration table lacks {missing}"
+
+
+def test_readme_commands_match_launch_sh_and_ci():
+    """The two README commands are launch.sh subcommands, and CI runs the test one."""
+    launch = (REPO / "launch.sh").read_text()
+    assert "bash launch.sh demo" in README and "bash launch.sh test" in README
+    assert "\n  demo)" in launch and "\n  test)" in launch
+    assert "bash launch.sh test" in (REPO / ".ci" / "run").read_text()

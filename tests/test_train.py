@@ -1,0 +1,160 @@
+"""End-to-end runs of train/main.py on the tiny model: the launcher, ZeRO-2 over 2 CPU processes, exports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import metrics, run_trainer, write_config
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+
+def check(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tiny_edit, tmp_path_factory) -> Path:
+    """60 steps of LoRA with ZeRO-2 on 2 processes through the deepspeed launcher."""
+    out = tmp_path_factory.mktemp("zero2_run")
+    check(run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", "60")))
+    return out
+
+
+def test_zero2_loss_falls(zero2_run):
+    """The synthetic recolouring task is learned: the loss of the last 20 steps is well below the first 20."""
+    losses = [r["loss"] for r in metrics(zero2_run)]
+    assert len(losses) == 6, losses
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
+    assert last < 0.85 * first, f"loss did not fall enough: {losses}"
+
+
+def test_zero2_ranks_hold_identical_weights(zero2_run):
+    """Both ranks' trainable weights hash alike after training (ZeRO-2 keeps replicas in sync)."""
+    summary = json.loads((zero2_run / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    digests = summary["replica_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+
+
+def test_zero2_outputs(zero2_run):
+    """Resolved config, metrics fields, one optimizer shard per rank, the LoRA export."""
+    resolved = json.loads((zero2_run / "config.json").read_text())
+    assert resolved["zero_optimization"]["stage"] == 2 and resolved["qwen_edit"]["train"]["max_steps"] == 60
+    record = metrics(zero2_run)[-1]
+    for key in ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_memory_gb"):
+        assert key in record, key
+    assert record["step"] == 60
+    ckpt = zero2_run / "global_step60"
+    assert len(list(ckpt.glob("*zero_pp_rank_*_optim_states.pt"))) == 2, list(ckpt.iterdir())
+    assert (zero2_run / "latest").read_text().strip() == "global_step60"
+    lora = load_file(zero2_run / "export" / "pytorch_lora_weights.safetensors")
+    assert lora and all(k.startswith("transformer.") for k in lora), list(lora)[:4]
+    assert (zero2_run / "tensorboard").is_dir()
+
+
+def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_edit):
+    """diffusers' QwenImageEditPipeline.load_lora_weights takes the export, every weight lands, output changes."""
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    from train.conditioning import pipeline_areas
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    row = json.loads((tiny_edit / "data" / "metadata.jsonl").read_text().splitlines()[0])
+    image = Image.open(tiny_edit / "data" / row["edit_image"]).convert("RGB")
+
+    def edit():
+        with pipeline_areas(128 * 128):
+            return pipe(image=image, prompt=row["prompt"], num_inference_steps=4, true_cfg_scale=1.0,
+                        generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+    before = edit()
+    pipe.load_lora_weights(zero2_run / "export", weight_name="pytorch_lora_weights.safetensors")
+    after = edit()
+    exported = load_file(zero2_run / "export" / "pytorch_lora_weights.safetensors")
+    loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(exported), (len(loaded), len(exported))
+    name = "transformer_blocks.0.attn.to_q.lora_B.default_0.weight"
+    assert torch.equal(loaded[name], exported["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"])
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_two_ranks_equal_one_rank_with_accumulation(tiny_edit, tmp_path):
+    """2 processes x micro-batch 1 and 1 process x GAS 2 see the same samples and noise: same weights (fp32)."""
+    out_dp, out_gas = tmp_path / "dp", tmp_path / "gas"
+    check(run_trainer(tiny_edit, out_dp, num_procs=2, extra=("--max_steps", "6")))
+    gas_cfg = write_config(tmp_path / "gas.json", gradient_accumulation_steps=2)
+    check(run_trainer(tiny_edit, out_gas, config=gas_cfg, extra=("--max_steps", "6")))
+    a = load_file(out_dp / "export" / "pytorch_lora_weights.safetensors")
+    b = load_file(out_gas / "export" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    moved = max((a[k]).abs().max().item() for k in a if "lora_B" in k)
+    assert moved > 1e-3, "LoRA B never moved from zero: the comparison would be vacuous"
+    assert worst < 1e-5, f"max |difference| {worst:.3g} (tolerance 1e-5: fp32 summation order only)"
+
+
+def test_full_finetune_exports_transformer(tiny_edit, tmp_path):
+    """mode=full trains every transformer weight in one process and exports a loadable diffusers directory."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = write_config(tmp_path / "full.json", **{"qwen_edit.train.mode": "full", "optimizer.params.lr": 1e-3})
+    out = tmp_path / "out"
+    check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "30")))
+    losses = [r["loss"] for r in metrics(out)]
+    assert losses[-1] < losses[0], losses
+    trained = QwenImageTransformer2DModel.from_pretrained(out / "export" / "transformer")
+    base = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer")
+    base_params = dict(base.named_parameters())
+    frozen = [n for n, p in trained.named_parameters() if torch.equal(p, base_params[n])]
+    # The last block's text-stream outputs feed nothing (only image tokens reach proj_out): no gradient.
+    last = f"transformer_blocks.{len(trained.transformer_blocks) - 1}."
+    dead = ("attn.add_q_proj", "attn.to_add_out", "attn.norm_added_q", "txt_mlp.")
+    assert frozen and all(n.startswith(last) and any(k in n for k in dead) for n in frozen), frozen
+
+
+def test_edit_plus_trains_with_two_references(tiny_plus, tmp_path):
+    """The 2509 variant (two references per row) runs through the same entry point."""
+    out = tmp_path / "out"
+    check(run_trainer(tiny_plus, out, extra=("--max_steps", "10")))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["variant"] == "edit_plus" and summary["steps"] == 10
+    assert (out / "export" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_bad_config_is_reported_before_anything_loads(tiny_edit, tmp_path):
+    """A config error exits 2, names every key, and writes nothing into the output directory."""
+    cfg = write_config(tmp_path / "bad.json", **{"qwen_edit.lora.rank": 0, "qwen_edit.train.mod": "lora"})
+    out = tmp_path / "out"
+    proc = run_trainer(tiny_edit, out, config=cfg)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "qwen_edit.lora.rank: must be > 0" in proc.stderr
+    assert "qwen_edit.train.mod: unknown key" in proc.stderr
+    assert not out.exists()
+
+
+def test_bad_rows_stop_the_launcher(tiny_edit, tmp_path):
+    """A corrupt image stops a 2-process run with exit 2 and a report naming the row and file."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_edit / "data", data)
+    (data / "0003_target.png").write_bytes(b"not a png")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "model").symlink_to(tiny_edit / "model")
+    (tiny / "data").symlink_to(data)
+    out = tmp_path / "out"
+    proc = run_trainer(tiny, out, num_procs=2)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "row 4 (0003_target.png): cannot be decoded" in text, text[-3000:]
+    assert "bad_rows" in text
+    assert "row 4" in (out / "bad_rows.txt").read_text()
+    assert not list(out.glob("global_step*"))
