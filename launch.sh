@@ -44,6 +44,7 @@ case "$cmd" in
   test)
     shift; setup; env_defaults
     cd "$ROOT"
+    "$VENV/bin/ruff" check .
     set +e
     "$VENV/bin/python" -m pytest "$@"
     rc=$?

@@ -405,7 +405,8 @@ def test_scheduler_total_steps_disagrees_with_max_steps(setup):
 
 def test_scheduler_total_steps_equal_to_max_steps(setup):
     """A scheduler length equal to max_steps is accepted."""
-    assert setup.set("scheduler.params.total_num_steps", 5).load().deepspeed["scheduler"]["params"]["total_num_steps"] == 5
+    resolved = setup.set("scheduler.params.total_num_steps", 5).load().deepspeed
+    assert resolved["scheduler"]["params"]["total_num_steps"] == 5
 
 
 @pytest.mark.parametrize("dotted, value", [

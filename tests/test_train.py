@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 def check(proc) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    tail = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
 
 
 @pytest.fixture(scope="module")

@@ -272,12 +272,12 @@ def _check_deepspeed(ds: dict, world_size: int, max_steps: int, problems: list[s
         problems.append("bf16.enabled and fp16.enabled: both true; enable one (bf16 for Qwen-Image)")
     stage = _section(ds, "zero_optimization", "zero_optimization", problems).get("stage", 0)
     if stage not in (0, 1, 2):
-        problems.append(f"zero_optimization.stage: {stage} is not supported by this trainer's zero2 mode; use 0, 1 or 2")
+        problems.append(f"zero_optimization.stage: {stage} is not supported in the zero2 mode; use 0, 1 or 2")
     _section(_section(ds, "optimizer", "optimizer", problems), "params", "optimizer.params", problems)
     params = _section(_section(ds, "scheduler", "scheduler", problems), "params", "scheduler.params", problems)
     if "total_num_steps" in params and params["total_num_steps"] != max_steps:
-        problems.append(f"scheduler.params.total_num_steps: {params['total_num_steps']} != {PROJECT_KEY}.train.max_steps "
-                        f"({max_steps}); remove total_num_steps, it is filled from max_steps")
+        problems.append(f"scheduler.params.total_num_steps: {params['total_num_steps']} != "
+                        f"{PROJECT_KEY}.train.max_steps ({max_steps}); remove total_num_steps (filled from max_steps)")
 
 
 def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool) -> dict:
@@ -316,11 +316,12 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool) -> Con
     """Read, override, validate and resolve; raises ConfigError listing every problem."""
     path = Path(args.ds_config)
     if not path.is_file():
-        raise ConfigError([f"--ds_config: {str(path)!r} does not exist; pass a JSON file such as ds_configs/zero2.json"])
+        raise ConfigError([f"--ds_config: {str(path)!r} does not exist; pass a file such as ds_configs/zero2.json"])
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError([f"--ds_config: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"])
+        where = f"line {e.lineno}, column {e.colno}: {e.msg}"
+        raise ConfigError([f"--ds_config: {path} is not valid JSON ({where})"]) from e
     if not isinstance(raw, dict):
         raise ConfigError([f"--ds_config: {path} must hold a JSON object at the top level"])
     problems: list[str] = []
@@ -361,7 +362,7 @@ def field_docs(cls=ProjectConfig, prefix: str = "") -> dict[str, str]:
     docs: dict[str, str] = {}
     hints = typing.get_type_hints(cls)
     body = ast.parse(inspect.getsource(cls)).body[0].body
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[prefix + node.target.id] = nxt.value.value
     for name, hint in hints.items():

@@ -1,4 +1,7 @@
-"""Entry point: `deepspeed --num_gpus N train/main.py --ds_config ds_configs/zero2.json --model M --data D --output_dir O`.
+"""Entry point of training.
+
+    deepspeed --num_gpus N train/main.py --ds_config ds_configs/zero2.json --model M --data D --output_dir O
+
 
 Also runs as one process without the launcher (`python train/main.py ...`).
 """
