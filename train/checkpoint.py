@@ -14,9 +14,13 @@ def checkpoint_tag(step: int) -> str:
 
 
 def save(engine, out_dir: str | Path, step: int, resolved_config: dict) -> None:
-    """Every rank calls this: ZeRO-2 gives each rank its own optimizer shard to write."""
-    engine.save_checkpoint(str(out_dir), tag=checkpoint_tag(step), client_state={"step": step,
-                                                                                  "config": resolved_config})
+    """Every rank calls this: ZeRO-2 gives each rank its own optimizer shard to write.
+
+    Frozen weights are left out (they are the base model on disk): a LoRA checkpoint of the 20 B
+    transformer is then megabytes, not 41 GB.
+    """
+    state = {"step": step, "config": resolved_config}
+    engine.save_checkpoint(str(out_dir), tag=checkpoint_tag(step), client_state=state, exclude_frozen_parameters=True)
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
