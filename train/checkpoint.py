@@ -1,26 +1,152 @@
-"""DeepSpeed checkpoints and the final exports (diffusers-format LoRA or transformer directory)."""
+"""DeepSpeed checkpoints that survive faults, exact resume, and the final exports.
+
+A save is a commit: every rank writes into `global_stepN.partial/`, then rank 0 writes trainer_state.json
+there (the completeness marker), renames the directory to `global_stepN/` and atomically replaces `latest`.
+A crash or a failed write at any point leaves `latest` on the previous complete checkpoint.
+"""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from train import faults
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+STATE_FILE = "trainer_state.json"
+PARTIAL = ".partial"
+
+
+class ResumeError(ValueError):
+    """The requested checkpoint cannot be resumed; the message says what to do."""
 
 
 def checkpoint_tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def save(engine, out_dir: str | Path, step: int, resolved_config: dict) -> None:
-    """Every rank calls this: ZeRO-2 gives each rank its own optimizer shard to write.
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
-    Frozen weights are left out (they are the base model on disk): a LoRA checkpoint of the 20 B
-    transformer is then megabytes, not 41 GB.
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last: int = 0) -> Path:
+    """Every rank calls this (ZeRO-2: each writes its optimizer shard). Frozen weights are left out.
+
+    Returns the committed directory. On failure the previous checkpoint and `latest` are untouched.
     """
-    state = {"step": step, "config": resolved_config}
-    engine.save_checkpoint(str(out_dir), tag=checkpoint_tag(step), client_state=state, exclude_frozen_parameters=True)
+    out_dir = Path(out_dir)
+    tag = checkpoint_tag(step)
+    partial = out_dir / (tag + PARTIAL)
+    if _rank() == 0 and partial.exists():
+        shutil.rmtree(partial)  # left by an interrupted save of this same step
+    _barrier()
+    try:
+        client_state = {"step": step, "config": trainer_state.get("config")}
+        engine.save_checkpoint(str(out_dir), tag=partial.name, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=True)
+        torch.save(_rng_state(), partial / f"rng_state_rank{_rank()}.pt")
+        faults.maybe_fail_save(step)
+    except OSError as e:
+        hint = "free disk space" if e.errno == errno.ENOSPC else "check permissions and free space"
+        raise OSError(e.errno, f"saving checkpoint {tag} into {out_dir} failed ({e.strerror or e}); "
+                               f"{hint}. 'latest' still names the previous complete checkpoint") from e
+    _barrier()
+    final = out_dir / tag
+    if _rank() == 0:
+        _write_atomic(partial / STATE_FILE, json.dumps({**trainer_state, "step": step, "tag": tag}, indent=2))
+        if final.exists():  # re-saving a step after a resume: move the old copy aside first
+            old = out_dir / (tag + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            partial.rename(final)
+            shutil.rmtree(old)
+        else:
+            partial.rename(final)
+        _write_atomic(out_dir / "latest", tag)
+        if keep_last:
+            prune(out_dir, keep_last)
+    _barrier()
+    return final
+
+
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """Committed checkpoint directories, oldest first."""
+    dirs = [p for p in out_dir.glob("global_step*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(dirs, key=lambda p: json.loads((p / STATE_FILE).read_text())["step"])
+
+
+def prune(out_dir: Path, keep_last: int) -> None:
+    for old in complete_checkpoints(out_dir)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def resolve_tag(out_dir: str | Path, tag: str) -> tuple[str, dict]:
+    """('global_stepN', trainer_state) for `tag` ('latest' or a directory name); raises ResumeError."""
+    out_dir = Path(out_dir)
+    if tag == "latest":
+        latest = out_dir / "latest"
+        if not latest.is_file():
+            raise ResumeError(f"--resume: {out_dir} has no 'latest' checkpoint; run without --resume to start anew")
+        tag = latest.read_text().strip()
+    state_file = out_dir / tag / STATE_FILE
+    if not state_file.is_file():
+        done = [p.name for p in complete_checkpoints(out_dir)]
+        why = "its save was interrupted" if (out_dir / tag).is_dir() or (out_dir / (tag + PARTIAL)).is_dir() \
+            else "it does not exist"
+        raise ResumeError(f"--resume {tag}: {out_dir / tag} is not a complete checkpoint ({why}); "
+                          f"complete ones: {done or 'none'}")
+    return tag, json.loads(state_file.read_text())
+
+
+def check_world_size(state: dict, world_size: int, tag: str) -> None:
+    saved = state.get("world_size", world_size)
+    if saved != world_size:
+        raise ResumeError(
+            f"--resume {tag}: saved by {saved} processes, resumed by {world_size}. ZeRO-2 optimizer shards are per "
+            f"rank; resume with {saved} processes, or convert it to a universal checkpoint first (see README "
+            "'Resuming on another number of GPUs')"
+        )
+
+
+def load(engine, out_dir: str | Path, tag: str) -> None:
+    """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state."""
+    path, _ = engine.load_checkpoint(str(out_dir), tag=tag, load_module_strict=False,
+                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise ResumeError(f"--resume {tag}: DeepSpeed found no checkpoint files in {Path(out_dir) / tag}")
+    rng_file = Path(out_dir) / tag / f"rng_state_rank{_rank()}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:

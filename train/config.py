@@ -112,6 +112,8 @@ class TrainConfig:
     """Per-sample loss weight as a function of s."""
     gradient_checkpointing: bool = False
     """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
+    max_nonfinite_steps: int = 10
+    """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
 
 
 @dataclass
@@ -122,6 +124,8 @@ class OutputConfig:
     """DeepSpeed checkpoint cadence in optimizer steps (0 = only at the end)."""
     log_every_steps: int = 10
     """Metrics cadence in optimizer steps (a device sync happens only then)."""
+    keep_last: int = 3
+    """Complete checkpoints to keep; older ones are deleted after each save (0 = keep all)."""
     tensorboard: bool = True
     """Write tensorboard scalars under output/tensorboard."""
 
@@ -130,6 +134,8 @@ class OutputConfig:
 class ParallelConfig:
     mode: str = field(default="zero2", metadata=choice("zero2", "model_parallel"))
     """zero2: data parallel with ZeRO; model_parallel: encoder and decoder on separate GPUs (not built yet)."""
+    collective_timeout_s: int = 600
+    """Seconds a collective may wait for a dead or stuck rank before every process stops with an error."""
 
 
 @dataclass
@@ -225,6 +231,13 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     for key, value in {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area}.items():
         if 0 < value < 32 * 32:
             problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+    if cfg.output.keep_last < 0:
+        problems.append(f"{p}.output.keep_last: must be >= 0 (0 = keep every checkpoint)")
+    if cfg.train.max_nonfinite_steps < 0:
+        problems.append(f"{p}.train.max_nonfinite_steps: must be >= 0 (0 = stop at the first NaN/inf step)")
+    if cfg.parallel.collective_timeout_s < 10:
+        problems.append(f"{p}.parallel.collective_timeout_s: {cfg.parallel.collective_timeout_s} s is too short for a "
+                        "checkpoint save; use at least 10 (default 600)")
     if cfg.output.save_every_steps < 0:
         problems.append(f"{p}.output.save_every_steps: must be >= 0 (0 = only at the end)")
     if cfg.data.num_workers < 0:
@@ -308,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output_dir", help=f"overrides {PROJECT_KEY}.output.dir")
     parser.add_argument("--max_steps", type=int, help=f"overrides {PROJECT_KEY}.train.max_steps")
     parser.add_argument("--seed", type=int, help=f"overrides {PROJECT_KEY}.train.seed")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                        help="resume from OUTPUT/latest, or from OUTPUT/TAG (e.g. global_step500)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 

@@ -213,6 +213,22 @@ def collate(samples: list[dict]) -> dict:
     }
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler whose next epoch can start part-way, after this rank's first `skip` samples."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip_next(self, num_samples: int) -> None:
+        self._skip = num_samples
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        skip, self._skip = self._skip, 0
+        return iter(indices[skip:])
+
+
 def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
                  num_workers: int, pin_memory: bool, shuffle: bool) -> DataLoader:
     if len(dataset) < micro_batch_size * world_size:
@@ -220,7 +236,7 @@ def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_s
             f"{len(dataset)} usable rows cannot fill one micro-batch of {micro_batch_size} on each of {world_size} "
             "ranks; add rows or lower train_micro_batch_size_per_gpu"
         )
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
     return DataLoader(
         dataset, batch_size=micro_batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
         pin_memory=pin_memory and torch.cuda.is_available(), persistent_workers=num_workers > 0, drop_last=True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -46,7 +47,7 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed() -> Dist:
+def init_distributed(timeout_s: int = 600) -> Dist:
     """Set the device, then the process group; a plain `python train/main.py` becomes a world of one."""
     prepare_environment()
     if "RANK" not in os.environ:  # not under a launcher
@@ -61,7 +62,9 @@ def init_distributed() -> Dist:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    # The timeout bounds how long survivors wait in a collective for a rank that died (e.g. on another node).
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False,
+                               timeout=timedelta(seconds=timeout_s))
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train import checkpoint, conditioning, objective
+from train import checkpoint, conditioning, faults, objective
 from train.config import Config
 from train.engine import Dist
 from train.metrics import Throughput, peak_memory_gb
@@ -62,8 +62,7 @@ def micro_batch_generator(seed: int, step: int, micro_step: int, cfg: Config, d:
     world or as accumulation step k of one process, so 2 ranks x GAS 1 and 1 rank x GAS 2 draw the same
     noise for the same samples, and a resumed run needs no generator state.
     """
-    gas = cfg.deepspeed["gradient_accumulation_steps"]
-    slot = (step * gas + micro_step) * d.world_size + d.rank
+    slot = (step * cfg.deepspeed["gradient_accumulation_steps"] + micro_step) * d.world_size + d.rank
     return torch.Generator(device).manual_seed(seed * 1_000_003 + slot)
 
 
@@ -83,46 +82,87 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()  # sync point: only at log cadence
 
 
-def train(cfg: Config, d: Dist, engine, lr_scheduler, encoders: Encoders, loader, variant: str,
-          scheduler_cfg: dict, metrics, resolved: dict) -> int:
-    """Run until train.max_steps optimizer steps; returns the last step. Checkpoints at the cadence and at the end."""
+def oom_message(step: int, b: Batch, cfg: Config) -> str:
+    h, w = b.target_hw
+    return (
+        f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w * 8}x{h * 8} px "
+        f"({b.x0.shape[1]} tokens) + {b.cond.reference_tokens.shape[1]} reference tokens, mode "
+        f"{cfg.project.train.mode}. To use less memory: qwen_edit.train.gradient_checkpointing = true, a smaller "
+        "qwen_edit.data.area, train_micro_batch_size_per_gpu = 1 (raise gradient_accumulation_steps instead), a "
+        "lower qwen_edit.lora.rank, or the model-parallel mode for the encoders"
+    )
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps with a NaN/inf loss or gradient norm."""
+
+
+def start_position(start_step: int, gas: int, batches_per_epoch: int) -> tuple[int, int]:
+    """(epoch, micro-batches already taken from it) after `start_step` optimizer steps."""
+    return divmod(start_step * gas, batches_per_epoch)
+
+
+def train(cfg: Config, d: Dist, engine, encoders: Encoders, loader, variant: str, scheduler_cfg: dict, metrics,
+          trainer_state: dict, start_step: int = 0) -> int:
+    """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end."""
+    t, out = cfg.project.train, cfg.project.output
     dtype = getattr(torch, cfg.precision)
-    out_dir = cfg.project.output.dir
     gas = cfg.deepspeed["gradient_accumulation_steps"]
-    step, epoch, last_logged = 0, 0, 0
-    loss_sum, micro_steps = torch.zeros((), device=d.device), 0
+    epoch, taken = start_position(start_step, gas, len(loader))
+    loader.sampler.skip_next(taken * cfg.micro_batch_size)  # resume inside the epoch where it stopped
+    step, last_logged, micro, skipped = start_step, start_step, 0, 0
+    window_loss, window_steps = torch.zeros((), device=d.device), 0
+    step_loss = torch.zeros((), device=d.device)
     speed = Throughput()
     engine.train()
-    while step < cfg.project.train.max_steps:
+    while step < t.max_steps:
         loader.sampler.set_epoch(epoch)
         for raw in loader:
             batch = encode_batch(raw, encoders, variant)
-            generator = micro_batch_generator(cfg.project.train.seed, step, engine.micro_steps % gas, cfg, d, d.device)
-            loss = forward_loss(engine, batch, cfg, generator, scheduler_cfg, dtype)
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances it
+            generator = micro_batch_generator(t.seed, step, micro, cfg, d, d.device)
+            try:
+                faults.maybe_oom(step + 1)
+                loss = faults.maybe_poison_loss(forward_loss(engine, batch, cfg, generator, scheduler_cfg, dtype),
+                                                step + 1)
+                engine.backward(loss)
+            except torch.cuda.OutOfMemoryError as e:
+                raise RuntimeError(oom_message(step, batch, cfg)) from e
             engine.step()
-            loss_sum += loss.detach()
-            micro_steps += 1
+            step_loss += loss.detach() / gas
+            micro += 1
             tokens = batch.x0.shape[1] + batch.cond.reference_tokens.shape[1] + batch.cond.prompt_embeds.shape[1]
             speed.add(batch.x0.shape[0] * d.world_size, batch.x0.shape[0] * tokens * d.world_size)
-            if not boundary:
+            if micro < gas:
                 continue
-            step += 1
+            step, micro = step + 1, 0
             metrics.step()
-            if should_log(step, cfg):
-                record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(loss_sum / micro_steps),
-                          "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine),
+            if engine.was_step_applied():
+                window_loss += step_loss
+                window_steps += 1
+            else:  # DeepSpeed found a NaN/inf gradient norm and skipped the update
+                skipped += 1
+                metrics.message(f"warning: step {step} skipped: non-finite loss or gradient norm "
+                                f"({skipped} of at most {t.max_nonfinite_steps})")
+                if skipped > t.max_nonfinite_steps:
+                    raise NonFiniteError(
+                        f"{skipped} optimizer steps had a NaN/inf loss or gradient norm (last at step {step}); "
+                        "stopping. Lower the learning rate, check the data, or raise "
+                        "qwen_edit.train.max_nonfinite_steps"
+                    )
+            step_loss.zero_()
+            if should_log(step, cfg) and window_steps:
+                record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(window_loss / window_steps),
+                          "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": skipped,
                           **speed.read(step - last_logged), "peak_memory_gb": peak_memory_gb(d.device)}
                 metrics.log(record)
-                loss_sum.zero_()
-                micro_steps, last_logged = 0, step
+                window_loss.zero_()
+                window_steps, last_logged = 0, step
             if should_save(step, cfg):
-                checkpoint.save(engine, out_dir, step, resolved)
-            if step >= cfg.project.train.max_steps:
+                checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
+            if step >= t.max_steps:
                 break
         epoch += 1
-    checkpoint.save(engine, out_dir, step, resolved)
+    checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
     return step
 
 

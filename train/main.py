@@ -57,21 +57,38 @@ def write_summary(out_dir: str, summary: dict) -> None:
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def run(cfg: config.Config, d: engine.Dist) -> None:
+def resume_point(cfg: config.Config, d: engine.Dist, resume: str | None) -> tuple[str | None, int]:
+    """(tag, step) to resume from, checked before any model loads; (None, 0) for a fresh run."""
+    if resume is None:
+        return None, 0
+    tag, state = checkpoint.resolve_tag(cfg.project.output.dir, resume)
+    checkpoint.check_world_size(state, d.world_size, tag)
+    return tag, state["step"]
+
+
+def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
     p = cfg.project
     variant = models.detect_variant(p.model.path, p.model.variant)
     resolved = config.to_dict(cfg)
+    tag, start_step = resume_point(cfg, d, resume)
     if d.is_main:
         config.write_resolved(cfg, p.output.dir)
+        Metrics.truncate(p.output.dir, start_step)  # drop records of steps that will be trained again
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant}, world size {d.world_size}, precision {cfg.precision}", rank=d.rank)
     encoders = models.load_encoders(p.model.path, encoder_dtype(cfg, d), d.device)
     transformer = build_transformer(cfg)
-    eng, lr_scheduler = engine.build_engine(transformer, cfg.deepspeed)
-    metrics = Metrics(p.output.dir, p.train.max_steps, tensorboard=p.output.tensorboard) if d.is_main else NullMetrics()
+    eng, _ = engine.build_engine(transformer, cfg.deepspeed)
+    if tag is not None:
+        checkpoint.load(eng, p.output.dir, tag)
+        print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
+    trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
+                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
+    metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
+               else NullMetrics())
     try:
-        steps = loop.train(cfg, d, eng, lr_scheduler, encoders, loader, variant,
-                           models.scheduler_config(p.model.path), metrics, resolved)
+        steps = loop.train(cfg, d, eng, encoders, loader, variant, models.scheduler_config(p.model.path), metrics,
+                           trainer_state, start_step)
     finally:
         metrics.close()
     digests = loop.replica_digests(eng.module)
@@ -90,7 +107,7 @@ def run(cfg: config.Config, d: engine.Dist) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns the process exit code: 0 done, 2 bad configuration or data."""
+    """Returns the process exit code: 0 done, 2 bad configuration, data or resume point."""
     args = config.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -99,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as e:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2
-    d = engine.init_distributed()
+    d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
     code = 0
     try:
-        run(cfg, d)
-    except data.BadRowsError as e:  # raised on every rank alike (the reports are gathered)
+        run(cfg, d, args.resume)
+    except (data.BadRowsError, checkpoint.ResumeError) as e:  # raised on every rank alike
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

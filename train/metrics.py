@@ -38,6 +38,14 @@ class Metrics:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stdout,
                         dynamic_ncols=True)
 
+    @staticmethod
+    def truncate(out_dir: str | Path, last_step: int) -> None:
+        """Keep only records up to `last_step` (a resumed run trains the later steps again)."""
+        path = Path(out_dir) / "metrics.jsonl"
+        if path.is_file():
+            keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+            path.write_text("".join(line + "\n" for line in keep))
+
     def step(self, n: int = 1) -> None:
         self.bar.update(n)
 
