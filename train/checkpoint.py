@@ -40,6 +40,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _is_committer(engine) -> bool:
+    """The process that commits a save: global rank 0, or each node's local rank 0 with node-local storage
+    (DeepSpeed's checkpoint.use_node_local_storage: every node keeps its own copy on its own disk)."""
+    if engine.use_node_local_storage():
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    return _rank() == 0
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -64,7 +72,8 @@ def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last:
     out_dir = Path(out_dir)
     tag = checkpoint_tag(step)
     partial = out_dir / (tag + PARTIAL)
-    if _rank() == 0 and partial.exists():
+    committer = _is_committer(engine)
+    if committer and partial.exists():
         shutil.rmtree(partial)  # left by an interrupted save of this same step
     _barrier()
     try:
@@ -79,7 +88,7 @@ def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last:
                                f"{hint}. 'latest' still names the previous complete checkpoint") from e
     _barrier()
     final = out_dir / tag
-    if _rank() == 0:
+    if committer:
         _write_atomic(partial / STATE_FILE, json.dumps({**trainer_state, "step": step, "tag": tag}, indent=2))
         if final.exists():  # re-saving a step after a resume: move the old copy aside first
             old = out_dir / (tag + ".old")

@@ -90,6 +90,9 @@ class LoraConfig:
         ]
     )
     """Module names or name suffixes that get LoRA (default: attention + MLP projections of every block)."""
+    init_from: str = ""
+    """Path of a LoRA .safetensors to start from (diffusers, PEFT '.default', ComfyUI 'diffusion_model.' or
+    kohya 'lora_unet_' keys)."""
 
 
 @dataclass
@@ -244,6 +247,12 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
         problems.append(f"{p}.data.num_workers: must be >= 0")
     if not 0 <= cfg.lora.dropout < 1:
         problems.append(f"{p}.lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
+    if cfg.lora.init_from and not Path(cfg.lora.init_from).is_file():
+        problems.append(f"{p}.lora.init_from: {cfg.lora.init_from!r} is not a file; point it at a LoRA .safetensors "
+                        "or set it to \"\" to start from a fresh LoRA")
+    elif cfg.lora.init_from and cfg.train.mode != "lora":
+        problems.append(f"{p}.lora.init_from: set, but train.mode is {cfg.train.mode!r}; it starts a LoRA run only. "
+                        "Set train.mode to \"lora\" or init_from to \"\"")
     if cfg.train.mode == "lora" and not cfg.lora.target_modules:
         problems.append(f"{p}.lora.target_modules: empty; name at least one module, e.g. \"attn.to_q\"")
     if cfg.train.shift < 0:

@@ -20,7 +20,9 @@ def prepare_environment() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # Processes on one CPU host share its cores; each using all of them oversubscribes the cores and
         # spinning OpenMP threads made a 2-process step 12x slower than a 1-process one.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        # LOCAL_SIZE: processes on this node, as the deepspeed launcher sets it (torchrun: LOCAL_WORLD_SIZE).
+        env = os.environ
+        local_world = int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     elif "TORCH_CUDA_ARCH_LIST" not in os.environ:

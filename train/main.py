@@ -17,8 +17,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from train import checkpoint, config, data, engine, loop, models
-from train.metrics import Metrics, NullMetrics, print0
+from train import checkpoint, config, data, engine, loop, lora_io, models
+from train.metrics import Metrics, NullMetrics, prefix_rank_output, print0
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
@@ -37,6 +37,9 @@ def build_transformer(cfg: config.Config):
     transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
     if p.train.mode == "lora":
         models.add_lora(transformer, p.lora)
+        if p.lora.init_from:
+            report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
+            print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
     else:
         transformer.requires_grad_(True)
     if p.train.gradient_checkpointing:
@@ -108,6 +111,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Returns the process exit code: 0 done, 2 bad configuration, data or resume point."""
+    prefix_rank_output()
     args = config.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+
+class _Prefixed:
+    """A text stream that starts every line with `prefix` (for the output of ranks other than 0)."""
+
+    def __init__(self, stream, prefix: str):
+        self.stream, self.prefix, self.at_line_start = stream, prefix, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self.at_line_start:
+                out.append(self.prefix)
+            out.append(piece)
+            self.at_line_start = piece.endswith("\n")
+        self.stream.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding ... of the wrapped stream
+        return getattr(self.stream, name)
+
+
+def prefix_rank_output(environ=None) -> None:
+    """Tag every stdout/stderr line of a non-zero rank with its rank and node (launcher env variables)."""
+    env = os.environ if environ is None else environ
+    rank = int(env.get("RANK", "0"))
+    if rank != 0:
+        prefix = f"[rank {rank} node {env.get('CROSS_RANK', '0')}] "
+        sys.stdout, sys.stderr = _Prefixed(sys.stdout, prefix), _Prefixed(sys.stderr, prefix)
 
 
 def print0(*args, rank: int = 0, **kwargs) -> None:

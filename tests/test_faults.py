@@ -1,0 +1,157 @@
+"""Fault tolerance on the tiny model: a killed rank, a failed save, NaN steps, OOM, resume checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, free_port, metrics, run_trainer, write_config
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 12
+
+
+def check(proc) -> None:
+    tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
+
+
+@pytest.fixture(scope="module")
+def fault_config(tmp_path_factory) -> Path:
+    """Tiny config that saves every 4 steps and logs every step."""
+    path = tmp_path_factory.mktemp("cfg") / "faults.json"
+    return write_config(path, **{"qwen_edit.output.save_every_steps": 4, "qwen_edit.output.log_every_steps": 1,
+                                 "qwen_edit.output.keep_last": 2})
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tiny_edit, fault_config, tmp_path_factory) -> list[float]:
+    """Per-step losses of an uninterrupted 2-process run."""
+    out = tmp_path_factory.mktemp("reference")
+    check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", str(MAX_STEPS))))
+    assert [r["step"] for r in metrics(out)] == list(range(1, MAX_STEPS + 1))
+    return [r["loss"] for r in metrics(out)]
+
+
+def launch(tiny: Path, out: Path, config: Path, env_extra: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           str(REPO / "train" / "main.py"), "--ds_config", str(config), "--model", str(tiny / "model"),
+           "--data", str(tiny / "data"), "--output_dir", str(out), "--max_steps", str(MAX_STEPS)]
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").is_file() and any(r["step"] >= step for r in metrics(out)):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if f"--local_rank={rank}" in " ".join(child.cmdline()):
+            return child
+    raise LookupError(f"rank {rank} not found")
+
+
+def test_killed_rank_ends_the_job_and_resume_matches(tiny_edit, fault_config, reference_losses, tmp_path):
+    """SIGKILL one rank after step 6: the launcher exits non-zero within 60 s; resuming from global_step4
+    reproduces the uninterrupted run's losses exactly (fp32 on CPU)."""
+    out = tmp_path / "run"
+    launcher = launch(tiny_edit, out, fault_config)
+    wait_for_step(out, 6, launcher)
+    killed_at = time.monotonic()
+    rank_process(launcher, 1).send_signal(signal.SIGKILL)
+    launcher.wait(timeout=120)
+    exit_s = time.monotonic() - killed_at
+    assert launcher.returncode != 0
+    assert exit_s < 60, f"launcher took {exit_s:.1f} s to exit after a rank died"
+    assert (out / "latest").read_text().strip() == "global_step4"
+    check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2,
+                      extra=("--max_steps", str(MAX_STEPS), "--resume")))
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    assert [r["loss"] for r in records] == reference_losses
+    kept = sorted(p.name for p in out.glob("global_step*"))
+    assert kept == ["global_step12", "global_step8"], kept  # keep_last = 2
+
+
+def test_failed_save_keeps_latest_resumable(tiny_edit, fault_config, reference_losses, tmp_path):
+    """A save that fails after every rank wrote its files (injected ENOSPC at step 8) stops the run with a clear
+    message; 'latest' still names global_step4, and resuming from it reproduces the reference losses."""
+    out = tmp_path / "run"
+    launcher = launch(tiny_edit, out, fault_config, {"QWEN_EDIT_FAIL_SAVE_AT": "8"})
+    output, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode != 0
+    assert "saving checkpoint global_step8" in output and "free disk space" in output, output[-3000:]
+    assert (out / "latest").read_text().strip() == "global_step4"
+    assert (out / "global_step8.partial").is_dir() and not (out / "global_step8").exists()
+    check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2,
+                      extra=("--max_steps", str(MAX_STEPS), "--resume")))
+    assert [r["loss"] for r in metrics(out)] == reference_losses
+    assert not (out / "global_step8.partial").exists()
+
+
+def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):
+    """A 2-process checkpoint resumed by 1 process stops with exit 2 and says how to proceed."""
+    out = tmp_path / "run"
+    check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", "4")))
+    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "saved by 2 processes, resumed by 1" in proc.stderr and "universal checkpoint" in proc.stderr
+
+
+def test_resume_errors(tiny_edit, fault_config, tmp_path):
+    """--resume with no checkpoint, and with a tag that is not complete, exit 2 naming the fix."""
+    proc = run_trainer(tiny_edit, tmp_path / "empty", config=fault_config, extra=("--resume",))
+    assert proc.returncode == 2 and "has no 'latest' checkpoint" in proc.stderr, proc.stderr[-2000:]
+    (tmp_path / "partial" / "global_step4.partial").mkdir(parents=True)
+    proc = run_trainer(tiny_edit, tmp_path / "partial", config=fault_config, extra=("--resume", "global_step4"))
+    assert proc.returncode == 2 and "its save was interrupted" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_nonfinite_steps_are_skipped_then_stop(tiny_edit, tmp_path):
+    """NaN losses at steps 2 and 3: skipped with warnings under the limit (weights stay finite); over it, stop."""
+    cfg = write_config(tmp_path / "nan.json", **{"qwen_edit.output.log_every_steps": 1,
+                                                 "qwen_edit.train.max_nonfinite_steps": 2})
+    env = {**os.environ, "QWEN_EDIT_NAN_LOSS_AT": "2,3"}
+    out = tmp_path / "ok"
+    args = [sys.executable, str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model",
+            str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--max_steps", "5"]
+    proc = subprocess.run([*args, "--output_dir", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
+    check(proc)
+    assert "step 2 skipped: non-finite" in proc.stdout + proc.stderr
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 4, 5] and records[-1]["skipped_steps"] == 2
+    from safetensors.torch import load_file
+
+    assert all(t.isfinite().all() for t in load_file(out / "export" / "pytorch_lora_weights.safetensors").values())
+    cfg = write_config(tmp_path / "nan1.json", base=cfg, **{"qwen_edit.train.max_nonfinite_steps": 1})
+    proc = subprocess.run([*args[:3], str(cfg), *args[4:], "--output_dir", str(tmp_path / "stop")], cwd=REPO,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "2 optimizer steps had a NaN/inf loss or gradient norm (last at step 3)" in proc.stderr
+
+
+def test_oom_names_the_settings_that_help(tiny_edit, tmp_path):
+    """An out-of-memory error reports the step, micro-batch, resolution and the memory knobs."""
+    env = {**os.environ, "QWEN_EDIT_OOM_AT": "2"}
+    proc = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "--ds_config",
+                           str(REPO / "ds_configs" / "tiny_cpu.json"), "--model", str(tiny_edit / "model"),
+                           "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out"),
+                           "--max_steps", "3"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    msg = proc.stderr
+    assert "CUDA out of memory at step 2: micro-batch 1, target 128x128 px (64 tokens)" in msg, msg[-3000:]
+    assert "gradient_checkpointing = true" in msg and "qwen_edit.data.area" in msg

@@ -1,0 +1,562 @@
+"""Benchmark of the project's real training step: step time, throughput, MFU and peak memory.
+
+    python -m train.bench [--tiny] [--mode lora|full] [--checkpointing none|full] [--compile] [--baseline] ...
+    deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
+
+What is timed is exactly what `train.loop.train` runs per micro-step: `train.loop.forward_loss` on a
+`train.loop.Batch` (a `train.conditioning.Conditioning` inside), `engine.backward(loss)` and `engine.step()`
+on the DeepSpeed engine that `train.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is built from
+synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
+excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
+separately, and the latent/embedding cache (another issue) removes it from training altogether.
+
+Default model: the full Qwen-Image-Edit transformer architecture (60 blocks, width 3072) at random init,
+built directly on the GPU in bf16 (no weights needed; `--num_layers` lowers the depth, e.g. so that full
+fine-tuning fits). `--tiny` is the CPU smoke mode: the tiny transformer of `train.make_tiny`, fp32.
+
+`--baseline` also runs, in the same process and before the project's step, a plain PyTorch loop on the same
+transformer: peft LoRA with fp32 LoRA parameters on bf16 base weights, diffusers' SDPA attention under
+`torch.autocast(bfloat16)`, `torch.optim.AdamW(fused=True)` on CUDA over the LoRA parameters, MSE on the target
+tokens, backward, step, zero_grad. It uses the same workload options (checkpointing, compile, text mask) and
+prints the ratio baseline s/step / project s/step (> 1: the project is faster).
+
+MFU (model FLOPs utilisation; recomputation under checkpointing is not counted):
+
+    FLOPs per sample and step = k_lin x F_lin + 3 x F_attn
+      k_lin = 2 for LoRA (frozen base: forward + input-gradient GEMMs; LoRA's own FLOPs ignored), 3 for full
+      F_lin  = 2 x sum over the transformer's nn.Linear layers of tokens x in_features x out_features, where
+               tokens = image tokens (target + references) for image-stream linears (img_in, attn.to_q/k/v,
+               attn.to_out.0, img_mlp, proj_out), text tokens for text-stream linears (txt_in, attn.add_q/k/v_proj,
+               attn.to_add_out, txt_mlp), and 1 for modulation / timestep linears (img_mod, txt_mod, norm_out,
+               time_text_embed)
+      F_attn = blocks x 4 x L^2 x inner_dim (QK^T and AV; L = all tokens, inner_dim = heads x head_dim = 3072)
+    MFU = FLOPs per step (x micro-batch x GPUs) / (s/step x 989e12 FLOP/s x GPUs)
+
+989e12 FLOP/s is the bf16 dense peak of one H100/H200 SXM (datasheet; `--peak_tflops` changes it). The linears
+are found by walking the module, so the count is right for `--num_layers` and `--tiny`. Sanity check: the full
+model at 1024^2 + one 1024^2 reference + 256 text tokens gives 3.87e14 FLOPs per LoRA step, so 1.28 s/step is
+about 31% MFU. On a CPU the figure is printed but means nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from train import conditioning, engine, loop, models
+from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
+from train.make_tiny import SCHEDULER_CONFIG
+
+# Qwen-Image(-Edit) transformer, as in the released transformer/config.json.
+FULL_ARCH = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+PEAK_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, per GPU (datasheet)
+SEED = 42
+LR = 1e-4
+# Which stream's tokens each nn.Linear sees; the first pattern that matches the module name wins.
+_STREAMS = (
+    ("one", re.compile(r"(^|\.)(time_text_embed|norm_out|img_mod|txt_mod)\.")),
+    ("text", re.compile(r"(^|\.)(txt_in|txt_mlp\..+|attn\.(add_[qkv]_proj|to_add_out))$")),
+    ("image", re.compile(r"(^|\.)(img_in|proj_out|img_mlp\..+|attn\.(to_[qkv]|to_out\.0))$")),
+)
+# Fields of the JSON record that are numbers > 0 in every run (the CI smoke test checks them).
+NUMERIC_FIELDS = ("s_per_step", "samples_per_s", "tokens_per_s", "mfu", "flops_per_step", "peak_memory_gb",
+                  "area", "width", "height", "target_tokens", "text_tokens", "tokens_per_sample", "trainable_params",
+                  "total_params", "micro_batch", "gpu_count", "steps", "peak_tflops_per_gpu")
+BASELINE_FIELDS = ("baseline_s_per_step", "baseline_samples_per_s", "baseline_mfu", "baseline_peak_memory_gb",
+                   "ratio")
+
+
+# ---------------------------------------------------------------- options and workload
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; area and text tokens default per model (1024^2 / 256 full, 128^2 / 32 tiny)."""
+    p = argparse.ArgumentParser(description="Benchmark the project's DeepSpeed training step (encoders excluded)")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny transformer of train.make_tiny, fp32")
+    p.add_argument("--num_layers", type=int, help="depth of the full architecture (default 60)")
+    p.add_argument("--area", type=int, help="target pixel area (default 1024*1024; 128*128 with --tiny)")
+    p.add_argument("--refs", type=int, default=1, help="reference images, each at --area (default 1)")
+    p.add_argument("--text_tokens", type=int, help="prompt tokens (default 256; 32 with --tiny)")
+    p.add_argument("--micro_batch", type=int, default=1, help="samples per GPU per step (default 1)")
+    p.add_argument("--mode", choices=("lora", "full"), default="lora")
+    p.add_argument("--lora_rank", type=int, default=64)
+    p.add_argument("--lora_targets", choices=("attn", "default"), default="attn",
+                   help="attn: the 8 attention projections; default: train.config.LoraConfig().target_modules")
+    p.add_argument("--checkpointing", choices=("none", "full"), default="none",
+                   help="full: recompute every transformer block in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--text_mask", action="store_true",
+                   help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--baseline", action="store_true", help="also time a plain PyTorch LoRA loop, print the ratio")
+    p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS, help="peak per GPU for MFU (default 989)")
+    p.add_argument("--json", help="append the result as one JSON line to this file (rank 0)")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    args.area = args.area or (128 * 128 if args.tiny else 1024 * 1024)
+    args.text_tokens = args.text_tokens or (32 if args.tiny else 256)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject combinations the benchmark cannot run (parser.error exits with status 2)."""
+    if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.refs < 0 or args.lora_rank < 1:
+        parser.error("--steps, --micro_batch, --lora_rank must be >= 1; --warmup and --refs >= 0")
+    if args.area is not None and args.area < 32 * 32:
+        parser.error("--area must be at least 1024 px (one 32x32 tile)")
+    if args.text_tokens is not None and args.text_tokens < 1:
+        parser.error("--text_tokens must be >= 1")
+    if args.tiny and args.num_layers is not None:
+        parser.error("--num_layers applies to the full architecture, not --tiny")
+    if args.num_layers is not None and args.num_layers < 1:
+        parser.error("--num_layers must be >= 1")
+    if args.baseline and args.mode != "lora":
+        parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shapes of one micro-batch: square target and references of the same size, plus text tokens."""
+
+    width: int
+    height: int
+    refs: int
+    text_tokens: int
+    micro_batch: int
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.height // conditioning.PIXELS_PER_LATENT, self.width // conditioning.PIXELS_PER_LATENT
+
+    @property
+    def target_tokens(self) -> int:
+        h, w = self.latent_hw
+        return (h // 2) * (w // 2)
+
+    @property
+    def reference_tokens(self) -> int:
+        return self.refs * self.target_tokens
+
+    @property
+    def image_tokens(self) -> int:
+        return self.target_tokens + self.reference_tokens
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.image_tokens + self.text_tokens
+
+
+def make_workload(area: int, refs: int, text_tokens: int, micro_batch: int) -> Workload:
+    """Square images of about `area` pixels, sized (multiples of 32) as the edit pipelines size them."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    width, height = calculate_dimensions(area, 1.0)
+    return Workload(int(width), int(height), refs, text_tokens, micro_batch)
+
+
+# ---------------------------------------------------------------- model
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create floating-point tensors in `dtype` inside the block (no fp32 copy of 20 B weights first)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def build_full_transformer(num_layers: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """The Qwen-Image-Edit transformer at random init, created directly on `device` (also "meta") in `dtype`."""
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device(device), default_dtype(dtype):
+        return QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": num_layers})
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Tiny (fp32) or full-architecture transformer on `device`, seeded alike on every rank."""
+    torch.manual_seed(SEED)
+    if args.tiny:
+        from train.make_tiny import build_transformer
+
+        return build_transformer().to(device, dtype)
+    return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype)
+
+
+def lora_targets(kind: str) -> list[str]:
+    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the project's default 12."""
+    return list(ATTN_TARGETS) if kind == "attn" else LoraConfig().target_modules
+
+
+def lora_config(rank: int, targets: str) -> LoraConfig:
+    """The project's LoRA settings for the benchmark (alpha = rank, no dropout)."""
+    return LoraConfig(rank=rank, alpha=float(rank), dropout=0.0, target_modules=lora_targets(targets))
+
+
+def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
+                     compile_blocks: bool) -> None:
+    """As train/main.py's build_transformer: LoRA (train.models.add_lora) or full, checkpointing; then compile."""
+    if mode == "lora":
+        models.add_lora(model, lora)
+    else:
+        model.requires_grad_(True)
+    if checkpointing == "full":
+        model.enable_gradient_checkpointing()
+    if compile_blocks:
+        for block in model.transformer_blocks:
+            block.compile()  # in place: the engine later wraps the same module
+
+
+def trainable_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ---------------------------------------------------------------- FLOPs and MFU
+
+
+def linear_stream(name: str) -> str:
+    """'image', 'text' or 'one' (one vector per sample): whose tokens the nn.Linear called `name` sees."""
+    name = name.replace(".base_layer", "")  # a peft-wrapped linear counts as its base layer
+    for stream, pattern in _STREAMS:
+        if pattern.search(name):
+            return stream
+    raise ValueError(f"nn.Linear {name!r} belongs to no known stream; extend train.bench._STREAMS")
+
+
+def forward_linear_flops(model: torch.nn.Module, image_tokens: int, text_tokens: int) -> float:
+    """2 x tokens x in x out summed over the model's nn.Linear layers (LoRA's own layers skipped)."""
+    tokens = {"image": image_tokens, "text": text_tokens, "one": 1}
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
+            total += 2 * tokens[linear_stream(name)] * module.in_features * module.out_features
+    return float(total)
+
+
+def forward_attention_flops(model: torch.nn.Module, tokens: int) -> float:
+    """QK^T and AV of the joint attention: blocks x 4 x L^2 x inner_dim."""
+    return float(len(model.transformer_blocks) * 4 * tokens**2 * model.inner_dim)
+
+
+def step_flops(model: torch.nn.Module, image_tokens: int, text_tokens: int, mode: str, batch: int = 1) -> float:
+    """Model FLOPs of one training step of `batch` samples on one GPU (see the module docstring)."""
+    k_lin = 2 if mode == "lora" else 3
+    linear = forward_linear_flops(model, image_tokens, text_tokens)
+    attention = forward_attention_flops(model, image_tokens + text_tokens)
+    return batch * (k_lin * linear + 3 * attention)
+
+
+def mfu(flops_per_step: float, s_per_step: float, num_gpus: int, peak_tflops: float = PEAK_TFLOPS) -> float:
+    """Model FLOPs utilisation: `flops_per_step` is the global count (all GPUs together)."""
+    return flops_per_step / (s_per_step * peak_tflops * 1e12 * num_gpus)
+
+
+# ---------------------------------------------------------------- batch, config, timing
+
+
+def synthetic_batch(w: Workload, model: torch.nn.Module, device: torch.device, cond_dtype: torch.dtype,
+                    text_mask: bool) -> loop.Batch:
+    """A loop.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
+    g = torch.Generator(device).manual_seed(SEED)
+    channels, joint_dim = model.config.in_channels, model.config.joint_attention_dim
+    x0 = torch.randn(w.micro_batch, w.target_tokens, channels, generator=g, device=device)
+    refs = torch.randn(w.micro_batch, w.reference_tokens, channels, generator=g, device=device).to(cond_dtype)
+    embeds = torch.randn(w.micro_batch, w.text_tokens, joint_dim, generator=g, device=device).to(cond_dtype)
+    mask = torch.ones(w.micro_batch, w.text_tokens, dtype=torch.long, device=device) if text_mask else None
+    h, w_ = w.latent_hw
+    cond = conditioning.Conditioning(embeds, mask, refs, [(1, h // 2, w_ // 2)] * w.refs)
+    return loop.Batch(x0, (h, w_), cond)
+
+
+def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype: torch.dtype) -> Config:
+    """Config as train.config.load_config resolves it: ZeRO-2 as in ds_configs/zero2.json (no LR schedule)."""
+    ds = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_optimization": {"stage": 2, "overlap_comm": has_gpu, "contiguous_gradients": True,
+                              "reduce_scatter": True, "reduce_bucket_size": 200_000_000,
+                              "allgather_bucket_size": 200_000_000},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+    }
+    train = TrainConfig(mode=args.mode, max_steps=args.warmup + args.steps, seed=SEED,
+                        gradient_checkpointing=args.checkpointing == "full")
+    project = ProjectConfig(lora=lora_config(args.lora_rank, args.lora_targets), train=train)
+    return Config(project=project, deepspeed=resolve_deepspeed(ds, train.max_steps, has_gpu), world_size=world_size)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """torch.cuda.max_memory_allocated on a GPU; the process's peak RSS on a CPU (Linux: ru_maxrss in KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest value on any rank (a collective when the world is larger than one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+    return value
+
+
+@dataclass
+class Phase:
+    """One timed loop: mean seconds per step (slowest rank), peak memory (largest rank), last loss."""
+
+    s_per_step: float
+    peak_memory_gb: float
+    last_loss: float
+
+
+def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device) -> Phase:
+    """Run `warmup` untimed steps, then time `steps` with the device synchronised around the timed region."""
+    reset_peak_memory(device)
+    for i in range(warmup):
+        step(i)
+    _sync(device)
+    engine.barrier()
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        loss = step(i)
+    _sync(device)
+    elapsed = (time.perf_counter() - start) / steps
+    return Phase(max_over_ranks(elapsed, device), max_over_ranks(peak_memory_gb(device), device), float(loss))
+
+
+# ---------------------------------------------------------------- the two loops
+
+
+def oom_hint(w: Workload) -> str:
+    return (f"CUDA out of memory at {w.width}x{w.height} px + {w.refs} reference(s), micro-batch {w.micro_batch}; "
+            "try --checkpointing full, a smaller --area or --micro_batch, or --num_layers N")
+
+
+def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    """One micro-step as train.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
+    def step(i: int) -> torch.Tensor:
+        generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
+        loss = loop.forward_loss(eng, b, cfg, generator, SCHEDULER_CONFIG, dtype)
+        eng.backward(loss)
+        eng.step()
+        return loss.detach()
+
+    return step
+
+
+def run_project(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
+                args: argparse.Namespace, w: Workload) -> Phase:
+    """Build the DeepSpeed engine over `model` (train.engine.build_engine) and time its step."""
+    eng, _ = engine.build_engine(model, cfg.deepspeed)
+    eng.train()
+    try:
+        return time_steps(project_step(eng, b, cfg, d, dtype), args.warmup, args.steps, d.device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(oom_hint(w)) from e
+
+
+def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimizer,
+                  dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    """Plain PyTorch: rectified-flow input, forward under bf16 autocast, MSE on target tokens, step."""
+    device, batch_size = b.x0.device, b.x0.shape[0]
+    shapes = conditioning.img_shapes(b.target_hw, b.cond.reference_shapes, batch_size)
+
+    def step(i: int) -> torch.Tensor:
+        g = torch.Generator(device).manual_seed(SEED + i)
+        s = torch.rand(batch_size, generator=g, device=device)
+        noise = torch.randn(b.x0.shape, generator=g, device=device)
+        x_t = (1 - s.view(-1, 1, 1)) * b.x0 + s.view(-1, 1, 1) * noise
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            pred = model(hidden_states=torch.cat([x_t.to(dtype), b.cond.reference_tokens.to(dtype)], dim=1),
+                         timestep=s.to(dtype), encoder_hidden_states=b.cond.prompt_embeds.to(dtype),
+                         encoder_hidden_states_mask=b.cond.prompt_mask, img_shapes=shapes, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred[:, : b.x0.shape[1]].float(), noise - b.x0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def run_baseline(model: torch.nn.Module, b: loop.Batch, dtype: torch.dtype, args: argparse.Namespace,
+                 w: Workload) -> Phase:
+    """Time the plain loop (LoRA parameters in fp32), then free its optimizer state and gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=LR, fused=b.x0.device.type == "cuda")
+    try:
+        return time_steps(baseline_step(model, b, opt, dtype), args.warmup, args.steps, b.x0.device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(oom_hint(w)) from e
+    finally:
+        opt.zero_grad(set_to_none=True)
+        del opt
+        reset_peak_memory(b.x0.device)
+
+
+# ---------------------------------------------------------------- report
+
+
+def machine(d: engine.Dist) -> dict:
+    """Device name and software versions, for the record."""
+    import deepspeed
+    import diffusers
+
+    if d.device.type == "cuda":
+        name = torch.cuda.get_device_name(d.device)
+    else:
+        name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    return {"gpu_name": name, "gpu_count": d.world_size, "device_type": d.device.type,
+            "torch_version": torch.__version__, "deepspeed_version": deepspeed.__version__,
+            "diffusers_version": diffusers.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_per_gpu: float, project: Phase,
+                baseline: Phase | None, d: engine.Dist, dtype: torch.dtype) -> dict:
+    """The result as one flat JSON-able dict (global throughput = per GPU x world size)."""
+    world = d.world_size
+    flops = flops_per_gpu * world
+    record = {
+        "s_per_step": project.s_per_step, "samples_per_s": w.micro_batch * world / project.s_per_step,
+        "tokens_per_s": w.micro_batch * world * w.tokens_per_sample / project.s_per_step,
+        "mfu": mfu(flops, project.s_per_step, world, args.peak_tflops), "flops_per_step": flops,
+        "peak_memory_gb": project.peak_memory_gb,
+        "peak_memory_source": "torch.cuda.max_memory_allocated" if d.device.type == "cuda" else "ru_maxrss",
+        "last_loss": project.last_loss, "area": args.area, "width": w.width, "height": w.height, "refs": w.refs,
+        "target_tokens": w.target_tokens, "reference_tokens": w.reference_tokens, "text_tokens": w.text_tokens,
+        "tokens_per_sample": w.tokens_per_sample, "micro_batch": w.micro_batch, **model_info,
+        "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
+        "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
+        "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
+        "peak_tflops_per_gpu": args.peak_tflops, **machine(d),
+    }
+    if baseline is not None:
+        record.update(baseline_s_per_step=baseline.s_per_step, baseline_samples_per_s=w.micro_batch * world
+                      / baseline.s_per_step, baseline_mfu=mfu(flops, baseline.s_per_step, world, args.peak_tflops),
+                      baseline_peak_memory_gb=baseline.peak_memory_gb, ratio=baseline.s_per_step / project.s_per_step)
+    return record
+
+
+def format_report(r: dict) -> str:
+    """The human-readable block rank 0 prints."""
+    lora = f"LoRA r{r['lora_rank']} ({r['lora_targets']})" if r["mode"] == "lora" else "full fine-tuning"
+    lines = [
+        "== train.bench: project step (forward_loss + engine.backward + engine.step, ZeRO-2; encoders excluded) ==",
+        f"machine     {r['gpu_name']} x {r['gpu_count']}, torch {r['torch_version']}, deepspeed "
+        f"{r['deepspeed_version']}, diffusers {r['diffusers_version']}, {r['date']}",
+        f"workload    {r['width']}x{r['height']} target + {r['refs']} reference(s) of the same size + "
+        f"{r['text_tokens']} text tokens = {r['tokens_per_sample']} tokens/sample, micro-batch {r['micro_batch']}",
+        f"model       {r['model']}, {r['num_layers']} blocks, {r['precision']}, {lora}: "
+        f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
+        f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
+        f"{r['steps']} timed steps after {r['warmup']} warm-up",
+        f"s/step      {r['s_per_step']:.4f}",
+        f"samples/s   {r['samples_per_s']:.3f} (global)",
+        f"tokens/s    {r['tokens_per_s']:.1f} (global)",
+        f"FLOPs/step  {r['flops_per_step']:.4g} (global, model FLOPs)",
+        f"MFU         {100 * r['mfu']:.2f}% of {r['peak_tflops_per_gpu']:g} TFLOP/s per GPU",
+        f"peak memory {r['peak_memory_gb']:.2f} GB ({r['peak_memory_source']})",
+    ]
+    if "ratio" in r:
+        lines += [f"baseline    {r['baseline_s_per_step']:.4f} s/step, MFU {100 * r['baseline_mfu']:.2f}%, peak "
+                  f"{r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + peft LoRA, AdamW)",
+                  f"ratio       baseline / project = {r['ratio']:.3f} (> 1: the project's step is faster)"]
+    if r["device_type"] != "cuda":
+        lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
+                     "meaningful here; this mode checks that the benchmark runs")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- entry
+
+
+def run(args: argparse.Namespace, d: engine.Dist) -> dict:
+    """Build the model and batch, time the baseline (if asked) and the project's step; the result record."""
+    dtype = torch.bfloat16 if d.device.type == "cuda" and not args.tiny else torch.float32
+    w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
+    model = build_model(args, d.device, dtype)
+    flops_per_gpu = step_flops(model, w.image_tokens, w.text_tokens, args.mode, w.micro_batch)
+    model_info = {"model": "tiny" if args.tiny else "full architecture", "num_layers": len(model.transformer_blocks),
+                  "total_params": sum(p.numel() for p in model.parameters())}
+    prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing,
+                     args.compile)
+    model_info["trainable_params"] = trainable_count(model)
+    b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
+    baseline = run_baseline(model, b, dtype, args, w) if args.baseline else None
+    cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
+    project = run_project(model, b, cfg, d, dtype, args, w)
+    return make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run, report on rank 0; returns the exit code."""
+    args = parse_args(argv)
+    d = engine.init_distributed()
+    record = run(args, d)  # a failure skips the teardown barrier: the launcher ends the other ranks
+    if d.is_main:
+        print(format_report(record), flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.json, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    engine.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as train/main.py: skip interpreter teardown racing gloo/DeepSpeed threads

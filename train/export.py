@@ -1,0 +1,179 @@
+"""Export a DeepSpeed checkpoint without training or a process group.
+
+    python -m train.export --checkpoint OUT/global_stepN --out DIR [--format diffusers|comfyui] [--dtype float32]
+
+The fp32 master weights are consolidated from the ZeRO-2 optimizer shards with DeepSpeed's own
+`zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; the checkpoint's client_state says how it was
+trained ({"step": N, "config": resolved config}). Outputs:
+
+    LoRA, diffusers   DIR/pytorch_lora_weights.safetensors   `transformer.X.lora_A.weight` (pipe.load_lora_weights)
+    LoRA, comfyui     DIR/lora_comfyui.safetensors          `diffusion_model.X.lora_A.weight` + `X.alpha`
+    full              DIR/transformer/                       a diffusers QwenImageTransformer2DModel directory
+
+Scale: peft applies alpha / rank to B @ A. The diffusers layout has no alpha (loaders use scale 1), so when
+lora.alpha != lora.rank the scale is folded into lora_B; the ComfyUI layout keeps B as trained and writes alpha.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from train.checkpoint import LORA_WEIGHT_NAME
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+OPTIM_SHARDS = "*zero_pp_rank_*_optim_states.pt"
+COMFYUI_WEIGHT_NAME = "lora_comfyui.safetensors"
+DTYPES = ("float32", "bfloat16", "float16")
+_PEFT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.[^.]+\.weight$")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Export a qwen-edit-trainer DeepSpeed checkpoint (LoRA or full)")
+    parser.add_argument("--checkpoint", required=True, help="OUT/global_stepN (holds mp_rank_00_model_states.pt)")
+    parser.add_argument("--out", required=True, help="directory to write the export into")
+    parser.add_argument("--format", choices=("diffusers", "comfyui"), default="diffusers",
+                        help="LoRA key layout (full fine-tunes are always a diffusers transformer directory)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    parser.add_argument("--model", help="base model directory, when it moved since training (default: the "
+                                        "checkpoint's qwen_edit.model.path)")
+    return parser.parse_args(argv)
+
+
+def read_config(ckpt: Path) -> dict:
+    """The resolved training config stored in the checkpoint's client_state; ValueError naming the fix."""
+    states = ckpt / MODEL_STATES
+    if not states.is_file():
+        if not ckpt.is_dir():
+            hint = "the directory does not exist; pass OUT/global_stepN of a training run"
+        elif (ckpt / "latest").is_file():
+            hint = f"it looks like a training output directory; pass {ckpt}/global_stepN"
+        else:
+            hint = "pass the global_stepN directory of a training output"
+        raise ValueError(f"--checkpoint {ckpt}: no {MODEL_STATES} there; {hint}")
+    client = torch.load(states, map_location="cpu", weights_only=True, mmap=True)  # mmap: weights stay on disk
+    cfg = client.get("config")
+    if not isinstance(cfg, dict) or "step" not in client or "qwen_edit" not in cfg:
+        raise ValueError(f"{states} has no qwen-edit-trainer client_state (keys 'step' and 'config' with a "
+                         "'qwen_edit' section); it was not saved by train/main.py. Use DeepSpeed's "
+                         "zero_to_fp32.py for other checkpoints")
+    return cfg
+
+
+def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
+    """fp32 trainable weights (plus persistent buffers) merged from all ZeRO shards, by DeepSpeed's own code."""
+    shards = sorted(ckpt.glob(OPTIM_SHARDS))
+    if not shards:
+        raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
+                         "weights; export needs a checkpoint trained with zero_optimization.stage 1 or 2")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name, exclude_frozen_parameters=True)
+
+
+def lora_layers(state: dict[str, torch.Tensor], ckpt: Path) -> dict[str, torch.Tensor]:
+    """peft adapter weights as `X.lora_A.weight` (adapter name dropped), as peft's get_peft_model_state_dict."""
+    layers = {}
+    for key, tensor in state.items():
+        match = _PEFT_KEY.match(key)
+        if match:
+            layers[f"{match['module']}.{match['kind']}.weight"] = tensor
+    if not layers:
+        raise ValueError(f"{ckpt} was trained with train.mode 'lora' but holds no lora_A/lora_B weights")
+    return layers
+
+
+def lora_scale(cfg: dict) -> tuple[float, int]:
+    """(lora.alpha, lora.rank) from the resolved config."""
+    lora = cfg["qwen_edit"]["lora"]
+    return float(lora["alpha"]), int(lora["rank"])
+
+
+def write_diffusers_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, rank: int,
+                         dtype: torch.dtype) -> Path:
+    """DIR/pytorch_lora_weights.safetensors with keys `transformer.X.lora_A.weight` (alpha/rank folded into B)."""
+    from diffusers import QwenImageEditPipeline
+
+    scale = alpha / rank
+    layers = {k: (v * scale if scale != 1 and ".lora_B." in k else v).to(dtype) for k, v in layers.items()}
+    QwenImageEditPipeline.save_lora_weights(out, transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
+                                            safe_serialization=True)
+    return out / LORA_WEIGHT_NAME
+
+
+def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype) -> Path:
+    """DIR/lora_comfyui.safetensors: `diffusion_model.X.lora_A.weight`, `.lora_B.weight` and `X.alpha`.
+
+    ComfyUI's LoRA loader and diffusers' Qwen-Image converter both read this layout (and scale by alpha / rank).
+    """
+    from safetensors.torch import save_file
+
+    sd = {f"diffusion_model.{k}": v.to(dtype).contiguous() for k, v in layers.items()}
+    for key in layers:
+        if key.endswith(".lora_A.weight"):
+            sd[f"diffusion_model.{key.removesuffix('.lora_A.weight')}.alpha"] = torch.tensor(alpha)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, out / COMFYUI_WEIGHT_NAME, metadata={"format": "pt"})
+    return out / COMFYUI_WEIGHT_NAME
+
+
+def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype: torch.dtype) -> Path:
+    """DIR/transformer/: config from the base model, weights from the consolidated state dict."""
+    from diffusers import QwenImageTransformer2DModel
+
+    config_dir = model_dir / "transformer"
+    if not (config_dir / "config.json").is_file():
+        raise ValueError(f"base model {model_dir} has no transformer/config.json; pass --model DIR with the base "
+                         "model the checkpoint was trained from")
+    with torch.device("meta"):  # no 20 B random init: the weights come from the checkpoint
+        model = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(config_dir))
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint does not fit {config_dir}/config.json: missing {missing[:10]}, "
+                         f"unexpected {unexpected[:10]}; pass --model DIR with the base model it was trained from")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    print(f"writing {len(state)} tensors to {out / 'transformer'}", flush=True)
+    model.save_pretrained(out / "transformer", safe_serialization=True)
+    return out / "transformer"
+
+
+def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtype: str = "float32",
+           model: str | Path | None = None) -> Path:
+    """Write the export of `checkpoint` into `out`; returns the file or directory written."""
+    ckpt, out = Path(checkpoint), Path(out)
+    cfg = read_config(ckpt)
+    mode = cfg["qwen_edit"]["train"]["mode"]
+    if mode == "full" and fmt != "diffusers":
+        raise ValueError(f"--format {fmt}: a full fine-tune exports only as a diffusers transformer directory; "
+                         "use --format diffusers")
+    state = consolidate(ckpt)
+    torch_dtype = getattr(torch, dtype)
+    if mode == "full":
+        return write_full(state, Path(model or cfg["qwen_edit"]["model"]["path"]), out, torch_dtype)
+    layers = lora_layers(state, ckpt)
+    alpha, rank = lora_scale(cfg)
+    if fmt == "comfyui":
+        return write_comfyui_lora(layers, out, alpha, torch_dtype)
+    return write_diffusers_lora(layers, out, alpha, rank, torch_dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit code 0 on success, 2 for a bad checkpoint or argument (message on stderr)."""
+    args = parse_args(argv)
+    try:
+        path = export(args.checkpoint, args.out, args.format, args.dtype, args.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
