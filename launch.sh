@@ -5,7 +5,13 @@
 #   bash launch.sh test [pytest args]
 #        set up ./.venv if needed, then run the test suite
 #   bash launch.sh [deepspeed launcher args] train/main.py --ds_config ds_configs/zero2.json ...
-#        set environment defaults, then hand everything to the deepspeed launcher
+#        set environment defaults, then hand everything to the deepspeed launcher, e.g.
+#        bash launch.sh --num_gpus 8 train/main.py ...                                  one node
+#        bash launch.sh --hostfile hosts train/main.py ...                              many nodes over ssh (pdsh)
+#        bash launch.sh --hostfile hosts --no_ssh --node_rank R --master_addr H ...     once per node, no ssh
+#        bash launch.sh --num_gpus 2 train/main.py --ds_config ds_configs/model_parallel.json ...
+#        The defaults below also reach other nodes: they are written to a DS_ENV_FILE (DeepSpeed's
+#        .deepspeed_env mechanism), after the entries of ./.deepspeed_env or ~/.deepspeed_env if present.
 # QWEN_EDIT_VENV=path picks another virtual environment; QWEN_EDIT_TORCH overrides the torch pin.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -31,8 +37,31 @@ env_defaults() {
   export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}            # weights come from local directories only
   export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
   export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}        # NVLink SHARP off: unsupported on many shared hosts
-  if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}        # no GPU: DeepSpeed's CPU accelerator with gloo
+  fi
+  # Propagate to every node: DeepSpeed exports each NAME=VALUE line of this file on the remote hosts.
+  if [ -z "${DS_ENV_FILE:-}" ]; then
+    local env_file
+    env_file=$(mktemp "${TMPDIR:-/tmp}/qwen-edit-env.XXXXXX")
+    for f in "$HOME/.deepspeed_env" ./.deepspeed_env; do [ -f "$f" ] && cat "$f" >> "$env_file"; done
+    for name in HF_HUB_OFFLINE TRANSFORMERS_OFFLINE NCCL_NVLS_ENABLE DS_ACCELERATOR; do
+      if [ -n "${!name:-}" ] && ! grep -q "^$name=" "$env_file"; then echo "$name=${!name}" >> "$env_file"; fi
+    done
+    export DS_ENV_FILE=$env_file
+  fi
+}
+
+PY=$VENV/bin/python
+DS=$VENV/bin/deepspeed
+use_active_env() {
+  # Training uses the active environment when it already has the stack (e.g. a cluster's own CUDA build).
+  if [ -z "${QWEN_EDIT_VENV:-}" ] && command -v deepspeed >/dev/null 2>&1 \
+     && python3 -c "import deepspeed, diffusers, peft" >/dev/null 2>&1; then
+    PY=python3
+    DS=$(command -v deepspeed)
+  else
+    setup
   fi
 }
 
@@ -52,8 +81,8 @@ case "$cmd" in
     if [ "$rc" = 5 ]; then echo "pytest collected no tests: treating as a failure" >&2; exit 1; fi
     exit "$rc" ;;
   -h|--help|"")
-    sed -n '2,9p' "$0"; exit 0 ;;
+    sed -n '2,17p' "$0"; exit 0 ;;
   *)
-    setup; env_defaults
-    exec "$VENV/bin/deepspeed" "$@" ;;
+    use_active_env; env_defaults
+    exec "$DS" "$@" ;;
 esac

@@ -59,10 +59,20 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 
 def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    """The rank's own process: a child of deepspeed's launch.py (its DataLoader workers share its command line)."""
     for child in psutil.Process(launcher.pid).children(recursive=True):
-        if f"--local_rank={rank}" in " ".join(child.cmdline()):
+        parent = child.parent()
+        if f"--local_rank={rank}" in " ".join(child.cmdline()) and "launch" in " ".join(parent.cmdline()):
             return child
     raise LookupError(f"rank {rank} not found")
+
+
+def reap(processes: list[psutil.Process]) -> list[int]:
+    """Kill what is left of a launch's process tree; returns the pids that were still alive."""
+    alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    return [p.pid for p in alive]
 
 
 def test_killed_rank_ends_the_job_and_resume_matches(tiny_edit, fault_config, reference_losses, tmp_path):
@@ -71,12 +81,16 @@ def test_killed_rank_ends_the_job_and_resume_matches(tiny_edit, fault_config, re
     out = tmp_path / "run"
     launcher = launch(tiny_edit, out, fault_config)
     wait_for_step(out, 6, launcher)
+    tree = psutil.Process(launcher.pid).children(recursive=True)
     killed_at = time.monotonic()
     rank_process(launcher, 1).send_signal(signal.SIGKILL)
     launcher.wait(timeout=120)
     exit_s = time.monotonic() - killed_at
+    time.sleep(10)  # DataLoader workers notice their parent is gone within 5 s
+    leftovers = reap(tree)
     assert launcher.returncode != 0
     assert exit_s < 60, f"launcher took {exit_s:.1f} s to exit after a rank died"
+    assert not leftovers, f"processes outlived the job: {leftovers}"
     assert (out / "latest").read_text().strip() == "global_step4"
     check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2,
                       extra=("--max_steps", str(MAX_STEPS), "--resume")))

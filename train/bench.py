@@ -64,6 +64,7 @@ import torch.distributed as dist
 from train import conditioning, engine, loop, models
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
+from train.metrics import prefix_rank_output
 
 # Qwen-Image(-Edit) transformer, as in the released transformer/config.json.
 FULL_ARCH = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -205,7 +206,7 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     if args.tiny:
         from train.make_tiny import build_transformer
 
-        return build_transformer().to(device, dtype)
+        return build_transformer().to(device)  # fp32 as built (dtype is float32 for --tiny)
     return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype)
 
 
@@ -534,6 +535,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, report on rank 0; returns the exit code."""
+    prefix_rank_output()  # as train/main.py: other ranks' lines carry their rank
     args = parse_args(argv)
     d = engine.init_distributed()
     record = run(args, d)  # a failure skips the teardown barrier: the launcher ends the other ranks

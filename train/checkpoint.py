@@ -164,14 +164,22 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
-def export_lora(transformer, out_dir: str | Path) -> Path:
-    """OUT/pytorch_lora_weights.safetensors, loadable by the edit pipelines' load_lora_weights."""
+def write_diffusers_lora(layers: dict[str, torch.Tensor], out: str | Path, alpha: float, rank: int,
+                         dtype: torch.dtype | None = None) -> Path:
+    """OUT/pytorch_lora_weights.safetensors (`transformer.X.lora_A.weight` keys) for the pipelines'
+    load_lora_weights. The diffusers layout stores no alpha, so alpha / rank is folded into lora_B."""
     from diffusers import QwenImageEditPipeline
 
-    out_dir = Path(out_dir)
-    QwenImageEditPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict(transformer),
-                                            weight_name=LORA_WEIGHT_NAME, safe_serialization=True)
-    return out_dir / LORA_WEIGHT_NAME
+    scale = alpha / rank
+    layers = {k: (v * scale if scale != 1 and ".lora_B." in k else v).to(dtype or v.dtype) for k, v in layers.items()}
+    QwenImageEditPipeline.save_lora_weights(Path(out), transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
+                                            safe_serialization=True)
+    return Path(out) / LORA_WEIGHT_NAME
+
+
+def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int) -> Path:
+    """The end-of-training LoRA export (same layout as `python -m train.export`)."""
+    return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank)
 
 
 def export_full(transformer, out_dir: str | Path) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import LORA_WEIGHT_NAME
+from train.checkpoint import write_diffusers_lora
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_SHARDS = "*zero_pp_rank_*_optim_states.pt"
@@ -92,18 +92,6 @@ def lora_scale(cfg: dict) -> tuple[float, int]:
     """(lora.alpha, lora.rank) from the resolved config."""
     lora = cfg["qwen_edit"]["lora"]
     return float(lora["alpha"]), int(lora["rank"])
-
-
-def write_diffusers_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, rank: int,
-                         dtype: torch.dtype) -> Path:
-    """DIR/pytorch_lora_weights.safetensors with keys `transformer.X.lora_A.weight` (alpha/rank folded into B)."""
-    from diffusers import QwenImageEditPipeline
-
-    scale = alpha / rank
-    layers = {k: (v * scale if scale != 1 and ".lora_B." in k else v).to(dtype) for k, v in layers.items()}
-    QwenImageEditPipeline.save_lora_weights(out, transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
-                                            safe_serialization=True)
-    return out / LORA_WEIGHT_NAME
 
 
 def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype) -> Path:

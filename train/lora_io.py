@@ -32,6 +32,11 @@ MAX_LISTED = 10
 
 
 @dataclass
+class LoraFileError(ValueError):
+    """A LoRA file that cannot start this run (format, rank, targets); the message names the fix."""
+
+
+@dataclass
 class LoraFile:
     """A LoRA file normalised to module paths: A/B matrices and optional alpha per module."""
 
@@ -134,7 +139,7 @@ def read_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
 
     path = Path(path)
     if path.suffix != ".safetensors":
-        raise ValueError(f"qwen_edit.lora.init_from: {path} is not a .safetensors file; convert it to safetensors")
+        raise LoraFileError(f"qwen_edit.lora.init_from: {path} is not a .safetensors file; convert it to safetensors")
     with safe_open(str(path), framework="pt", device="cpu") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
@@ -174,21 +179,21 @@ def verify(lf: LoraFile, transformer, layers: dict[str, object], adapter_name: s
     """Raise ValueError when a key matched nothing, a pair is incomplete, or ranks/shapes differ."""
     setting = adapter_setting(transformer, adapter_name)
     if lf.unknown:
-        raise ValueError(f"qwen_edit.lora.init_from: {len(lf.unknown)} keys of {path} match no LoRA module of the "
+        raise LoraFileError(f"qwen_edit.lora.init_from: {len(lf.unknown)} keys of {path} match no LoRA module of the "
                          f"transformer: {listed(lf.unknown)}; {setting}. Add the missing modules to "
                          "qwen_edit.lora.target_modules or remove those keys from the file")
     if not lf.down:
-        raise ValueError(f"qwen_edit.lora.init_from: {path} holds no lora_A/lora_down weights; is it a LoRA file?")
+        raise LoraFileError(f"qwen_edit.lora.init_from: {path} holds no lora_A/lora_down weights; is it a LoRA file?")
     unpaired = check_pairs(lf)
     if unpaired:
-        raise ValueError(f"qwen_edit.lora.init_from: {path} has lora_A without lora_B (or the reverse) for "
+        raise LoraFileError(f"qwen_edit.lora.init_from: {path} has lora_A without lora_B (or the reverse) for "
                          f"{listed(unpaired)}")
     ranks, shapes = shape_problems(lf, layers, adapter_name)
     if ranks:
-        raise ValueError(f"qwen_edit.lora.init_from: the rank of {path} differs from the config for {len(ranks)} "
+        raise LoraFileError(f"qwen_edit.lora.init_from: the rank of {path} differs from the config for {len(ranks)} "
                          f"modules ({listed(ranks)}); {setting}. Set qwen_edit.lora.rank to the file's rank")
     if shapes:
-        raise ValueError(f"qwen_edit.lora.init_from: {path} was made for another model (shapes differ: "
+        raise LoraFileError(f"qwen_edit.lora.init_from: {path} was made for another model (shapes differ: "
                          f"{listed(shapes)}); use a LoRA of this base model")
 
 

@@ -102,7 +102,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
                                      "replica_digests": digests})
         export_dir = Path(p.output.dir) / "export"
         if p.train.mode == "lora":
-            path = checkpoint.export_lora(eng.module, export_dir)
+            path = checkpoint.export_lora(eng.module, export_dir, p.lora.alpha, p.lora.rank)
         else:
             path = checkpoint.export_full(eng.module, export_dir)
         print0(f"exported {path}", rank=d.rank)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         run(cfg, d, args.resume)
-    except (data.BadRowsError, checkpoint.ResumeError) as e:  # raised on every rank alike
+    except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError) as e:  # alike on every rank
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

@@ -1,0 +1,118 @@
+"""train.bench: the CPU smoke run of the real step (CI), and the FLOP / trainable-parameter counts on meta.
+
+Timings are printed by the benchmark, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from train import bench
+
+REPO = Path(__file__).resolve().parent.parent
+# Every number the smoke run must report as > 0 (the baseline's too, since it runs with --baseline).
+POSITIVE = ("s_per_step", "samples_per_s", "tokens_per_s", "mfu", "flops_per_step", "peak_memory_gb", "area",
+            "width", "height", "target_tokens", "reference_tokens", "text_tokens", "tokens_per_sample",
+            "trainable_params", "total_params", "micro_batch", "gpu_count", "steps", "peak_tflops_per_gpu",
+            "baseline_s_per_step", "baseline_samples_per_s", "baseline_mfu", "baseline_peak_memory_gb", "ratio")
+TEXT = ("gpu_name", "device_type", "torch_version", "deepspeed_version", "diffusers_version", "date", "mode")
+# The issue's workload: 1024^2 target + one 1024^2 reference (4096 tokens each) + 256 text tokens.
+IMAGE_TOKENS, TEXT_TOKENS = 2 * 4096, 256
+
+
+def test_cpu_smoke_reports_every_field(tmp_path):
+    """`python -m train.bench --tiny --baseline` runs the real step on CPU and writes a complete JSON line."""
+    out = tmp_path / "bench.jsonl"
+    cmd = [sys.executable, "-m", "train.bench", "--tiny", "--steps", "2", "--warmup", "1", "--baseline",
+           "--json", str(out)]
+    # One thread: the CI machine's cores are shared, and spinning OpenMP threads slow the tiny step ~50x there.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
+    assert "s/step" in proc.stdout and "not meaningful" in proc.stdout  # the report block, with the CPU note
+    record = json.loads(out.read_text().splitlines()[-1])
+    bad = {k: record.get(k) for k in (*POSITIVE, *bench.NUMERIC_FIELDS, *bench.BASELINE_FIELDS)
+           if not isinstance(record.get(k), (int, float)) or isinstance(record.get(k), bool) or record[k] <= 0}
+    assert not bad, f"missing or non-positive fields: {bad}"
+    empty = [k for k in TEXT if not isinstance(record.get(k), str) or not record[k]]
+    assert not empty, f"missing text fields: {empty}"
+    assert record["device_type"] == "cpu" and record["precision"] == "float32" and record["model"] == "tiny"
+    assert record["tokens_per_sample"] == record["target_tokens"] + record["reference_tokens"] + record["text_tokens"]
+
+
+@pytest.fixture(scope="module")
+def full_meta() -> torch.nn.Module:
+    """The full 60-block architecture on the meta device (shapes only, no memory)."""
+    return bench.build_full_transformer(60, "meta", torch.bfloat16)
+
+
+def test_flops_of_the_issue_workload(full_meta):
+    """1024^2 + one 1024^2 reference + 256 text tokens: 3.87e14 FLOPs per LoRA step, ~31% MFU at 1.28 s."""
+    flops = bench.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "lora")
+    assert flops == pytest.approx(3.87e14, rel=0.01)
+    assert bench.mfu(flops, 1.28, 1) == pytest.approx(0.31, abs=0.01)
+    attention = bench.forward_attention_flops(full_meta, IMAGE_TOKENS + TEXT_TOKENS)
+    assert attention == 60 * 4 * (IMAGE_TOKENS + TEXT_TOKENS) ** 2 * 3072
+    full = bench.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "full")
+    assert full - flops == pytest.approx(bench.forward_linear_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS))
+    assert bench.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "lora", batch=2) == pytest.approx(2 * flops)
+
+
+def test_every_linear_is_assigned_a_stream(full_meta):
+    """Per block 6 image-stream, 6 text-stream and 2 modulation linears; plus the embeddings and output."""
+    streams = [bench.linear_stream(n) for n, m in full_meta.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert streams.count("image") == 60 * 6 + 2  # + img_in, proj_out
+    assert streams.count("text") == 60 * 6 + 1  # + txt_in
+    assert streams.count("one") == 60 * 2 + 3  # + norm_out.linear, the two timestep-embedding linears
+    with pytest.raises(ValueError, match="no known stream"):
+        bench.linear_stream("transformer_blocks.0.new_thing")
+
+
+def test_lora_trainable_counts_on_meta():
+    """r64 on the 8 attention projections: 188,743,680 trainable (peft's add_adapter works on meta modules).
+
+    The FLOP count is the same after LoRA is added: LoRA's layers are skipped, the base layers counted.
+    """
+    model = bench.build_full_transformer(60, "meta", torch.bfloat16)
+    before = bench.step_flops(model, IMAGE_TOKENS, TEXT_TOKENS, "lora")
+    bench.prepare_training(model, "lora", bench.lora_config(64, "attn"), "none", compile_blocks=False)
+    assert bench.trainable_count(model) == 188_743_680
+    assert bench.step_flops(model, IMAGE_TOKENS, TEXT_TOKENS, "lora") == before
+
+
+def _tokens_seen(name: str, image: int, text: int) -> int:
+    """Independent reading of the rule: modulation/timestep linears 1 token, text-stream text, the rest image."""
+    if any(k in name for k in ("_mod.", "norm_out", "time_text_embed")):
+        return 1
+    return text if any(k in name for k in ("txt_", "add_", "to_add_out")) else image
+
+
+def test_tiny_flops_follow_the_module():
+    """The counter walks the module: the tiny model's count matches its own shapes, not the full model's."""
+    from train.make_tiny import build_transformer
+
+    tiny = build_transformer()  # 2 blocks, inner_dim 4 heads x 16 = 64
+    image, text = 128, 32
+    linear = sum(2 * _tokens_seen(n, image, text) * m.in_features * m.out_features
+                 for n, m in tiny.named_modules() if isinstance(m, torch.nn.Linear))
+    attention = 2 * 4 * (image + text) ** 2 * 64
+    assert bench.step_flops(tiny, image, text, "lora") == pytest.approx(2 * linear + 3 * attention)
+
+
+def test_workload_and_option_checks():
+    """The issue's workload is 4096 + 4096 image tokens + 256 text; impossible combinations are refused."""
+    w = bench.make_workload(1024 * 1024, refs=1, text_tokens=256, micro_batch=1)
+    assert (w.width, w.height, w.image_tokens, w.tokens_per_sample) == (1024, 1024, IMAGE_TOKENS, 8448)
+    args = bench.parse_args([])
+    assert (args.area, args.text_tokens, args.lora_rank, args.steps, args.warmup) == (1024 * 1024, 256, 64, 20, 5)
+    for bad in (["--mode", "full", "--baseline"], ["--tiny", "--num_layers", "4"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

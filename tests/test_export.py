@@ -1,0 +1,277 @@
+"""`python -m train.export` from DeepSpeed checkpoints, and starting a LoRA run from a file (lora.init_from)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_CONFIG, run_trainer, write_config
+from safetensors.torch import load_file, save_file
+from test_train import check
+
+from train import export, lora_io, models
+from train.checkpoint import LORA_WEIGHT_NAME
+from train.config import LoraConfig, ModelConfig
+
+STEPS = 4
+TWO_ADAPTERS = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")  # intended here
+TAG = f"global_step{STEPS}"
+TINY_LORA = json.loads(TINY_CONFIG.read_text())["qwen_edit"]["lora"]
+
+# Key templates per layout: (A, B, alpha or None); {m} = module path, {k} = kohya's flattened name.
+FORMATS = {
+    "diffusers": ("transformer.{m}.lora_A.weight", "transformer.{m}.lora_B.weight", None),
+    "peft": ("base_model.model.{m}.lora_A.default.weight", "base_model.model.{m}.lora_B.default.weight", None),
+    "diffsynth": ("{m}.lora_A.default.weight", "{m}.lora_B.default.weight", None),
+    "comfyui": ("diffusion_model.{m}.lora_A.weight", "diffusion_model.{m}.lora_B.weight", "diffusion_model.{m}.alpha"),
+    "comfyui_down_up": ("diffusion_model.{m}.lora_down.weight", "diffusion_model.{m}.lora_up.weight",
+                        "diffusion_model.{m}.alpha"),
+    "kohya": ("lora_unet_{k}.lora_down.weight", "lora_unet_{k}.lora_up.weight", "lora_unet_{k}.alpha"),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_edit, tmp_path_factory) -> Path:
+    """4 LoRA steps with ZeRO-2 on 2 processes: OUT/global_step4 (2 optimizer shards) and OUT/export."""
+    out = tmp_path_factory.mktemp("export_lora_run")
+    check(run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", str(STEPS))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_exports(lora_run, tmp_path_factory) -> dict[str, Path]:
+    """The checkpoint exported through the CLI (diffusers) and in-process (comfyui)."""
+    out = tmp_path_factory.mktemp("lora_exports")
+    proc = subprocess.run([sys.executable, "-m", "train.export", "--checkpoint", str(lora_run / TAG),
+                           "--out", str(out / "diffusers")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    check(proc)
+    assert f"exported {out / 'diffusers' / LORA_WEIGHT_NAME}" in proc.stdout
+    comfy = export.export(lora_run / TAG, out / "comfyui", fmt="comfyui")
+    return {"diffusers": out / "diffusers" / LORA_WEIGHT_NAME, "comfyui": comfy}
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_edit, tmp_path_factory) -> Path:
+    """4 full fine-tuning steps in one process."""
+    out = tmp_path_factory.mktemp("export_full_run")
+    cfg = write_config(out.parent / f"{out.name}.json", **{"qwen_edit.train.mode": "full"})
+    check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", str(STEPS))))
+    return out
+
+
+def fresh_transformer(tiny: Path, **lora_changes):
+    """The tiny transformer with a freshly initialised adapter of the tiny config (fields overridable)."""
+    transformer = models.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
+    models.add_lora(transformer, LoraConfig(**{**TINY_LORA, **lora_changes}))
+    return transformer
+
+
+def adapter_weights(transformer) -> dict[str, torch.Tensor]:
+    """{'X.lora_A': tensor, 'X.lora_B': tensor} of the 'default' adapter."""
+    return {n.removesuffix(".default.weight"): p.detach().clone()
+            for n, p in transformer.named_parameters() if ".lora_" in n}
+
+
+@pytest.fixture(scope="module")
+def known(tiny_edit) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A, B)} with random A and B (B non-zero, unlike a fresh init) in the adapter's shapes."""
+    g = torch.Generator().manual_seed(0)
+    weights = adapter_weights(fresh_transformer(tiny_edit))
+    modules = sorted({k.removesuffix(".lora_A").removesuffix(".lora_B") for k in weights})
+    return {m: tuple(torch.randn(weights[f"{m}.{s}"].shape, generator=g) for s in ("lora_A", "lora_B"))
+            for m in modules}
+
+
+def to_format(lora: dict[str, tuple[torch.Tensor, torch.Tensor]], fmt: str, alpha: float | None = None):
+    """The LoRA written in key layout `fmt`; alpha keys (when the layout has them) default to the rank."""
+    a_key, b_key, alpha_key = FORMATS[fmt]
+    out = {}
+    for m, (a, b) in lora.items():
+        names = {"m": m, "k": m.replace(".", "_")}
+        out[a_key.format(**names)], out[b_key.format(**names)] = a, b
+        if alpha_key:
+            out[alpha_key.format(**names)] = torch.tensor(float(alpha or a.shape[0]))
+    return out
+
+
+def load_via_file(transformer, sd: dict[str, torch.Tensor], path: Path) -> lora_io.LoadReport:
+    save_file(sd, path)
+    return lora_io.load_into(transformer, path)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:10]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_export_equals_end_of_training_export(lora_run, lora_exports):
+    """The CLI export of the last checkpoint (fp32 masters) equals OUT/export (the module weights).
+
+    These runs train in fp32 on CPU, where the module weights are the fp32 masters; so the two must agree
+    within 1e-6 (they are in fact bitwise equal). Under bf16 they would differ by bf16 rounding.
+    """
+    ours = load_file(lora_exports["diffusers"])
+    trained = load_file(lora_run / "export" / LORA_WEIGHT_NAME)
+    assert max_diff(ours, trained) <= 1e-6
+    assert max(v.abs().max().item() for k, v in ours.items() if ".lora_B." in k) > 1e-4, "B never moved"
+
+
+@pytest.mark.slow
+def test_export_agrees_with_deepspeeds_zero_to_fp32_script(lora_run, lora_exports, tmp_path):
+    """DeepSpeed's own zero_to_fp32.py (copied next to the checkpoint) consolidates to the same tensors."""
+    proc = subprocess.run([sys.executable, str(lora_run / "zero_to_fp32.py"), str(lora_run), str(tmp_path),
+                           "--tag", TAG, "--exclude_frozen_parameters", "--safe_serialization"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    check(proc)
+    script = load_file(tmp_path / "model.safetensors")
+    renamed = {"transformer." + k.replace(".default.weight", ".weight"): v for k, v in script.items() if ".lora_" in k}
+    assert max_diff(renamed, load_file(lora_exports["diffusers"])) == 0
+
+
+@pytest.mark.slow
+@TWO_ADAPTERS
+def test_comfyui_export_loads_through_diffusers(lora_exports, tiny_edit):
+    """The ComfyUI layout loads through QwenImageEditPipeline.load_lora_weights to the diffusers export's weights."""
+    from diffusers import DiffusionPipeline
+
+    comfy = load_file(lora_exports["comfyui"])
+    assert all(k.startswith("diffusion_model.") for k in comfy), list(comfy)[:4]
+    assert comfy["diffusion_model.transformer_blocks.0.attn.to_q.alpha"].item() == TINY_LORA["alpha"]
+    pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
+    for name, path in lora_exports.items():
+        pipe.load_lora_weights(path.parent, weight_name=path.name, adapter_name=name)
+    params = dict(pipe.transformer.named_parameters())
+    by_adapter = {name: {n.replace(f".{name}.", "."): p for n, p in params.items() if f".{name}.weight" in n}
+                  for name in lora_exports}
+    assert len(by_adapter["comfyui"]) == len(load_file(lora_exports["diffusers"])) > 0
+    assert max_diff(by_adapter["comfyui"], by_adapter["diffusers"]) == 0
+
+
+@pytest.mark.slow
+def test_full_export_loads_and_equals_consolidated_weights(full_run, tiny_edit, tmp_path):
+    """mode=full exports DIR/transformer/ that from_pretrained loads to the consolidated fp32 weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from diffusers import QwenImageTransformer2DModel
+
+    path = export.export(full_run / TAG, tmp_path)
+    assert path == tmp_path / "transformer"
+    loaded = QwenImageTransformer2DModel.from_pretrained(path).state_dict()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(full_run), tag=TAG, exclude_frozen_parameters=True)
+    assert max_diff(loaded, consolidated) == 0
+    trained = QwenImageTransformer2DModel.from_pretrained(full_run / "export" / "transformer").state_dict()
+    assert max_diff(loaded, trained) <= 1e-6  # fp32 run: module weights are the masters
+    base = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer").state_dict()
+    assert max_diff(loaded, base) > 1e-4, "full fine-tune did not move the weights"
+
+
+def test_export_refuses_wrong_paths_and_foreign_checkpoints(tmp_path, capsys):
+    """A path without mp_rank_00_model_states.pt, or a checkpoint without our client_state, exit 2 with the fix."""
+    (tmp_path / "latest").write_text("global_step4")
+    assert export.main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "no mp_rank_00_model_states.pt" in err and f"pass {tmp_path}/global_stepN" in err
+    foreign = tmp_path / "global_step1"
+    foreign.mkdir()
+    torch.save({"module": {}, "buffer_names": []}, foreign / export.MODEL_STATES)
+    assert export.main(["--checkpoint", str(foreign), "--out", str(tmp_path / "x")]) == 2
+    assert "has no qwen-edit-trainer client_state" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_each_key_format_imports_identically(fmt, known, tiny_edit, tmp_path):
+    """diffusers, PEFT '.default', DiffSynth, ComfyUI (A/B and down/up) and kohya files give the same adapter."""
+    transformer = fresh_transformer(tiny_edit)
+    report = load_via_file(transformer, to_format(known, fmt), tmp_path / "lora.safetensors")
+    assert report.loaded == len(known) and not report.not_in_file and report.rescaled == 0
+    expected = {f"{m}.{s}": w for m, ab in known.items() for s, w in zip(("lora_A", "lora_B"), ab, strict=True)}
+    assert max_diff(adapter_weights(transformer), expected) == 0
+
+
+def test_file_alpha_is_kept_by_rescaling_lora_b(known, tiny_edit, tmp_path):
+    """A kohya file with alpha = 2 x rank into an adapter with alpha = rank: B doubles, A is unchanged."""
+    transformer = fresh_transformer(tiny_edit)
+    rank = TINY_LORA["rank"]
+    report = load_via_file(transformer, to_format(known, "kohya", alpha=2 * rank), tmp_path / "lora.safetensors")
+    assert report.rescaled == len(known)
+    weights = adapter_weights(transformer)
+    m = "transformer_blocks.0.img_mlp.net.0.proj"
+    assert torch.equal(weights[f"{m}.lora_A"], known[m][0])
+    assert torch.equal(weights[f"{m}.lora_B"], 2 * known[m][1])
+
+
+def test_rank_mismatch_is_reported(known, tiny_edit, tmp_path):
+    """A rank-16 file into a rank-8 adapter names the modules, the file's rank and the config's."""
+    transformer = fresh_transformer(tiny_edit, rank=8, alpha=8)
+    with pytest.raises(ValueError) as e:
+        load_via_file(transformer, to_format(known, "diffusers"), tmp_path / "lora.safetensors")
+    msg = str(e.value)
+    assert "qwen_edit.lora.init_from: the rank of" in msg and f"for {len(known)} modules" in msg
+    assert "transformer_blocks.0.attn.to_q: rank 16" in msg and "qwen_edit.lora.rank = 8" in msg
+    assert f"and {len(known) - lora_io.MAX_LISTED} more" in msg and "Set qwen_edit.lora.rank" in msg
+
+
+def test_unknown_keys_are_reported(known, tiny_edit, tmp_path):
+    """Keys of no module, or of a module the config gives no LoRA, are listed with the config's targets."""
+    sd = to_format(known, "diffusers")
+    sd["transformer.not_a_module.lora_A.weight"] = torch.zeros(16, 4)
+    sd["transformer.norm_out.linear.lora_A.weight"] = torch.zeros(16, 4)
+    with pytest.raises(ValueError) as e:
+        load_via_file(fresh_transformer(tiny_edit), sd, tmp_path / "lora.safetensors")
+    msg = str(e.value)
+    assert "2 keys of" in msg and "match no LoRA module" in msg
+    assert "transformer.not_a_module.lora_A.weight" in msg and "not_a_module.lora_A.weight (module" not in msg
+    assert "transformer.norm_out.linear.lora_A.weight (module has no LoRA in this config)" in msg
+    assert "target_modules [" in msg and "'proj_out'" in msg and "qwen_edit.lora.target_modules" in msg
+
+
+def test_init_from_must_exist(tiny_edit, tmp_path):
+    """A missing lora.init_from is a config error naming the key and the fix."""
+    from train import config
+
+    cfg = write_config(tmp_path / "c.json", **{"qwen_edit.lora.init_from": str(tmp_path / "missing.safetensors")})
+    args = config.parse_args(["--ds_config", str(cfg), "--model", str(tiny_edit / "model"),
+                              "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(config.ConfigError, match=r"qwen_edit\.lora\.init_from: .*missing\.safetensors' is not a "
+                                                 r"file; point it at a LoRA \.safetensors"):
+        config.load_config(args, world_size=1, has_gpu=False)
+
+
+@pytest.mark.slow
+def test_training_starts_from_init_file(lora_exports, tiny_edit, tmp_path):
+    """With lr 0 a run started from lora.init_from (the ComfyUI export) exports exactly the file's weights."""
+    cfg = write_config(tmp_path / "init.json", **{"optimizer.params.lr": 0.0,
+                                                  "qwen_edit.lora.init_from": str(lora_exports["comfyui"])})
+    out = tmp_path / "out"
+    proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "1"))
+    check(proc)
+    assert "LoRA init: 26 modules loaded from" in proc.stdout, proc.stdout[-2000:]
+    assert max_diff(load_file(out / "export" / LORA_WEIGHT_NAME), load_file(lora_exports["diffusers"])) == 0
+
+
+@TWO_ADAPTERS
+def test_alpha_other_than_rank_keeps_the_update(known, tiny_edit, tmp_path):
+    """lora.alpha = 2 x rank: the diffusers file (scale folded into B) and the ComfyUI file (alpha key) load in
+    diffusers to the same update B @ A x scale, and lora_io reads the folded file back to the trained B."""
+    from diffusers import DiffusionPipeline
+
+    layers = {f"{m}.{s}.weight": w for m, ab in known.items() for s, w in zip(("lora_A", "lora_B"), ab, strict=True)}
+    rank = TINY_LORA["rank"]
+    paths = {"diffusers": export.write_diffusers_lora(layers, tmp_path / "d", 2 * rank, rank, torch.float32),
+             "comfyui": export.write_comfyui_lora(layers, tmp_path / "c", 2 * rank, torch.float32)}
+    pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
+    for name, path in paths.items():
+        pipe.load_lora_weights(path.parent, weight_name=path.name, adapter_name=name)
+    layer = pipe.transformer.transformer_blocks[0].attn.to_q
+    updates = {n: layer.lora_B[n].weight @ layer.lora_A[n].weight * layer.scaling[n] for n in paths}
+    m = "transformer_blocks.0.attn.to_q"
+    torch.testing.assert_close(updates["diffusers"], 2 * known[m][1] @ known[m][0], rtol=0, atol=0)
+    torch.testing.assert_close(updates["comfyui"], updates["diffusers"], rtol=0, atol=0)
+    transformer = fresh_transformer(tiny_edit, alpha=2 * rank)
+    lora_io.load_into(transformer, paths["diffusers"])
+    assert torch.equal(adapter_weights(transformer)[f"{m}.lora_B"], known[m][1])
