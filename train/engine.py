@@ -25,10 +25,21 @@ def prepare_environment() -> None:
         local_world = int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    elif "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        # DeepSpeed's op builder cannot parse the '9.0a' arch torch reports on Hopper; give it plain 'X.Y'.
+    else:
+        # DeepSpeed's op builder cannot parse arch-specific entries such as Hopper's '9.0a' (from torch or a
+        # preset TORCH_CUDA_ARCH_LIST): give it plain 'X.Y' entries.
         major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}"))
+
+
+def plain_arch_list(value: str) -> str:
+    """'9.0a;8.0+PTX 10.0a' -> '9.0;8.0+PTX;10.0': drop the arch-specific letter suffixes DeepSpeed cannot parse."""
+    entries = []
+    for entry in value.replace(",", ";").replace(" ", ";").split(";"):
+        if entry:
+            arch, ptx = (entry[:-4], "+PTX") if entry.endswith("+PTX") else (entry, "")
+            entries.append(arch.rstrip("abcdefghijklmnopqrstuvwxyz") + ptx)
+    return ";".join(dict.fromkeys(entries))
 
 
 def _free_port() -> int:
