@@ -123,7 +123,7 @@ def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):
     check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", "4")))
     proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "saved by 2 processes, resumed by 1" in proc.stderr and "universal checkpoint" in proc.stderr
+    assert "saved by 2 processes, resumed by 1" in proc.stderr and "python -m train.export" in proc.stderr
 
 
 def test_resume_errors(tiny_edit, fault_config, tmp_path):

@@ -139,8 +139,10 @@ def check_world_size(state: dict, world_size: int, tag: str) -> None:
     if saved != world_size:
         raise ResumeError(
             f"--resume {tag}: saved by {saved} processes, resumed by {world_size}. ZeRO-2 optimizer shards are per "
-            f"rank; resume with {saved} processes, or convert it to a universal checkpoint first (see README "
-            "'Resuming on another number of GPUs')"
+            f"rank: resume with {saved} processes, or export the weights (python -m train.export --checkpoint "
+            f"OUTPUT/{tag} --out DIR) and start a new run from them (qwen_edit.lora.init_from = "
+            "DIR/pytorch_lora_weights.safetensors; for full fine-tuning, DIR/transformer in a copy of the model "
+            "directory); the optimizer state then starts afresh"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,6 +230,21 @@ class ResumableSampler(DistributedSampler):
         return iter(indices[skip:])
 
 
+def _die_with_parent(worker_id: int) -> None:
+    """DataLoader worker init: ask Linux to SIGKILL this worker when its rank dies (e.g. is killed), so no
+    orphaned worker outlives a failed job holding memory; a no-op elsewhere."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the rank died before the request took effect
+        os._exit(1)
+
+
 def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
                  num_workers: int, pin_memory: bool, shuffle: bool) -> DataLoader:
     if len(dataset) < micro_batch_size * world_size:
@@ -240,4 +256,5 @@ def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_s
     return DataLoader(
         dataset, batch_size=micro_batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
         pin_memory=pin_memory and torch.cuda.is_available(), persistent_workers=num_workers > 0, drop_last=True,
+        worker_init_fn=_die_with_parent,
     )

@@ -31,7 +31,6 @@ _KIND = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
 MAX_LISTED = 10
 
 
-@dataclass
 class LoraFileError(ValueError):
     """A LoRA file that cannot start this run (format, rank, targets); the message names the fix."""
 
