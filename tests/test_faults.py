@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -169,3 +170,18 @@ def test_oom_names_the_settings_that_help(tiny_edit, tmp_path):
     msg = proc.stderr
     assert "CUDA out of memory at step 2: micro-batch 1, target 128x128 px (64 tokens)" in msg, msg[-3000:]
     assert "gradient_checkpointing = true" in msg and "qwen_edit.data.area" in msg
+
+
+def test_bf16_resume_reproduces_losses(tiny_edit, fault_config, tmp_path):
+    """DeepSpeed bf16 (on CPU here): a run resumed from step 4 repeats the uninterrupted run's losses exactly."""
+    import shutil
+
+    cfg = write_config(tmp_path / "bf16.json", base=fault_config, **{"bf16.enabled": True})
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    check(run_trainer(tiny_edit, full, config=cfg, extra=("--max_steps", "8")))
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "global_step8")
+    (cut / "latest").write_text("global_step4")
+    check(run_trainer(tiny_edit, cut, config=cfg, extra=("--max_steps", "8", "--resume")))
+    assert json.loads((cut / "config.json").read_text())["bf16"]["enabled"]
+    assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
