@@ -222,16 +222,8 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
                      compile_blocks: bool) -> None:
-    """As train/main.py's build_transformer: LoRA (train.models.add_lora) or full, checkpointing; then compile."""
-    if mode == "lora":
-        models.add_lora(model, lora)
-    else:
-        model.requires_grad_(True)
-    if checkpointing == "full":
-        model.enable_gradient_checkpointing()
-    if compile_blocks:
-        for block in model.transformer_blocks:
-            block.compile()  # in place: the engine later wraps the same module
+    """The trainer's own preparation (train.models.prepare_for_training, as train/main.py calls it)."""
+    models.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks)
 
 
 def trainable_count(model: torch.nn.Module) -> int:

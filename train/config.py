@@ -115,6 +115,8 @@ class TrainConfig:
     """Per-sample loss weight as a function of s."""
     gradient_checkpointing: bool = False
     """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
+    compile: bool = False
+    """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
 

@@ -35,15 +35,10 @@ def build_transformer(cfg: config.Config):
     p = cfg.project
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
-    if p.train.mode == "lora":
-        models.add_lora(transformer, p.lora)
-        if p.lora.init_from:
-            report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
-            print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
-    else:
-        transformer.requires_grad_(True)
-    if p.train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+    models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile)
+    if p.train.mode == "lora" and p.lora.init_from:
+        report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
+        print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
     return transformer
 
 

@@ -84,5 +84,19 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
     )
 
 
+def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
+                         compile_blocks: bool) -> None:
+    """LoRA on a frozen base or every weight trainable; then activation checkpointing and compiled blocks."""
+    if mode == "lora":
+        add_lora(transformer, lora)
+    else:
+        transformer.requires_grad_(True)
+    if gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if compile_blocks:
+        for block in transformer.transformer_blocks:
+            block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
+
+
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
