@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,8 +60,9 @@ def test_two_launchers_match_one_launcher(tiny_edit, config, hostfile, four_proc
     out = tmp_path / "shared"
     logs = run_two_nodes(tiny_edit, [out, out], config, hostfile, ("--max_steps", str(STEPS)))
     assert [r["loss"] for r in metrics(out)] == four_process_losses
-    summary = (out / "summary.json").read_text()
-    assert '"world_size": 4' in summary
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    assert len(summary["replica_digests"]) == 4 and len(set(summary["replica_digests"])) == 1
     assert "[rank 3 node 1]" in logs[1]  # other ranks' lines carry their rank and node
 
 
