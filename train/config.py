@@ -72,6 +72,26 @@ class DataConfig:
     """Pin host memory of batches (ignored on CPU)."""
     shuffle: bool = True
     """Shuffle each epoch (DistributedSampler, seeded by train.seed, reseeded per epoch)."""
+    cache: str = field(default="off", metadata=choice("off", "auto", "require"))
+    """Precomputed latents and prompt embeddings: off encodes online; auto builds the cache when it is missing
+    (python -m train.cache) and trains from it; require trains from it and stops when it is missing or stale."""
+    cache_dir: str = ""
+    """Where the cache lives; "" = OUTPUT/cache."""
+    buckets: bool = True
+    """Group samples by target and reference shapes so every micro-batch has one shape (micro-batch > 1)."""
+    category_weights: dict[str, float] = field(default_factory=dict)
+    """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing."""
+    category_rules: dict[str, str] = field(default_factory=dict)
+    """{category: regular expression}: rows without a `category` value get the first category whose expression
+    matches the prompt."""
+    normalize_prompts: bool = True
+    """Unicode NFC and collapsed whitespace in prompts before encoding."""
+    prompt_mapping: str = ""
+    """JSON file {"phrase": "replacement"} applied to prompts (whole words, case-insensitive); "" = none."""
+    blocked_terms: str = ""
+    """Text file, one term per line; prompts containing one are handled by blocked_policy; "" = none."""
+    blocked_policy: str = field(default="drop", metadata=choice("drop", "keep"))
+    """drop: rows whose prompt has a blocked term are left out (counted in the report); keep: only reported."""
 
 
 @dataclass
@@ -133,6 +153,8 @@ class OutputConfig:
     """Complete checkpoints to keep; older ones are deleted after each save (0 = keep all)."""
     tensorboard: bool = True
     """Write tensorboard scalars under output/tensorboard."""
+    gpu_monitor_interval_s: float = 5.0
+    """Seconds between samples of per-GPU memory and utilisation (nvidia-ml-py) into the metrics; 0 = off."""
 
 
 @dataclass
@@ -144,6 +166,32 @@ class ParallelConfig:
 
 
 @dataclass
+class InferenceConfig:
+    num_inference_steps: int = 40
+    """Denoising steps of the edit pipeline (validation images and train.infer)."""
+    true_cfg_scale: float = 4.0
+    """Classifier-free guidance scale of the pipeline; 1.0 = no guidance (one transformer pass per step)."""
+    negative_prompt: str = " "
+    """Negative prompt used when true_cfg_scale > 1."""
+    area: int = 1024 * 1024
+    """Pixel area of generated images and of the references as the pipeline sees them."""
+    vae_tiling: bool = False
+    """Decode in tiles (less memory at large sizes)."""
+    vae_slicing: bool = False
+    """Decode a batch one image at a time."""
+    cpu_offload: str = field(default="none", metadata=choice("none", "model", "sequential"))
+    """Move idle components to the CPU: model (whole components) or sequential (layers; slowest, least memory)."""
+
+
+@dataclass
+class ValidationConfig:
+    file: str = ""
+    """jsonl of validation edits (edit_image, prompt, optional seed), paths relative to its folder; "" = off."""
+    every_steps: int = 0
+    """Validation cadence in optimizer steps; 0 = only at the end (when file is set)."""
+
+
+@dataclass
 class ProjectConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -151,6 +199,8 @@ class ProjectConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 @dataclass
@@ -175,6 +225,9 @@ class Config:
 
 def _type_ok(value, hint) -> bool:
     origin = typing.get_origin(hint)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,41 @@ def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
     ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"])
     cond = conditioning.Conditioning(embeds, mask, ref_tokens, ref_shapes)
     return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
+
+
+class OnlineSource:
+    """Micro-batches read by the DataLoader and encoded here by the frozen encoders.
+
+    The loop takes any source with this shape: len() = micro-batches per epoch, start_epoch(epoch, skip)
+    before each epoch (skip = micro-batches of it already trained, on resume), iteration yielding `Batch`es on
+    the training device, and take_wait_s() = seconds spent blocked on input since the last call.
+    """
+
+    def __init__(self, loader, encoders: Encoders, variant: str, micro_batch_size: int):
+        self.loader, self.encoders, self.variant, self.micro_batch_size = loader, encoders, variant, micro_batch_size
+        self._wait_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def start_epoch(self, epoch: int, skip: int) -> None:
+        self.loader.sampler.set_epoch(epoch)
+        self.loader.sampler.skip_next(skip * self.micro_batch_size)
+
+    def take_wait_s(self) -> float:
+        wait, self._wait_s = self._wait_s, 0.0
+        return wait
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                raw = next(it)
+            except StopIteration:
+                return
+            self._wait_s += time.perf_counter() - t0
+            yield encode_batch(raw, self.encoders, self.variant)
 
 
 def forward_loss(model, b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict,
@@ -102,23 +139,27 @@ def start_position(start_step: int, gas: int, batches_per_epoch: int) -> tuple[i
     return divmod(start_step * gas, batches_per_epoch)
 
 
-def train(cfg: Config, d: Dist, engine, encoders: Encoders, loader, variant: str, scheduler_cfg: dict, metrics,
-          trainer_state: dict, start_step: int = 0) -> int:
-    """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end."""
+def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, trainer_state: dict,
+          start_step: int = 0, after_step: Callable[[int], None] | None = None) -> int:
+    """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end.
+
+    `source` yields encoded micro-batches (see OnlineSource); `after_step(step)` runs after every optimizer
+    step, its log and its save (validation hooks in here).
+    """
     t, out = cfg.project.train, cfg.project.output
     dtype = getattr(torch, cfg.precision)
     gas = cfg.deepspeed["gradient_accumulation_steps"]
-    epoch, taken = start_position(start_step, gas, len(loader))
-    loader.sampler.skip_next(taken * cfg.micro_batch_size)  # resume inside the epoch where it stopped
+    epoch, taken = start_position(start_step, gas, len(source))  # resume inside the epoch where it stopped
     step, last_logged, micro, skipped = start_step, start_step, 0, 0
     window_loss, window_steps = torch.zeros((), device=d.device), 0
     step_loss = torch.zeros((), device=d.device)
     speed = Throughput()
     engine.train()
+    source.take_wait_s()
     while step < t.max_steps:
-        loader.sampler.set_epoch(epoch)
-        for raw in loader:
-            batch = encode_batch(raw, encoders, variant)
+        source.start_epoch(epoch, taken)
+        taken = 0
+        for batch in source:
             generator = micro_batch_generator(t.seed, step, micro, cfg, d, d.device)
             try:
                 faults.maybe_oom(step + 1)
@@ -151,14 +192,18 @@ def train(cfg: Config, d: Dist, engine, encoders: Encoders, loader, variant: str
                     )
             step_loss.zero_()
             if should_log(step, cfg) and window_steps:
+                elapsed = speed.elapsed()
                 record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(window_loss / window_steps),
                           "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": skipped,
+                          "data_wait_fraction": source.take_wait_s() / elapsed,
                           **speed.read(step - last_logged), "peak_memory_gb": peak_memory_gb(d.device)}
                 metrics.log(record)
                 window_loss.zero_()
                 window_steps, last_logged = 0, step
             if should_save(step, cfg):
                 checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
+            if after_step is not None:
+                after_step(step)
             if step >= t.max_steps:
                 break
         epoch += 1

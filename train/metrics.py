@@ -116,8 +116,11 @@ class Throughput:
         self.samples += samples
         self.tokens += tokens
 
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.t0, 1e-9)
+
     def read(self, steps: int) -> dict:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        elapsed = self.elapsed()
         out = {"step_time_s": elapsed / max(steps, 1), "samples_per_s": self.samples / elapsed,
                "tokens_per_s": self.tokens / elapsed}
         self.__init__()
