@@ -36,16 +36,16 @@ def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
     return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
 
 
-class OnlineSource:
-    """Micro-batches read by the DataLoader and encoded here by the frozen encoders.
+class LoaderSource:
+    """Micro-batches read by a DataLoader and turned into `Batch`es by `to_batch` (e.g. the frozen encoders).
 
     The loop takes any source with this shape: len() = micro-batches per epoch, start_epoch(epoch, skip)
     before each epoch (skip = micro-batches of it already trained, on resume), iteration yielding `Batch`es on
     the training device, and take_wait_s() = seconds spent blocked on input since the last call.
     """
 
-    def __init__(self, loader, encoders: Encoders, variant: str, micro_batch_size: int):
-        self.loader, self.encoders, self.variant, self.micro_batch_size = loader, encoders, variant, micro_batch_size
+    def __init__(self, loader, to_batch: Callable[[dict], Batch], micro_batch_size: int):
+        self.loader, self.to_batch, self.micro_batch_size = loader, to_batch, micro_batch_size
         self._wait_s = 0.0
 
     def __len__(self) -> int:
@@ -68,7 +68,12 @@ class OnlineSource:
             except StopIteration:
                 return
             self._wait_s += time.perf_counter() - t0
-            yield encode_batch(raw, self.encoders, self.variant)
+            yield self.to_batch(raw)
+
+
+def online_source(loader, encoders: Encoders, variant: str, micro_batch_size: int) -> LoaderSource:
+    """Images from the loader, encoded on the fly by the frozen encoders."""
+    return LoaderSource(loader, lambda raw: encode_batch(raw, encoders, variant), micro_batch_size)
 
 
 def forward_loss(model, b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict,

@@ -85,7 +85,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
                else NullMetrics())
     try:
-        source = loop.OnlineSource(loader, encoders, variant, cfg.micro_batch_size)
+        source = loop.online_source(loader, encoders, variant, cfg.micro_batch_size)
         steps = loop.train(cfg, d, eng, source, models.scheduler_config(p.model.path), metrics, trainer_state,
                            start_step)
     finally:
