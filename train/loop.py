@@ -148,7 +148,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
           start_step: int = 0, after_step: Callable[[int], None] | None = None) -> int:
     """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end.
 
-    `source` yields encoded micro-batches (see OnlineSource); `after_step(step)` runs after every optimizer
+    `source` yields encoded micro-batches (see LoaderSource); `after_step(step)` runs after every optimizer
     step, its log and its save (validation hooks in here).
     """
     t, out = cfg.project.train, cfg.project.output
