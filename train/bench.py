@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import conditioning, engine, loop, models
+from train import conditioning, engine, fp8, loop, models
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
 from train.metrics import prefix_rank_output
@@ -107,8 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", choices=("none", "full"), default="none",
                    help="full: recompute every transformer block in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--fp8_base", action="store_true",
+                   help="the project's step with the frozen block weights in fp8 (train.fp8_base; the baseline "
+                        "stays bf16, so --baseline compares the curves)")
     p.add_argument("--text_mask", action="store_true",
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
+    p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
+                   help="zero_optimization.stage of the engine (default 2, as ds_configs/zero2.json)")
+    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--baseline", action="store_true", help="also time a plain PyTorch LoRA loop, print the ratio")
@@ -134,6 +140,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--num_layers applies to the full architecture, not --tiny")
     if args.num_layers is not None and args.num_layers < 1:
         parser.error("--num_layers must be >= 1")
+    if args.fp8_base and args.mode != "lora":
+        parser.error("--fp8_base needs --mode lora (a frozen base)")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
 
@@ -294,7 +302,7 @@ def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": dtype == torch.bfloat16},
-        "zero_optimization": {"stage": 2, "overlap_comm": has_gpu, "contiguous_gradients": True,
+        "zero_optimization": {"stage": args.zero_stage, "overlap_comm": has_gpu, "contiguous_gradients": True,
                               "reduce_scatter": True, "reduce_bucket_size": 200_000_000,
                               "allgather_bucket_size": 200_000_000},
         "optimizer": {"type": "AdamW",
@@ -340,22 +348,47 @@ class Phase:
 
     s_per_step: float
     peak_memory_gb: float
-    last_loss: float
+    losses: list[float]  # every step's loss, warm-up included (same seeds in both loops: comparable curves)
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[-1]
 
 
 def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device) -> Phase:
     """Run `warmup` untimed steps, then time `steps` with the device synchronised around the timed region."""
     reset_peak_memory(device)
-    for i in range(warmup):
-        step(i)
+    losses = [step(i) for i in range(warmup)]  # kept on the device: no sync inside the timed region
     _sync(device)
     engine.barrier()
     start = time.perf_counter()
-    for i in range(warmup, warmup + steps):
-        loss = step(i)
+    losses += [step(i) for i in range(warmup, warmup + steps)]
     _sync(device)
     elapsed = (time.perf_counter() - start) / steps
-    return Phase(max_over_ranks(elapsed, device), max_over_ranks(peak_memory_gb(device), device), float(loss))
+    return Phase(max_over_ranks(elapsed, device), max_over_ranks(peak_memory_gb(device), device),
+                 [float(x) for x in losses])
+
+
+def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
+    """torch.profiler over 3 more steps; writes the op table (by device time) and the device-busy share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(first, first + 3):
+            step(i)
+        _sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"wall {wall / 3:.4f} s/step under the profiler; device kernels {busy_us / 3e6:.4f} s/step "
+                f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n")
+        f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
 # ---------------------------------------------------------------- the two loops
@@ -384,27 +417,23 @@ def run_project(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Di
     eng, _ = engine.build_engine(model, cfg.deepspeed)
     eng.train()
     try:
-        return time_steps(project_step(eng, b, cfg, d, dtype), args.warmup, args.steps, d.device)
+        step = project_step(eng, b, cfg, d, dtype)
+        phase = time_steps(step, args.warmup, args.steps, d.device)
+        if args.profile and d.is_main:
+            profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.project.txt")
+        return phase
     except torch.cuda.OutOfMemoryError as e:
         raise RuntimeError(oom_hint(w)) from e
 
 
-def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimizer,
-                  dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
-    """Plain PyTorch: rectified-flow input, forward under bf16 autocast, MSE on target tokens, step."""
-    device, batch_size = b.x0.device, b.x0.shape[0]
-    shapes = conditioning.img_shapes(b.target_hw, b.cond.reference_shapes, batch_size)
-
+def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimizer, cfg: Config,
+                  d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    """Plain PyTorch: the same loss (same noise and timesteps per step as the project's step) on the bare
+    model under bf16 autocast, loss.backward(), AdamW step, zero_grad."""
     def step(i: int) -> torch.Tensor:
-        g = torch.Generator(device).manual_seed(SEED + i)
-        s = torch.rand(batch_size, generator=g, device=device)
-        noise = torch.randn(b.x0.shape, generator=g, device=device)
-        x_t = (1 - s.view(-1, 1, 1)) * b.x0 + s.view(-1, 1, 1) * noise
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            pred = model(hidden_states=torch.cat([x_t.to(dtype), b.cond.reference_tokens.to(dtype)], dim=1),
-                         timestep=s.to(dtype), encoder_hidden_states=b.cond.prompt_embeds.to(dtype),
-                         encoder_hidden_states_mask=b.cond.prompt_mask, img_shapes=shapes, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred[:, : b.x0.shape[1]].float(), noise - b.x0)
+        generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
+        with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = loop.forward_loss(model, b, cfg, generator, SCHEDULER_CONFIG, dtype)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -413,20 +442,29 @@ def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimi
     return step
 
 
-def run_baseline(model: torch.nn.Module, b: loop.Batch, dtype: torch.dtype, args: argparse.Namespace,
-                 w: Workload) -> Phase:
-    """Time the plain loop (LoRA parameters in fp32), then free its optimizer state and gradients."""
+def run_baseline(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
+                 args: argparse.Namespace, w: Workload) -> Phase:
+    """Time the plain loop (LoRA parameters in fp32), then put the LoRA weights back to their initial values
+    (so the project's loop starts from the same point) and free the optimizer state and gradients."""
     params = [p for p in model.parameters() if p.requires_grad]
+    initial = [p.detach().clone() for p in params]
     for p in params:
         p.data = p.data.float()
-    opt = torch.optim.AdamW(params, lr=LR, fused=b.x0.device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=b.x0.device.type == "cuda")
     try:
-        return time_steps(baseline_step(model, b, opt, dtype), args.warmup, args.steps, b.x0.device)
+        step = baseline_step(model, b, opt, cfg, d, dtype)
+        phase = time_steps(step, args.warmup, args.steps, b.x0.device)
+        if args.profile and d.is_main:
+            profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.baseline.txt")
+        return phase
     except torch.cuda.OutOfMemoryError as e:
         raise RuntimeError(oom_hint(w)) from e
     finally:
         opt.zero_grad(set_to_none=True)
         del opt
+        with torch.no_grad():
+            for p, p0 in zip(params, initial, strict=True):
+                p.data = p0
         reset_peak_memory(b.x0.device)
 
 
@@ -459,19 +497,27 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "mfu": mfu(flops, project.s_per_step, world, args.peak_tflops), "flops_per_step": flops,
         "peak_memory_gb": project.peak_memory_gb,
         "peak_memory_source": "torch.cuda.max_memory_allocated" if d.device.type == "cuda" else "ru_maxrss",
-        "last_loss": project.last_loss, "area": args.area, "width": w.width, "height": w.height, "refs": w.refs,
+        "last_loss": project.last_loss, "losses": project.losses,
+        "area": args.area, "width": w.width, "height": w.height, "refs": w.refs,
         "target_tokens": w.target_tokens, "reference_tokens": w.reference_tokens, "text_tokens": w.text_tokens,
         "tokens_per_sample": w.tokens_per_sample, "micro_batch": w.micro_batch, **model_info,
         "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
+        "zero_stage": args.zero_stage, "fp8_base": args.fp8_base,
         "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
         "peak_tflops_per_gpu": args.peak_tflops, **machine(d),
     }
     if baseline is not None:
         record.update(baseline_s_per_step=baseline.s_per_step, baseline_samples_per_s=w.micro_batch * world
                       / baseline.s_per_step, baseline_mfu=mfu(flops, baseline.s_per_step, world, args.peak_tflops),
-                      baseline_peak_memory_gb=baseline.peak_memory_gb, ratio=baseline.s_per_step / project.s_per_step)
+                      baseline_peak_memory_gb=baseline.peak_memory_gb, ratio=baseline.s_per_step / project.s_per_step,
+                      baseline_losses=baseline.losses, loss_max_rel_diff=max_rel_diff(project.losses, baseline.losses))
     return record
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    """Largest |a_i - b_i| / |b_i| over two loss curves of the same steps and seeds."""
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
 def format_report(r: dict) -> str:
@@ -486,6 +532,7 @@ def format_report(r: dict) -> str:
         f"model       {r['model']}, {r['num_layers']} blocks, {r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
+        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
         f"s/step      {r['s_per_step']:.4f}",
         f"samples/s   {r['samples_per_s']:.3f} (global)",
@@ -497,7 +544,9 @@ def format_report(r: dict) -> str:
     if "ratio" in r:
         lines += [f"baseline    {r['baseline_s_per_step']:.4f} s/step, MFU {100 * r['baseline_mfu']:.2f}%, peak "
                   f"{r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + peft LoRA, AdamW)",
-                  f"ratio       baseline / project = {r['ratio']:.3f} (> 1: the project's step is faster)"]
+                  f"ratio       baseline / project = {r['ratio']:.3f} (> 1: the project's step is faster)",
+                  f"losses      same seeds, {len(r['losses'])} steps each: largest relative difference "
+                  f"{r['loss_max_rel_diff']:.2e}"]
     if r["device_type"] != "cuda":
         lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
                      "meaningful here; this mode checks that the benchmark runs")
@@ -519,8 +568,12 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
                      args.compile)
     model_info["trainable_params"] = trainable_count(model)
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
-    baseline = run_baseline(model, b, dtype, args, w) if args.baseline else None
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
+    baseline = run_baseline(model, b, cfg, d, dtype, args, w) if args.baseline else None
+    if args.fp8_base:  # after the baseline, which runs the bf16 base
+        models.check_fp8_device()
+        fp8.convert_frozen_linears(model)
+        reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
     return make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from train import prompts
 
 PROJECT_KEY = "qwen_edit"
 
@@ -71,16 +75,18 @@ class DataConfig:
     pin_memory: bool = True
     """Pin host memory of batches (ignored on CPU)."""
     shuffle: bool = True
-    """Shuffle each epoch (DistributedSampler, seeded by train.seed, reseeded per epoch)."""
+    """Shuffle each epoch (seeded by train.seed and the epoch; off = a fixed order; see train/sampling.py)."""
     cache: str = field(default="off", metadata=choice("off", "auto", "require"))
     """Precomputed latents and prompt embeddings: off encodes online; auto builds the cache when it is missing
-    (python -m train.cache) and trains from it; require trains from it and stops when it is missing or stale."""
+    (as python -m train.cache does) and trains from it; require trains from it and stops when it is missing.
+    Both refuse a stale cache (built for another model, area, template, data ...) with the reason."""
     cache_dir: str = ""
-    """Where the cache lives; "" = OUTPUT/cache."""
+    """Where the cache lives (on a file system every node sees); "" = OUTPUT/cache."""
     buckets: bool = True
     """Group samples by target and reference shapes so every micro-batch has one shape (micro-batch > 1)."""
     category_weights: dict[str, float] = field(default_factory=dict)
-    """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing."""
+    """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing.
+    Every category in the data needs a weight ("" = rows without a category; 0 leaves a category out)."""
     category_rules: dict[str, str] = field(default_factory=dict)
     """{category: regular expression}: rows without a `category` value get the first category whose expression
     matches the prompt."""
@@ -137,6 +143,9 @@ class TrainConfig:
     """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
     compile: bool = False
     """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
+    fp8_base: bool = False
+    """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
+    (GPUs with compute capability >= 8.9); changes the frozen model slightly (train/fp8.py)."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
 
@@ -160,9 +169,19 @@ class OutputConfig:
 @dataclass
 class ParallelConfig:
     mode: str = field(default="zero2", metadata=choice("zero2", "model_parallel"))
-    """zero2: data parallel with ZeRO; model_parallel: encoder and decoder on separate GPUs (not built yet)."""
+    """zero2: data parallel with ZeRO; model_parallel: encoder and decoder stages on separate GPUs, pipelined
+    (docs/model_parallel.md)."""
     collective_timeout_s: int = 600
     """Seconds a collective may wait for a dead or stuck rank before every process stops with an error."""
+    stages: list[str] = field(default_factory=lambda: ["cuda:0", "cuda:1"])
+    """model_parallel: the device of each stage of one pipeline, the encoder's first, then the decoder stage(s);
+    one process per stage. Replica j on a node adds j x len(stages) to each index. Without GPUs every stage runs
+    on the CPU."""
+    decoder_cuts: list[int] = field(default_factory=list)
+    """model_parallel: transformer block indices where the decoder is cut over the decoder devices (one fewer than
+    them), e.g. [30] with 3 stages runs blocks 0-29 and 30-59 on stages 2 and 3; [] = one decoder stage."""
+    queue_depth: int = 2
+    """model_parallel: encoded micro-batches that may wait for the decoder (the bounded queue between stages)."""
 
 
 @dataclass
@@ -175,6 +194,8 @@ class InferenceConfig:
     """Negative prompt used when true_cfg_scale > 1."""
     area: int = 1024 * 1024
     """Pixel area of generated images and of the references as the pipeline sees them."""
+    condition_area: int = 384 * 384
+    """Pixel area of the reference copies the VL encoder sees (2509 only), as data.condition_area in training."""
     vae_tiling: bool = False
     """Decode in tiles (less memory at large sizes)."""
     vae_slicing: bool = False
@@ -267,6 +288,44 @@ def _build(cls, data, path: str, problems: list[str]):
     return cls(**values)
 
 
+def _check_cache(cfg: ProjectConfig, problems: list[str]) -> None:
+    """The latent/embedding cache settings (whether a cache is present and fresh is checked by train.cache)."""
+    if not (cfg.data.cache_dir or cfg.output.dir):
+        return  # output.dir's own problem is reported
+    where = Path(cfg.data.cache_dir or Path(cfg.output.dir) / "cache")
+    if where.exists() and not where.is_dir():
+        key = "data.cache_dir" if cfg.data.cache_dir else "output.dir"
+        problems.append(f"{PROJECT_KEY}.{key}: the cache directory {str(where)!r} is a file; point "
+                        f"{PROJECT_KEY}.data.cache_dir at a directory (\"\" = OUTPUT/cache)")
+
+
+def _check_sampling(cfg: ProjectConfig, problems: list[str]) -> None:
+    """Category balancing and the prompt-processing files (train/sampling.py, train/prompts.py)."""
+    d, p = cfg.data, f"{PROJECT_KEY}.data"
+    for name, weight in d.category_weights.items():
+        if not (math.isfinite(weight) and weight >= 0):
+            problems.append(f"{p}.category_weights[{name!r}]: must be a number >= 0 (0 leaves the category out), "
+                            f"got {weight}")
+    if d.category_weights and not any(w > 0 for w in d.category_weights.values()):
+        problems.append(f"{p}.category_weights: every weight is 0; give at least one category a weight > 0, "
+                        "or set it to {} for no balancing")
+    for name, expr in d.category_rules.items():
+        try:
+            re.compile(expr)
+        except re.error as e:
+            problems.append(f"{p}.category_rules[{name!r}]: {expr!r} is not a regular expression ({e}); "
+                            "fix it (Python re syntax)")
+    for key, load in {"prompt_mapping": prompts.load_mapping, "blocked_terms": prompts.load_blocked_terms}.items():
+        path = getattr(d, key)
+        if path and not Path(path).is_file():
+            problems.append(f"{p}.{key}: {path!r} is not a file; fix the path or set it to \"\" (none)")
+        elif path:
+            try:
+                load(path)
+            except ValueError as e:
+                problems.append(f"{p}.{key}: {e}")
+
+
 def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     p = PROJECT_KEY
     if not cfg.model.path:
@@ -310,12 +369,104 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
                         "Set train.mode to \"lora\" or init_from to \"\"")
     if cfg.train.mode == "lora" and not cfg.lora.target_modules:
         problems.append(f"{p}.lora.target_modules: empty; name at least one module, e.g. \"attn.to_q\"")
+    if cfg.train.fp8_base and cfg.train.mode != "lora":
+        problems.append(f"{p}.train.fp8_base: needs a frozen base; set train.mode to \"lora\" or fp8_base to false")
     if cfg.train.shift < 0:
         problems.append(f"{p}.train.shift: must be >= 0 (0 = the scheduler's dynamic shift)")
     if cfg.train.logit_std <= 0:
         problems.append(f"{p}.train.logit_std: must be > 0")
-    if cfg.parallel.mode == "model_parallel":
-        problems.append(f"{p}.parallel.mode: 'model_parallel' is not available yet; use 'zero2'")
+    _check_inference(cfg, problems)
+    _check_cache(cfg, problems)
+    _check_sampling(cfg, problems)
+
+
+def _check_inference(cfg: ProjectConfig, problems: list[str]) -> None:
+    """The inference section (validation images and train.infer), the validation file, the GPU monitor."""
+    p, inf, val = PROJECT_KEY, cfg.inference, cfg.validation
+    if inf.num_inference_steps <= 0:
+        problems.append(f"{p}.inference.num_inference_steps: must be > 0, got {inf.num_inference_steps}")
+    if inf.true_cfg_scale < 1:
+        problems.append(f"{p}.inference.true_cfg_scale: must be >= 1 (1.0 = no guidance), got {inf.true_cfg_scale}")
+    for key, value in {"inference.area": inf.area, "inference.condition_area": inf.condition_area}.items():
+        if value < 32 * 32:
+            problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+    if val.every_steps < 0:
+        problems.append(f"{p}.validation.every_steps: must be >= 0 (0 = only at the end)")
+    if val.every_steps and not val.file:
+        problems.append(f"{p}.validation.every_steps: {val.every_steps}, but validation.file is \"\"; set "
+                        "validation.file to a jsonl of edits, or every_steps to 0")
+    if val.file:
+        problems.extend(f"{p}.validation.file: {msg}" for msg in _validation_file_problems(Path(val.file)))
+    if cfg.output.gpu_monitor_interval_s < 0:
+        problems.append(f"{p}.output.gpu_monitor_interval_s: must be >= 0 (0 = off)")
+
+
+def _validation_file_problems(path: Path, limit: int = 5) -> list[str]:
+    """Problems of a validation jsonl: it must exist, every row parse, and every image it names exist."""
+    if not path.is_file():
+        return [f"{str(path)!r} does not exist; point it at a jsonl of {{\"edit_image\": ..., \"prompt\": ...}} rows"]
+    problems, rows = [], 0
+    for n, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        rows += 1
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            problems.append(f"{path} line {n}: not valid JSON ({e.msg})")
+            continue
+        refs = row.get("edit_image") if isinstance(row, dict) else None
+        refs = [refs] if isinstance(refs, str) else refs
+        if not refs or not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+            problems.append(f"{path} line {n}: needs 'edit_image' (a path or a list of paths) and 'prompt'")
+        elif not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            problems.append(f"{path} line {n}: empty or missing 'prompt'")
+        else:
+            problems.extend(f"{path} line {n}: image {r!r} not found (paths are relative to the file's folder)"
+                            for r in refs if not (path.parent / r).is_file())
+    if not rows:
+        problems.append(f"{path} has no rows")
+    return problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
+
+
+def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
+    """The project section of a JSON config for train.infer (defaults without a file); only the inference
+    section, the validation file and the GPU monitor interval are checked. Raises ConfigError."""
+    if path is None:
+        return ProjectConfig()
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError([f"--config: cannot read {path} as JSON ({e})"]) from e
+    problems: list[str] = []
+    project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else raw, PROJECT_KEY, problems)
+    _check_inference(project, problems)
+    if problems:
+        raise ConfigError(problems)
+    return project
+
+
+def _check_parallel(cfg: ProjectConfig, problems: list[str], world_size: int, num_gpus: int | None = None,
+                    fp16: bool = False) -> None:
+    """The model-parallel placement: device names, cuts, world size; devices against `num_gpus` when known."""
+    if cfg.parallel.mode != "model_parallel":
+        return
+    from model_parallel.plan import PlanError, build_plan
+
+    key = f"{PROJECT_KEY}.parallel"
+    if cfg.parallel.queue_depth < 1:
+        problems.append(f"{key}.queue_depth: must be >= 1, got {cfg.parallel.queue_depth}")
+    if fp16 and cfg.parallel.decoder_cuts:
+        problems.append(f"{key}.decoder_cuts: fp16's loss scaling is not carried across a cut; use bf16")
+    num_blocks = 10**9  # unknown until the model is readable; then the transformer's block count
+    config_file = Path(cfg.model.path) / "transformer" / "config.json"
+    if cfg.model.path and config_file.is_file():
+        num_blocks = json.loads(config_file.read_text()).get("num_layers", 60)
+    try:
+        build_plan(cfg.parallel.stages, cfg.parallel.decoder_cuts, world_size, num_blocks, num_gpus or 0)
+    except PlanError as e:
+        problems.append(str(e))
 
 
 def _section(parent: dict, key: str, name: str, problems: list[str]) -> dict:
@@ -391,8 +542,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool) -> Config:
-    """Read, override, validate and resolve; raises ConfigError listing every problem."""
+def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gpus: int | None = None) -> Config:
+    """Read, override, validate and resolve; raises ConfigError listing every problem. `num_gpus` (GPUs of this
+    node, None = unknown) checks the model-parallel devices."""
     path = Path(args.ds_config)
     if not path.is_file():
         raise ConfigError([f"--ds_config: {str(path)!r} does not exist; pass a file such as ds_configs/zero2.json"])
@@ -412,6 +564,8 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool) -> Con
             section, name = dotted.split(".")
             setattr(getattr(project, section), name, value)
     _check_project(project, problems)
+    _check_parallel(project, problems, world_size, num_gpus if has_gpu else 0,
+                    fp16=bool(isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled")))
     _check_deepspeed(raw, world_size, project.train.max_steps, problems)
     if problems:
         raise ConfigError(problems)

@@ -17,17 +17,21 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from train import checkpoint, config, data, engine, loop, lora_io, models
+from train import cache, checkpoint, config, data, engine, gpumon, loop, lora_io, models, prompts, validation
 from train.metrics import Metrics, NullMetrics, prefix_rank_output, print0
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     p = cfg.project
+    processor = prompts.PromptProcessor.from_config(p.data)
     rows = data.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
-                          report_path=Path(p.output.dir) / "bad_rows.txt")
+                          report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
+                          category_rules=p.data.category_rules)
     dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area)
     loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
-                               p.data.num_workers, p.data.pin_memory, p.data.shuffle)
+                               p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
+                               category_weights=p.data.category_weights)
+    print0(f"{processor.report.summary()}\n{loader.batch_sampler.summary()}", rank=d.rank)
     return rows, loader
 
 
@@ -35,18 +39,21 @@ def build_transformer(cfg: config.Config):
     p = cfg.project
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
-    models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile)
+    models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile,
+                                p.train.fp8_base)
     if p.train.mode == "lora" and p.lora.init_from:
         report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
         print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
     return transformer
 
 
-def encoder_dtype(cfg: config.Config, d: engine.Dist) -> torch.dtype:
-    name = cfg.project.model.encoder_dtype
-    if name == "auto":
-        name = "bfloat16" if d.device.type == "cuda" else "float32"
-    return getattr(torch, name)
+def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row], loader) -> loop.LoaderSource:
+    """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online."""
+    if cfg.project.data.cache != "off":
+        return cache.cached_source(cfg, d, variant, rows, loader.dataset)
+    p = cfg.project
+    encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
+    return loop.online_source(loader, encoders, variant, cfg.micro_batch_size)
 
 
 def write_summary(out_dir: str, summary: dict) -> None:
@@ -74,7 +81,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
         Metrics.truncate(p.output.dir, start_step)  # drop records of steps that will be trained again
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant}, world size {d.world_size}, precision {cfg.precision}", rank=d.rank)
-    encoders = models.load_encoders(p.model.path, encoder_dtype(cfg, d), d.device)
+    source = build_source(cfg, d, variant, rows, loader)
     transformer = build_transformer(cfg)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
@@ -82,20 +89,23 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
         print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
-    metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
+    monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
+    metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
                else NullMetrics())
     try:
-        source = loop.online_source(loader, encoders, variant, cfg.micro_batch_size)
+        hook = validation.build_hook(cfg, d, eng.module, getattr(source, "encoders", None), metrics, start_step)
         steps = loop.train(cfg, d, eng, source, models.scheduler_config(p.model.path), metrics, trainer_state,
-                           start_step)
+                           start_step, after_step=hook)
     finally:
         metrics.close()
+        gpus = monitor.stop()
+    gpus = gpumon.gather_summaries(gpus)
     digests = loop.replica_digests(eng.module)
     if len(set(digests)) != 1:
         raise RuntimeError(f"trainable weights differ between ranks after training: {digests}")
     if d.is_main:
         write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
-                                     "replica_digests": digests})
+                                     "replica_digests": digests, "gpus": gpus})
         export_dir = Path(p.output.dir) / "export"
         if p.train.mode == "lora":
             path = checkpoint.export_lora(eng.module, export_dir, p.lora.alpha, p.lora.rank)
@@ -106,7 +116,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns the process exit code: 0 done, 2 bad configuration, data or resume point."""
+    """Returns the process exit code: 0 done, 2 bad configuration, data, cache or resume point."""
     prefix_rank_output()
     args = config.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         run(cfg, d, args.resume)
-    except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError) as e:  # alike on every rank
+    except (data.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from train import conditioning
+from train import conditioning, fp8
 from train.config import LoraConfig, ModelConfig
 
 
@@ -40,6 +40,13 @@ class Encoders:
     text_encoder: torch.nn.Module
     processor: object
     vae: torch.nn.Module
+
+
+def encoder_dtype(name: str, device: torch.device) -> torch.dtype:
+    """qwen_edit.model.encoder_dtype resolved for `device`: auto = bfloat16 on GPU, float32 on CPU."""
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return getattr(torch, name)
 
 
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Encoders:
@@ -85,10 +92,14 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 
 
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
-                         compile_blocks: bool) -> None:
-    """LoRA on a frozen base or every weight trainable; then activation checkpointing and compiled blocks."""
+                         compile_blocks: bool, fp8_base: bool = False) -> None:
+    """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then activation checkpointing
+    and compiled blocks."""
     if mode == "lora":
         add_lora(transformer, lora)
+        if fp8_base:
+            check_fp8_device()
+            fp8.convert_frozen_linears(transformer)
     else:
         transformer.requires_grad_(True)
     if gradient_checkpointing:
@@ -96,6 +107,14 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     if compile_blocks:
         for block in transformer.transformer_blocks:
             block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
+
+
+def check_fp8_device() -> None:
+    """fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer on CUDA; CPUs run them (slowly)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        name = torch.cuda.get_device_name()
+        raise ValueError(f"qwen_edit.train.fp8_base: {name} has no fp8 matmuls (needs compute capability >= 8.9); "
+                         "set fp8_base to false")
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,0 +1,122 @@
+"""Frozen base weights in float8 (LoRA only): half the weight memory, and fp8 matmuls on GPUs that have them.
+
+`train.fp8_base = true` replaces each frozen nn.Linear inside the transformer blocks by `Float8FrozenLinear`:
+the weight is stored as float8 e4m3 with one fp32 scale per output row (absmax / 448). Two kinds:
+
+- token linears (attention q/k/v/out of both streams, both MLPs): y = x W^T with x quantised to e4m3 per row
+  (dynamic absmax scale) and `torch._scaled_mm` (rowwise scales, bf16 out). The input gradient
+  dx = dy W = (dy * s) W8 is computed the same way, with the per-row weight scale s folded into dy before it is
+  quantised, so per-row weight scales serve both directions. The weight gets no gradient (it is frozen).
+- modulation linears (img_mod / txt_mod: one vector per sample, 1/3 of the block weights): weight-only, W8 is
+  dequantised to the activation dtype for each call (a matrix-vector product; the matmul is not the cost).
+
+Embedding and output layers (img_in, txt_in, proj_out, norm_out, time embedding) stay in the model dtype. The
+LoRA branch (peft wraps the base layer; we swap the base layer under it) keeps its own dtype. Quantisation
+changes the frozen model a little (e4m3 keeps 3 mantissa bits); docs/performance.md reports the effect on the
+loss curve next to the speed and memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# Name suffixes (inside transformer_blocks.N.) of the linears converted, and how.
+TOKEN_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                 "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                 "txt_mlp.net.2")
+VECTOR_LINEARS = ("img_mod.1", "txt_mod.1")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x ~= q * scale, absmax per row."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def scaled_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) high precision @ b_t^T where b_t (N, K) is e4m3 with per-row scales b_scale (N,)."""
+    a8, a_scale = quantize_rows(a)
+    return torch._scaled_mm(a8, b_t.t(), scale_a=a_scale, scale_b=b_scale.view(1, -1), out_dtype=out_dtype)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """y = x W^T for a frozen e4m3 weight with per-row scales; gradient for x only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale)
+        x2 = x.reshape(-1, x.shape[-1])
+        return scaled_matmul(x2, weight, scale, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weight, scale = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
+        # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major.
+        ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
+        grad_x = scaled_matmul(g2, weight.t().contiguous(), ones, grad_out.dtype)
+        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None
+
+
+class Float8FrozenLinear(torch.nn.Module):
+    """A frozen nn.Linear kept in e4m3 with per-output-row scales (see the module docstring for `kind`)."""
+
+    def __init__(self, linear: torch.nn.Linear, kind: str):
+        super().__init__()
+        if kind not in ("token", "vector"):
+            raise ValueError(f"kind must be 'token' or 'vector', got {kind!r}")
+        w = linear.weight.detach()
+        scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / E4M3_MAX
+        # Non-persistent: checkpoints hold trainable weights only, and exports never see these.
+        self.register_buffer("weight_fp8", (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3),
+                             persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight_fp8.float() * self.weight_scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "vector":
+            y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        else:
+            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, e4m3"
+
+
+def _kind(name: str) -> str | None:
+    if ".transformer_blocks." not in f".{name}":
+        return None
+    if name.endswith(TOKEN_LINEARS):
+        return "token"
+    if name.endswith(VECTOR_LINEARS):
+        return "vector"
+    return None
+
+
+def convert_frozen_linears(transformer: torch.nn.Module) -> int:
+    """Swap the blocks' frozen linears (peft's base_layer where LoRA wraps one) for Float8FrozenLinear in place;
+    returns how many were converted. Call after LoRA is added."""
+    targets = []
+    for name, module in transformer.named_modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, torch.nn.Linear) and not isinstance(module, torch.nn.Linear):
+            kind = _kind(name)  # a peft LoRA layer: keep the adapter, swap what it wraps
+            if kind:
+                targets.append((module, "base_layer", base, kind))
+        elif type(module) is torch.nn.Linear and ".lora_" not in name and not name.endswith(".base_layer"):
+            kind = _kind(name)
+            if kind:
+                parent_name, _, attr = name.rpartition(".")
+                targets.append((transformer.get_submodule(parent_name), attr, module, kind))
+    for parent, attr, linear, kind in targets:
+        if linear.weight.requires_grad:
+            raise ValueError("fp8 base weights need a frozen base (train.mode = 'lora')")
+        setattr(parent, attr, Float8FrozenLinear(linear, kind))
+    return len(targets)
