@@ -16,3 +16,46 @@ from train.engine import plain_arch_list
 def test_plain_arch_list(value, expected):
     """Arch-specific suffixes are dropped, +PTX kept, duplicates merged."""
     assert plain_arch_list(value) == expected
+
+
+def _fake_zero(grads: list) -> object:
+    """The attributes of DeepSpeedZeroOptimizer that the two gradient checks read (one group, world of one)."""
+    import types
+
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return types.SimpleNamespace(bit16_groups=[grads], averaged_gradients={0: grads}, device=torch.device("cpu"),
+                                 model_parallel_rank=0, dp_process_group=None,
+                                 _model_parallel_all_reduce=lambda tensor, op: None,
+                                 _has_inf_or_nan=DeepSpeedZeroOptimizer._has_inf_or_nan)
+
+
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_multi_tensor_grad_checks_equal_deepspeeds(monkeypatch, poison):
+    """train.ds_patches gives DeepSpeed's overflow flag and global norm (all-reduce of a world of one: identity)."""
+    import deepspeed.comm
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from train import ds_patches
+
+    monkeypatch.setattr(deepspeed.comm, "all_reduce", lambda tensor, op=None, group=None: None)
+    assert ds_patches.apply()
+    original = ds_patches._ORIGINAL
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((4096, 1e-3), (64, 10.0), (0, 1.0), (1000, 1.0))]
+    if poison is not None:
+        grads[1][7] = poison
+    params = [torch.nn.Parameter(torch.empty_like(x)) for x in grads]
+    fake = _fake_zero(grads)
+    ours = DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(fake)
+    theirs = original["has_overflow_partitioned_grads_serial"](fake)
+    assert bool(ours) == bool(theirs) == (poison is not None)
+    norm = DeepSpeedZeroOptimizer.get_grad_norm_direct(fake, grads, params)
+    reference = original["get_grad_norm_direct"](fake, grads, params)
+    if poison is None:
+        assert norm.item() == pytest.approx(reference.item(), rel=1e-6)
+        assert reference.item() == pytest.approx(torch.cat(grads).double().norm().item(), rel=1e-6)
+    else:
+        assert norm.item() == reference.item() == -1.0  # DeepSpeed's mark of an invalid norm

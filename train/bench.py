@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="attn: the 8 attention projections; default: train.config.LoraConfig().target_modules")
     p.add_argument("--checkpointing", choices=("none", "full"), default="none",
                    help="full: recompute every transformer block in backward")
+    p.add_argument("--checkpoint_blocks", type=int, default=0,
+                   help="with --checkpointing full: recompute only the first N blocks (default 0 = all)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     p.add_argument("--fp8_base", action="store_true",
                    help="the project's step with the frozen block weights in fp8 (train.fp8_base; the baseline "
@@ -229,9 +231,10 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
-                     compile_blocks: bool) -> None:
+                     compile_blocks: bool, checkpoint_blocks: int = 0) -> None:
     """The trainer's own preparation (train.models.prepare_for_training, as train/main.py calls it)."""
-    models.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks)
+    models.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
+                                checkpoint_blocks=checkpoint_blocks)
 
 
 def trainable_count(model: torch.nn.Module) -> int:
@@ -302,7 +305,10 @@ def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": dtype == torch.bfloat16},
-        "zero_optimization": {"stage": args.zero_stage, "overlap_comm": has_gpu, "contiguous_gradients": True,
+        # Stage 2 as ds_configs/zero2.json; stage 0/1 without overlap and contiguous buffers, so that DeepSpeed
+        # installs no per-parameter gradient hooks (gradients are reduced in bulk at the step).
+        "zero_optimization": {"stage": args.zero_stage, "overlap_comm": has_gpu and args.zero_stage == 2,
+                              "contiguous_gradients": args.zero_stage == 2,
                               "reduce_scatter": True, "reduce_bucket_size": 200_000_000,
                               "allgather_bucket_size": 200_000_000},
         "optimizer": {"type": "AdamW",
@@ -504,6 +510,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base,
+        "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
         "peak_tflops_per_gpu": args.peak_tflops, **machine(d),
     }
@@ -533,6 +540,7 @@ def format_report(r: dict) -> str:
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']}, "
+        f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
         f"s/step      {r['s_per_step']:.4f}",
         f"samples/s   {r['samples_per_s']:.3f} (global)",
@@ -565,7 +573,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     model_info = {"model": "tiny" if args.tiny else "full architecture", "num_layers": len(model.transformer_blocks),
                   "total_params": sum(p.numel() for p in model.parameters())}
     prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing,
-                     args.compile)
+                     args.compile, args.checkpoint_blocks)
     model_info["trainable_params"] = trainable_count(model)
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)

@@ -1,4 +1,4 @@
-"""Process set-up and the DeepSpeed engine (the only module besides checkpoint.py that imports deepspeed).
+"""Process set-up and the DeepSpeed engine (with checkpoint.py and ds_patches.py, the only modules importing deepspeed).
 
 On a machine without CUDA the same command and config run on DeepSpeed's CPU accelerator with gloo.
 """
@@ -54,6 +54,9 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    group: object = None
+    """Process group of the data-parallel replicas (loss mean, digests); None = every rank (model_parallel with
+    a decoder cut narrows it to one stage's replicas)."""
 
     @property
     def is_main(self) -> bool:
@@ -81,12 +84,17 @@ def init_distributed(timeout_s: int = 600) -> Dist:
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 
 
-def build_engine(model: torch.nn.Module, ds_config: dict):
-    """ZeRO engine over the trainable parameters only; frozen weights are never given to the optimizer."""
+def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
+    """ZeRO engine over the trainable parameters only; frozen weights are never given to the optimizer.
+    `mpu`: DeepSpeed's model/data-parallel groups (model_parallel's decoder cut); None = data parallel only."""
     import deepspeed
 
+    from train import ds_patches
+
+    ds_patches.apply()  # multi-tensor gradient checks in the step (see train/ds_patches.py)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
+                                                      mpu=mpu)
     return engine, lr_scheduler
 
 

@@ -92,7 +92,7 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 
 
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
-                         compile_blocks: bool, fp8_base: bool = False) -> None:
+                         compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0) -> None:
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then activation checkpointing
     and compiled blocks."""
     if mode == "lora":
@@ -103,10 +103,25 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     else:
         transformer.requires_grad_(True)
     if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+        transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks))
     if compile_blocks:
         for block in transformer.transformer_blocks:
             block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
+
+
+def checkpoint_first(blocks, count: int):
+    """diffusers' gradient_checkpointing_func that recomputes the first `count` blocks (0 = all) and runs the
+    others plainly (diffusers hands every block to this function while checkpointing is on)."""
+    from torch.utils.checkpoint import checkpoint
+
+    selected = {id(b) for b in (blocks if count == 0 else list(blocks)[:count])}
+
+    def call(block, *args):
+        if id(block) in selected:
+            return checkpoint(block.__call__, *args, use_reentrant=False)
+        return block(*args)
+
+    return call
 
 
 def check_fp8_device() -> None:
