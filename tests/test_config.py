@@ -291,10 +291,13 @@ def test_empty_target_modules_in_full_mode(setup):
     assert config.project.train.mode == "full"
 
 
-def test_model_parallel_not_available(setup):
-    """parallel.mode model_parallel is refused with the alternative."""
-    msg = setup.set(q("parallel.mode"), "model_parallel").problem()
-    assert msg == f"{q('parallel.mode')}: 'model_parallel' is not available yet; use 'zero2'"
+def test_model_parallel_needs_a_process_per_stage(setup):
+    """model_parallel on a world that is not a multiple of the stage count names the launch that fits."""
+    setup.set(q("parallel.mode"), "model_parallel")
+    assert setup.load(world_size=4).project.parallel.stages == ["cuda:0", "cuda:1"]
+    msg = setup.problem(world_size=3)
+    assert msg.startswith(q("parallel.stages") + ": 2 stages per pipeline, but 3 processes")
+    assert "deepspeed --num_gpus 2" in msg
 
 
 # --- paths --------------------------------------------------------------------------------------------------------
@@ -609,7 +612,212 @@ def test_repo_ds_configs_validate(setup):
             args = parse_args(["--ds_config", str(path), "--model", str(setup.model), "--data", str(setup.data),
                                "--output_dir", str(setup.output)])
             try:
-                load_config(args, world_size=1, has_gpu=has_gpu)
+                parallel = json.loads(path.read_text()).get(PROJECT_KEY, {}).get("parallel", {})
+                world = len(parallel["stages"]) if parallel.get("mode") == "model_parallel" else 1  # a process a stage
+                load_config(args, world_size=world, has_gpu=has_gpu)
             except ConfigError as e:
                 failures[f"{path.name} (has_gpu={has_gpu})"] = e.problems
     assert not failures, failures
+
+
+# --- model-parallel placement (qwen_edit.parallel) ----------------------------------------------------------------
+
+
+def mp_problems(setup, world_size: int = 2, num_gpus: int | None = None, **changes) -> list[str]:
+    setup.set(q("parallel.mode"), "model_parallel")
+    for key, value in changes.items():
+        setup.set(q(key.replace("__", ".")), value)
+    try:
+        load_config(parse_args(["--ds_config", str(setup.write())]), world_size, num_gpus is not None, num_gpus)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_model_parallel_bad_device_name(setup):
+    """A device that is neither cuda:N nor cpu is named with the accepted forms."""
+    assert mp_problems(setup, parallel__stages=["cuda:0", "gpu1"]) == [
+        f"{q('parallel.stages')}: 'gpu1' is not a device name; write \"cuda:N\" or \"cpu\""]
+
+
+def test_model_parallel_one_stage(setup):
+    """One device is not a pipeline."""
+    (msg,) = mp_problems(setup, world_size=1, parallel__stages=["cuda:0"])
+    assert msg.startswith(q("parallel.stages") + ": ['cuda:0'] names 1 device(s)")
+
+
+def test_model_parallel_cut_count_must_match_stages(setup):
+    """Three stages need exactly one cut."""
+    (msg,) = mp_problems(setup, world_size=3, parallel__stages=["cuda:0", "cuda:1", "cuda:2"])
+    assert msg.startswith(q("parallel.decoder_cuts") + ": 0 cut(s) for 2 decoder stage(s)")
+
+
+def test_model_parallel_cut_outside_the_blocks(setup):
+    """Cuts are checked against the transformer's block count when its config is readable."""
+    (setup.model / "transformer").mkdir()
+    (setup.model / "transformer" / "config.json").write_text(json.dumps({"num_layers": 4}))
+    (msg,) = mp_problems(setup, world_size=3, parallel__stages=["cuda:0", "cuda:1", "cuda:2"],
+                         parallel__decoder_cuts=[4])
+    assert msg.startswith(q("parallel.decoder_cuts") + ": [4] must be increasing block indices") and "0 and 4" in msg
+    assert not mp_problems(setup, world_size=3, parallel__decoder_cuts=[2])
+
+
+def test_model_parallel_device_missing_on_this_machine(setup):
+    """On a GPU machine the devices must exist, replicas included (4 processes = 2 pipelines need cuda:0-3)."""
+    (msg,) = mp_problems(setup, world_size=2, num_gpus=1)
+    assert "needs cuda:1, but this machine has 1 GPU(s) (cuda:0-0)" in msg
+    (msg,) = mp_problems(setup, world_size=4, num_gpus=2)
+    assert "pipeline 1 stage 0 needs cuda:2" in msg
+    assert not mp_problems(setup, world_size=4, num_gpus=4)
+    assert not mp_problems(setup, world_size=4, num_gpus=None)  # CPU: every stage is a CPU process
+
+
+def test_model_parallel_repeated_gpu(setup):
+    """Two stages on one GPU are refused on a GPU machine."""
+    (msg,) = mp_problems(setup, num_gpus=2, parallel__stages=["cuda:1", "cuda:1"])
+    assert "must name 2 different cuda devices" in msg
+
+
+def test_model_parallel_queue_depth_and_fp16_cuts(setup):
+    """queue_depth >= 1; fp16 loss scaling cannot cross a decoder cut."""
+    setup.set("fp16", {"enabled": True}).set("bf16", DELETE)
+    problems = mp_problems(setup, world_size=3, parallel__queue_depth=0, parallel__stages=["cpu", "cpu", "cpu"],
+                           parallel__decoder_cuts=[1])
+    assert problems == [f"{q('parallel.queue_depth')}: must be >= 1, got 0",
+                        f"{q('parallel.decoder_cuts')}: fp16's loss scaling is not carried across a cut; use bf16"]
+
+
+# --- sampling and prompt processing (data.category_*, prompt_mapping, blocked_terms) -------------------------------
+
+
+@pytest.mark.parametrize("weight", [-1, -0.5, float("nan"), float("inf")])
+def test_category_weight_must_be_non_negative(setup, weight):
+    """A negative or non-finite weight names the key, the category and the allowed range."""
+    msg = setup.set(q("data.category_weights"), {"faces": 1, "cars": weight}).problem()
+    assert msg.startswith(q("data.category_weights") + "['cars']: must be a number >= 0") and "0 leaves" in msg
+
+
+def test_category_weights_all_zero(setup):
+    msg = setup.set(q("data.category_weights"), {"a": 0, "b": 0.0}).problem()
+    assert msg.startswith(q("data.category_weights") + ": every weight is 0") and "set it to {}" in msg
+
+
+def test_category_weights_valid(setup):
+    config = setup.set(q("data.category_weights"), {"a": 0, "b": 2, "": 1}).load()
+    assert config.project.data.category_weights == {"a": 0, "b": 2, "": 1}
+
+
+def test_category_rule_must_compile(setup):
+    """A rule that is no regular expression names the key, the category and the expression."""
+    msg = setup.set(q("data.category_rules"), {"ok": "^a", "faces": "(unclosed"}).problem()
+    assert msg.startswith(q("data.category_rules") + "['faces']: '(unclosed' is not a regular expression")
+    assert "Python re syntax" in msg
+
+
+@pytest.mark.parametrize("key", ["prompt_mapping", "blocked_terms"])
+def test_prompt_file_missing(setup, key):
+    msg = setup.set(q(f"data.{key}"), str(setup.root / "nope.txt")).problem()
+    assert msg.startswith(q(f"data.{key}") + ": ") and "is not a file" in msg and 'set it to ""' in msg
+
+
+@pytest.mark.parametrize("text, fragment", [("{oops", "is not valid JSON (line 1"),
+                                            ('["a"]', "must hold one JSON object of strings")])
+def test_prompt_mapping_unreadable(setup, text, fragment):
+    (setup.root / "map.json").write_text(text)
+    msg = setup.set(q("data.prompt_mapping"), str(setup.root / "map.json")).problem()
+    assert msg.startswith(q("data.prompt_mapping") + ": ") and fragment in msg
+
+
+def test_blocked_terms_not_text(setup):
+    (setup.root / "blocked.txt").write_bytes(b"\xff\xfe\x00bad")
+    msg = setup.set(q("data.blocked_terms"), str(setup.root / "blocked.txt")).problem()
+    assert msg.startswith(q("data.blocked_terms") + ": cannot read") and "UTF-8" in msg
+
+
+def test_prompt_files_valid(setup):
+    (setup.root / "map.json").write_text('{"kitty": "cat"}')
+    (setup.root / "blocked.txt").write_text("secret\n")
+    config = setup.set(q("data.prompt_mapping"), str(setup.root / "map.json")).set(
+        q("data.blocked_terms"), str(setup.root / "blocked.txt")).load()
+    assert config.project.data.blocked_terms.endswith("blocked.txt")
+
+
+# --- inference, validation and the GPU monitor (_check_inference) ---------------------------------------------------
+
+
+def test_inference_values_out_of_range(setup):
+    """Sampler settings must be usable: steps > 0, guidance >= 1, areas of at least one 32x32 tile."""
+    setup.set(q("inference"), {"num_inference_steps": 0, "true_cfg_scale": 0.5, "area": 100, "condition_area": 0})
+    problems = setup.problems()
+    assert len(problems) == 4, problems
+    assert problems[0] == q("inference.num_inference_steps: must be > 0, got 0")
+    assert q("inference.true_cfg_scale: must be >= 1") in problems[1]
+    assert q("inference.area: 100 px is below one 32x32 tile") in problems[2]
+    assert q("inference.condition_area: 0 px") in problems[3]
+
+
+def test_validation_every_steps_without_file(setup):
+    setup.set(q("validation.every_steps"), 5)
+    msg = setup.problem()
+    assert msg.startswith(q("validation.every_steps: 5, but validation.file")) and "every_steps to 0" in msg
+
+
+def test_validation_every_steps_negative(setup):
+    setup.set(q("validation"), {"every_steps": -1})
+    assert setup.problem() == q("validation.every_steps: must be >= 0 (0 = only at the end)")
+
+
+def test_validation_file_missing(setup, tmp_path):
+    setup.set(q("validation.file"), str(tmp_path / "nope.jsonl"))
+    msg = setup.problem()
+    assert msg.startswith(q("validation.file: ")) and "nope.jsonl" in msg and "does not exist" in msg
+
+
+def test_validation_file_rows_checked(setup, tmp_path):
+    """Each bad row is named by its line: invalid JSON, no edit_image, empty prompt, a missing image."""
+    (tmp_path / "ok.png").write_bytes(b"png")
+    path = tmp_path / "val.jsonl"
+    path.write_text('{"edit_image": "ok.png", "prompt": "fine"}\n{oops\n{"prompt": "x"}\n\n'
+                    '{"edit_image": ["ok.png"], "prompt": " "}\n{"edit_image": "gone.png", "prompt": "x"}\n')
+    setup.set(q("validation.file"), str(path))
+    problems = setup.problems()
+    assert [p.split(": ", 2)[1].rsplit(" line ", 1)[1] for p in problems] == ["2", "3", "5", "6"], problems
+    assert "not valid JSON" in problems[0] and "needs 'edit_image'" in problems[1]
+    assert "empty or missing 'prompt'" in problems[2] and "'gone.png' not found" in problems[3]
+
+
+def test_validation_file_empty(setup, tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text("\n")
+    setup.set(q("validation.file"), str(path))
+    assert setup.problem().endswith("has no rows")
+
+
+def test_validation_file_valid(setup, tmp_path):
+    (tmp_path / "a.png").write_bytes(b"png")
+    (tmp_path / "val.jsonl").write_text('{"edit_image": "a.png", "prompt": "make it red", "seed": 3}\n')
+    setup.set(q("validation"), {"file": str(tmp_path / "val.jsonl"), "every_steps": 100})
+    assert setup.load().project.validation.every_steps == 100
+
+
+def test_gpu_monitor_interval_negative(setup):
+    setup.set(q("output.gpu_monitor_interval_s"), -1)
+    assert setup.problem() == q("output.gpu_monitor_interval_s: must be >= 0 (0 = off)")
+
+
+def test_inference_settings_for_train_infer(tmp_path):
+    """train.infer reads only the inference-related part of a config: defaults without a file, errors together."""
+    from train.config import InferenceConfig, inference_settings
+
+    assert inference_settings(None).inference == InferenceConfig()
+    path = tmp_path / "infer.json"
+    path.write_text(json.dumps({PROJECT_KEY: {"inference": {"area": 65536, "cpu_offload": "model"}}}))
+    settings = inference_settings(path)
+    assert settings.inference.area == 65536 and settings.inference.cpu_offload == "model"
+    path.write_text(json.dumps({PROJECT_KEY: {"inference": {"cpu_offload": "all", "num_inference_steps": 0}}}))
+    with pytest.raises(ConfigError) as info:
+        inference_settings(path)
+    assert len(info.value.problems) == 2 and "cpu_offload" in info.value.problems[0]
+    path.write_text("{")
+    with pytest.raises(ConfigError, match="--config: cannot read"):
+        inference_settings(path)

@@ -323,8 +323,9 @@ def test_build_loader_too_few_rows(tmp_path, micro, world):
 
 
 def test_build_loader_yields_batches(tmp_path):
-    """Enough rows give full micro-batches through collate (drop_last, per-rank share)."""
+    """Enough rows give full micro-batches through collate: unshuffled, rows 1-4 cut into [1, 2], [3, 4] (row 5 is
+    the remainder) and dealt round-robin, so rank 1 gets the second micro-batch."""
     ds = dataset(tmp_path, "edit", [good(tmp_path, i) for i in range(1, 6)])
     loader = build_loader(ds, 2, rank=1, world_size=2, seed=0, num_workers=0, pin_memory=False, shuffle=False)
     batches = list(loader)
-    assert len(batches) == 1 and batches[0]["target"].shape == (2, 3, 64, 64) and batches[0]["lines"] == [2, 4]
+    assert len(batches) == 1 and batches[0]["target"].shape == (2, 3, 64, 64) and batches[0]["lines"] == [3, 4]

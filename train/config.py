@@ -141,6 +141,9 @@ class TrainConfig:
     """Per-sample loss weight as a function of s."""
     gradient_checkpointing: bool = False
     """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
+    checkpoint_blocks: int = 0
+    """With gradient_checkpointing: how many blocks (the first N) recompute; 0 = all. Each block left out costs
+    its activations' memory and saves its recomputation (docs/performance.md)."""
     compile: bool = False
     """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
     fp8_base: bool = False
@@ -369,6 +372,12 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
                         "Set train.mode to \"lora\" or init_from to \"\"")
     if cfg.train.mode == "lora" and not cfg.lora.target_modules:
         problems.append(f"{p}.lora.target_modules: empty; name at least one module, e.g. \"attn.to_q\"")
+    if cfg.train.checkpoint_blocks < 0:
+        problems.append(f"{p}.train.checkpoint_blocks: must be >= 0 (0 = every block), "
+                        f"got {cfg.train.checkpoint_blocks}")
+    elif cfg.train.checkpoint_blocks and not cfg.train.gradient_checkpointing:
+        problems.append(f"{p}.train.checkpoint_blocks: set, but train.gradient_checkpointing is false; enable it or "
+                        "set checkpoint_blocks to 0")
     if cfg.train.fp8_base and cfg.train.mode != "lora":
         problems.append(f"{p}.train.fp8_base: needs a frozen base; set train.mode to \"lora\" or fp8_base to false")
     if cfg.train.shift < 0:
@@ -392,7 +401,7 @@ def _check_inference(cfg: ProjectConfig, problems: list[str]) -> None:
             problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
     if val.every_steps < 0:
         problems.append(f"{p}.validation.every_steps: must be >= 0 (0 = only at the end)")
-    if val.every_steps and not val.file:
+    elif val.every_steps and not val.file:
         problems.append(f"{p}.validation.every_steps: {val.every_steps}, but validation.file is \"\"; set "
                         "validation.file to a jsonl of edits, or every_steps to 0")
     if val.file:
@@ -431,7 +440,7 @@ def _validation_file_problems(path: Path, limit: int = 5) -> list[str]:
 
 def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
     """The project section of a JSON config for train.infer (defaults without a file); only the inference
-    section, the validation file and the GPU monitor interval are checked. Raises ConfigError."""
+    section and the GPU monitor interval are checked. Raises ConfigError."""
     if path is None:
         return ProjectConfig()
     path = Path(path)
@@ -441,6 +450,7 @@ def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
         raise ConfigError([f"--config: cannot read {path} as JSON ({e})"]) from e
     problems: list[str] = []
     project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else raw, PROJECT_KEY, problems)
+    project.validation = ValidationConfig()  # a training config's validation file is no concern of train.infer
     _check_inference(project, problems)
     if problems:
         raise ConfigError(problems)

@@ -4,6 +4,10 @@ A row has `image` (the target), `edit_image` (one path, or a list of 1-3 for 250
 separated by ';') and `prompt`. Paths are relative to the data folder. Every row is checked before training
 (each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
 each row and file, or are skipped and counted when data.bad_rows = "skip". Nothing is dropped silently.
+
+Before the checks, prompts are processed (train/prompts.py: normalised, mapped, blocked rows dropped or kept)
+and rows without a `category` value get one from data.category_rules. The loader's batch sampler
+(train/sampling.py) groups samples into shape buckets and balances categories.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import csv
 import json
 import os
-from dataclasses import dataclass
+import re
+import types
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import datasets
 import torch
 import torch.distributed as dist
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from train import conditioning
+from train import conditioning, prompts, sampling
 
 COLUMNS = ("image", "edit_image", "prompt")
 # Modes that convert("RGB") maps faithfully; 16-bit and float images would be clipped, not scaled.
@@ -37,6 +43,9 @@ class Row:
     target: str
     references: list[str]
     prompt: str
+    category: str | None = None  # the `category` column, or the first matching data.category_rules entry
+    # (width, height) of the target then each reference, from the image headers (set by preflight)
+    sizes: list[tuple[int, int]] | None = field(default=None, compare=False, repr=False)
 
 
 def _metadata_file(data_dir: Path) -> Path:
@@ -81,10 +90,36 @@ def read_rows(data_dir: str | Path) -> tuple[list[Row], list[str]]:
         if missing and missing != ["prompt"]:  # an empty prompt is reported by check_row with the row's file
             problems.append(f"{meta.name} line {n}: missing {', '.join(missing)}; every row needs {', '.join(COLUMNS)}")
             continue
+        category = rec.get("category")
+        if category is not None and not isinstance(category, str):
+            problems.append(f"{meta.name} line {n}: category {json.dumps(category)} is not text; write it as a "
+                            "string (or leave it empty)")
+            continue
         refs = rec["edit_image"] if isinstance(rec["edit_image"], list) else [rec["edit_image"]]
         prompt = rec.get("prompt")
-        rows.append(Row(n, str(rec["image"]), [str(r) for r in refs], prompt if isinstance(prompt, str) else ""))
+        rows.append(Row(n, str(rec["image"]), [str(r) for r in refs], prompt if isinstance(prompt, str) else "",
+                        (category or "").strip() or None))
     return rows, problems
+
+
+def assign_categories(rows: list[Row], rules: dict[str, str]) -> list[Row]:
+    """Rows without a category get the first category of `rules` whose expression matches the prompt
+    (re.search, case-sensitive unless the expression says (?i)); rows matching none keep None."""
+    compiled = [(name, re.compile(expr)) for name, expr in rules.items()]
+    if not compiled:
+        return rows
+    return [row if row.category else
+            replace(row, category=next((name for name, rule in compiled if rule.search(row.prompt)), None))
+            for row in rows]
+
+
+def image_sizes(data_dir: Path, names: list[str]) -> list[tuple[int, int]]:
+    """(width, height) of each image, read from its header (nothing is decoded)."""
+    sizes = []
+    for name in names:
+        with Image.open(data_dir / name) as im:
+            sizes.append(im.size)
+    return sizes
 
 
 def _check_image(path: Path) -> str | None:
@@ -130,15 +165,35 @@ def _gather(items: list, world_size: int) -> list:
     return [x for part in gathered for x in part]
 
 
+def _inspect(row: Row, data_dir: Path, variant: str) -> tuple[int, list[str], list[tuple[int, int]] | None]:
+    problems = check_row(row, data_dir, variant)
+    return row.line, problems, None if problems else image_sizes(data_dir, [row.target, *row.references])
+
+
 def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
-              report_path: Path | None = None) -> list[Row]:
-    """Check every row (each rank a strided share); stop or skip per `policy`. Same result on every rank."""
+              report_path: Path | None = None, processor: prompts.PromptProcessor | None = None,
+              category_rules: dict[str, str] | None = None) -> list[Row]:
+    """Process the prompts (`processor`, whose `report` then holds the counts), assign categories from
+    `category_rules`, then check every row (each rank a strided share); stop or skip per `policy`.
+
+    Same result on every rank: the good rows, with their image sizes.
+    """
     data_dir = Path(data_dir)
     rows, problems = read_rows(data_dir)
-    mine = [(row.line, check_row(row, data_dir, variant)) for row in rows[rank::world_size]]
-    results = dict(_gather(mine, world_size))
-    problems += [p for line in sorted(results) for p in results[line]]
-    good = [row for row in rows if not results.get(row.line)]
+    if processor is not None:
+        num_read, rows = len(rows), processor.apply(rows)
+        if num_read and not rows:
+            raise BadRowsError(f"all {num_read} rows in {data_dir} have a blocked term (data.blocked_terms); "
+                               "shorten the list, or set qwen_edit.data.blocked_policy to \"keep\"")
+    rows = assign_categories(rows, category_rules or {})
+    mine = [_inspect(row, data_dir, variant) for row in rows[rank::world_size]]
+    checked = {line: (issues, sizes) for line, issues, sizes in _gather(mine, world_size)}
+    problems += [p for line in sorted(checked) for p in checked[line][0]]
+    good = []
+    for row in rows:
+        issues, sizes = checked.get(row.line, ([], None))  # without a process group other ranks' rows are unchecked
+        if not issues:
+            good.append(replace(row, sizes=sizes))
     if problems:
         report = "\n".join(problems)
         if report_path is not None and rank == 0:
@@ -159,13 +214,31 @@ class EditDataset(torch.utils.data.Dataset):
     def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int):
         self.data_dir = Path(data_dir)
         # Arrow-backed, so workers share the table instead of pickling Python lists.
-        self.table = datasets.Dataset.from_list(
-            [{"line": r.line, "image": r.target, "edit_image": r.references, "prompt": r.prompt} for r in rows]
-        )
+        self.table = datasets.Dataset.from_list([
+            {"line": r.line, "image": r.target, "edit_image": r.references, "prompt": r.prompt,
+             "category": r.category, "sizes": r.sizes} for r in rows
+        ])
         self.variant, self.area, self.condition_area = variant, area, condition_area
 
     def __len__(self) -> int:
         return len(self.table)
+
+    def _column(self, name: str) -> list:
+        return self.table.data.column(name).to_pylist()
+
+    def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
+        w, h = conditioning.dimensions(self.area, types.SimpleNamespace(width=width, height=height))
+        return h // conditioning.PIXELS_PER_LATENT, w // conditioning.PIXELS_PER_LATENT
+
+    def bucket_keys(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per sample: latent (h, w) of the target, then of each reference's VAE copy, as the pipelines size them
+        (from the image sizes preflight read from the headers; rows built without them are read here)."""
+        names = zip(self._column("image"), self._column("edit_image"), self._column("sizes"), strict=True)
+        return [tuple(self._latent_hw(*size) for size in sizes or image_sizes(self.data_dir, [target, *refs]))
+                for target, refs, sizes in names]
+
+    def categories(self) -> list[str | None]:
+        return self._column("category")
 
     def _open(self, name: str, line: int) -> Image.Image:
         try:
@@ -196,7 +269,7 @@ def collate(samples: list[dict]) -> dict:
             lines = [s["line"] for s in samples]
             raise ValueError(
                 f"micro-batch of rows {lines} mixes {what} sizes {sorted(shapes)}; use "
-                "train_micro_batch_size_per_gpu = 1 or images of one aspect ratio per dataset"
+                "train_micro_batch_size_per_gpu = 1 or data.buckets = true"
             )
         return torch.stack(tensors)
 
@@ -212,22 +285,6 @@ def collate(samples: list[dict]) -> dict:
         "prompts": [s["prompt"] for s in samples],
         "lines": [s["line"] for s in samples],
     }
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose next epoch can start part-way, after this rank's first `skip` samples."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._skip = 0
-
-    def skip_next(self, num_samples: int) -> None:
-        self._skip = num_samples
-
-    def __iter__(self):
-        indices = list(super().__iter__())
-        skip, self._skip = self._skip, 0
-        return iter(indices[skip:])
 
 
 def _die_with_parent(worker_id: int) -> None:
@@ -246,15 +303,27 @@ def _die_with_parent(worker_id: int) -> None:
 
 
 def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 num_workers: int, pin_memory: bool, shuffle: bool) -> DataLoader:
+                 num_workers: int, pin_memory: bool, shuffle: bool, collate_fn=collate, buckets: bool = True,
+                 category_weights: dict[str, float] | None = None) -> DataLoader:
+    """Micro-batches of this rank's share; `collate_fn` stacks them (train.cache passes its own).
+
+    The batch sampler (train/sampling.py) keeps each micro-batch inside one shape bucket (`buckets`, from
+    dataset.bucket_keys()) and draws categories by `category_weights` (dataset.categories()) when given.
+    """
     if len(dataset) < micro_batch_size * world_size:
         raise BadRowsError(
             f"{len(dataset)} usable rows cannot fill one micro-batch of {micro_batch_size} on each of {world_size} "
             "ranks; add rows or lower train_micro_batch_size_per_gpu"
         )
-    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    keys = dataset.bucket_keys() if buckets else [None] * len(dataset)
+    categories = dataset.categories() if category_weights else None
+    try:
+        batches = sampling.BucketBatchSampler(keys, micro_batch_size, rank, world_size, seed, shuffle, categories,
+                                              category_weights)
+    except sampling.SamplingError as e:
+        raise BadRowsError(str(e)) from e
     return DataLoader(
-        dataset, batch_size=micro_batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
-        pin_memory=pin_memory and torch.cuda.is_available(), persistent_workers=num_workers > 0, drop_last=True,
+        dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn,
+        pin_memory=pin_memory and torch.cuda.is_available(), persistent_workers=num_workers > 0,
         worker_init_fn=_die_with_parent,
     )

@@ -41,19 +41,22 @@ class LoaderSource:
 
     The loop takes any source with this shape: len() = micro-batches per epoch, start_epoch(epoch, skip)
     before each epoch (skip = micro-batches of it already trained, on resume), iteration yielding `Batch`es on
-    the training device, and take_wait_s() = seconds spent blocked on input since the last call.
+    the training device, and take_wait_s() = seconds spent blocked on input since the last call. `encoders`: the
+    frozen encoders it uses, if any (validation renders with them instead of loading a second copy).
     """
 
-    def __init__(self, loader, to_batch: Callable[[dict], Batch], micro_batch_size: int):
+    def __init__(self, loader, to_batch: Callable[[dict], Batch], micro_batch_size: int,
+                 encoders: Encoders | None = None):
         self.loader, self.to_batch, self.micro_batch_size = loader, to_batch, micro_batch_size
+        self.encoders = encoders
         self._wait_s = 0.0
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def start_epoch(self, epoch: int, skip: int) -> None:
-        self.loader.sampler.set_epoch(epoch)
-        self.loader.sampler.skip_next(skip * self.micro_batch_size)
+        self.loader.batch_sampler.set_epoch(epoch)
+        self.loader.batch_sampler.skip_next(skip)  # counted in micro-batches (sampling.BucketBatchSampler)
 
     def take_wait_s(self) -> float:
         wait, self._wait_s = self._wait_s, 0.0
@@ -73,27 +76,35 @@ class LoaderSource:
 
 def online_source(loader, encoders: Encoders, variant: str, micro_batch_size: int) -> LoaderSource:
     """Images from the loader, encoded on the fly by the frozen encoders."""
-    return LoaderSource(loader, lambda raw: encode_batch(raw, encoders, variant), micro_batch_size)
+    return LoaderSource(loader, lambda raw: encode_batch(raw, encoders, variant), micro_batch_size, encoders)
 
 
-def forward_loss(model, b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """Flow-matching loss of one micro-batch through `model` (the engine or the bare transformer)."""
+def noisy_inputs(b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype):
+    """(transformer kwargs, noise, sigmas) of one micro-batch; the draws from `generator` are in a fixed order,
+    so any stage that holds the batch and the generator rebuilds the same inputs (model_parallel's cut)."""
     t = cfg.project.train
     batch_size, num_tokens = b.x0.shape[:2]
     shift = t.shift or objective.dynamic_shift(num_tokens, scheduler_cfg)
     sigmas = objective.sample_sigmas(batch_size, t.timestep_density, generator, shift, t.logit_mean, t.logit_std)
     noise = torch.randn(b.x0.shape, generator=generator, device=b.x0.device, dtype=b.x0.dtype)
     x_t = objective.noisy_input(b.x0, noise, sigmas)
-    pred = model(
+    kwargs = dict(
         hidden_states=torch.cat([x_t, b.cond.reference_tokens.float()], dim=1).to(dtype),
         timestep=sigmas.to(dtype),
         encoder_hidden_states=b.cond.prompt_embeds.to(dtype),
         encoder_hidden_states_mask=b.cond.prompt_mask,
         img_shapes=conditioning.img_shapes(b.target_hw, b.cond.reference_shapes, batch_size),
         return_dict=False,
-    )[0]
-    weights = objective.loss_weights(sigmas, t.loss_weighting)
+    )
+    return kwargs, noise, sigmas
+
+
+def forward_loss(model, b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Flow-matching loss of one micro-batch through `model` (the engine or the bare transformer)."""
+    kwargs, noise, sigmas = noisy_inputs(b, cfg, generator, scheduler_cfg, dtype)
+    pred = model(**kwargs)[0]
+    weights = objective.loss_weights(sigmas, cfg.project.train.loss_weighting)
     return objective.flow_loss(pred, objective.velocity_target(b.x0, noise), weights)
 
 
@@ -117,10 +128,11 @@ def should_save(step: int, cfg: Config) -> bool:
     return bool(every) and step % every == 0 and step != cfg.project.train.max_steps
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-        value = value / dist.get_world_size()
+def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
+    """Mean over the data-parallel replicas (`group`; None = every rank)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+        value = value / dist.get_world_size(group)
     return value.item()  # sync point: only at log cadence
 
 
@@ -198,7 +210,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
             step_loss.zero_()
             if should_log(step, cfg) and window_steps:
                 elapsed = speed.elapsed()
-                record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(window_loss / window_steps),
+                record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(window_loss / window_steps, d.group),
                           "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": skipped,
                           "data_wait_fraction": source.take_wait_s() / elapsed,
                           **speed.read(step - last_logged), "peak_memory_gb": peak_memory_gb(d.device)}
@@ -216,8 +228,9 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
     return step
 
 
-def replica_digests(module: torch.nn.Module) -> list[str]:
-    """sha256 of every rank's trainable weights (a collective); data-parallel replicas must all agree."""
+def replica_digests(module: torch.nn.Module, group=None) -> list[str]:
+    """sha256 of every rank's trainable weights (a collective over `group`, None = every rank); data-parallel
+    replicas must all agree."""
     import hashlib
 
     h = hashlib.sha256()
@@ -226,9 +239,9 @@ def replica_digests(module: torch.nn.Module) -> list[str]:
             h.update(name.encode())
             h.update(p.detach().float().cpu().numpy().tobytes())
     digests = [h.hexdigest()]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, h.hexdigest())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        digests = [None] * dist.get_world_size(group)
+        dist.all_gather_object(digests, h.hexdigest(), group=group)
     return digests
 
 

@@ -40,7 +40,7 @@ def build_transformer(cfg: config.Config):
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
     models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile,
-                                p.train.fp8_base)
+                                p.train.fp8_base, p.train.checkpoint_blocks)
     if p.train.mode == "lora" and p.lora.init_from:
         report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
         print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
@@ -122,10 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available())
+        cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(),
+                                 num_gpus=torch.cuda.device_count())
     except config.ConfigError as e:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2
+    if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
+        import model_parallel
+
+        return model_parallel.main(cfg, args.resume)
     d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
     code = 0
     try:

@@ -54,8 +54,11 @@ def peak_memory_gb(device: torch.device) -> float:
 class Metrics:
     """Writes each logged record to OUT/metrics.jsonl and tensorboard, and updates the tqdm bar."""
 
-    def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0, tensorboard: bool = True,
+                 gpu_monitor=None):
         from tqdm import tqdm
+
+        self.gpu_monitor = gpu_monitor  # a gpumon.GpuMonitor: each record gets its GPUs' window summary
 
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +83,8 @@ class Metrics:
         self.bar.update(n)
 
     def log(self, record: dict) -> None:
+        if self.gpu_monitor is not None:
+            record = {**record, **self.gpu_monitor.window()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.writer is not None:
@@ -92,6 +97,14 @@ class Metrics:
     def message(self, text: str) -> None:
         self.bar.write(text)
 
+    def image(self, tag: str, image, step: int) -> None:
+        """A PIL image into tensorboard (when enabled)."""
+        if self.writer is not None:
+            import numpy as np
+
+            self.writer.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+            self.writer.flush()
+
     def close(self) -> None:
         self.bar.close()
         self.file.close()
@@ -103,6 +116,7 @@ class NullMetrics:
     def step(self, n: int = 1) -> None: ...
     def log(self, record: dict) -> None: ...
     def message(self, text: str) -> None: ...
+    def image(self, tag: str, image, step: int) -> None: ...
     def close(self) -> None: ...
 
 

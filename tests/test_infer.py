@@ -1,0 +1,216 @@
+"""Batch inference (train/infer.py, train/inference.py) on the tiny model: process-count independence, resume,
+bad rows, LoRAs, the device/dtype bridge, argument errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, free_port
+
+from train import infer, inference
+
+SETTINGS = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
+
+
+def write_edits(folder: Path, tiny: Path) -> Path:
+    """Five good rows (one with its own seed, one named) around two bad ones (missing image, empty prompt)."""
+    data = tiny / "data"
+    rows = [
+        {"edit_image": str(data / "0000_ref.png"), "prompt": "make the circle red"},
+        {"edit_image": str(data / "0001_ref.png"), "prompt": "make the square blue", "seed": 1234},
+        {"edit_image": str(data / "missing.png"), "prompt": "make it green"},
+        {"edit_image": str(data / "0002_ref.png"), "prompt": "make the circle yellow", "output": "named/yellow"},
+        {"edit_image": str(data / "0003_ref.png"), "prompt": "  "},
+        {"edit_image": str(data / "0000_ref.png"), "prompt": "make the circle red"},  # row 0 again, another seed
+        {"edit_image": str(data / "0004_ref.png"), "prompt": "make the square green"},
+    ]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "edits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "infer.json").write_text(json.dumps({"qwen_edit": {"inference": SETTINGS}}))
+    return folder
+
+
+GOOD = {"000000.png", "000001.png", "named/yellow.png", "000005.png", "000006.png"}
+
+
+def run_infer(tiny: Path, folder: Path, out: Path, num_procs: int | None = None, input_name: str = "edits.jsonl"):
+    """`python -m train.infer ...` (num_procs None) or `deepspeed --num_gpus N train/infer.py ...`."""
+    args = ["--model", str(tiny / "model"), "--input", str(folder / input_name), "--out", str(out),
+            "--config", str(folder / "infer.json"), "--seed", "100"]
+    if num_procs is None:
+        cmd = [sys.executable, "-m", "train.infer", *args]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
+               "--master_port", str(free_port()), str(REPO / "train" / "infer.py"), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def check(proc) -> None:
+    tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
+
+
+def outputs(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*.png")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_edit, tmp_path_factory):
+    folder = write_edits(tmp_path_factory.mktemp("infer_edits"), tiny_edit)
+    out = folder / "out1"
+    proc = run_infer(tiny_edit, folder, out)
+    check(proc)
+    return folder, out, proc
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_write_identical_images(one_process, tiny_edit):
+    """The same rows give bitwise-identical PNGs from 1 process and from 2 under the deepspeed launcher (CPU, fp32):
+    seeds are per row, never per process."""
+    folder, out1, _ = one_process
+    out2 = folder / "out2"
+    check(run_infer(tiny_edit, folder, out2, num_procs=2))
+    one, two = outputs(out1), outputs(out2)
+    assert set(one) == GOOD, sorted(one)
+    assert set(two) == set(one)
+    differing = [name for name in one if one[name] != two[name]]
+    assert not differing, f"images differ between 1 and 2 processes: {differing}"
+    # Not vacuous: the same edit with another seed (rows 0 and 5) gives another image.
+    assert one["000000.png"] != one["000005.png"]
+    assert (out1 / "bad_rows.txt").read_text() == (out2 / "bad_rows.txt").read_text()
+    assert json.loads((out2 / "summary.json").read_text())["world_size"] == 2
+
+
+def test_bad_rows_are_reported_and_skipped(one_process):
+    """A missing image and an empty prompt are reported with their lines, listed in bad_rows.txt; exit 0."""
+    _, out, proc = one_process
+    report = (out / "bad_rows.txt").read_text().splitlines()
+    assert len(report) == 2, report
+    assert report[0].startswith("line 3: ") and "missing.png: file not found" in report[0]
+    assert report[1].startswith("line 5: ") and "prompt" in report[1]
+    assert "bad row: line 3" in proc.stderr and "bad row: line 5" in proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["written"] == 5 and summary["bad_rows"] == 2 and summary["already_done"] == 0
+
+
+def test_resume_writes_only_missing_outputs(one_process, tiny_edit, tmp_path):
+    """A re-run renders only the rows whose PNG is missing; the others are not touched (same inode and mtime)."""
+    folder, out1, _ = one_process
+    out = tmp_path / "out"
+    shutil.copytree(out1, out)
+    (out / "000001.png").unlink()
+    stats = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*.png")}
+    check(run_infer(tiny_edit, folder, out))
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stats} == stats
+    assert (out / "000001.png").read_bytes() == (out1 / "000001.png").read_bytes()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["written"] == 1 and summary["already_done"] == 4
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_every_row_bad_exits_nonzero(tiny_edit, tmp_path):
+    """When no row can be rendered the command fails (exit 1) and still writes the report."""
+    folder = write_edits(tmp_path, tiny_edit)
+    (folder / "bad.jsonl").write_text('{"edit_image": "nope.png", "prompt": "x"}\nnot json\n')
+    proc = run_infer(tiny_edit, folder, tmp_path / "out", input_name="bad.jsonl")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len((tmp_path / "out" / "bad_rows.txt").read_text().splitlines()) == 2
+
+
+def test_argument_errors_exit_2(tiny_edit, tmp_path, capsys):
+    """Bad flags are reported together before anything loads; split placement needs two GPUs."""
+    bad_cfg = tmp_path / "bad.json"
+    bad_cfg.write_text(json.dumps({"qwen_edit": {"inference": {"num_inference_steps": 0}}}))
+    code = infer.main(["--model", str(tmp_path), "--input", str(tmp_path / "none.jsonl"), "--out", str(tmp_path),
+                       "--lora", str(tmp_path / "x.safetensors:0.5"), "--config", str(bad_cfg)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--model:" in err and "--input:" in err and "x.safetensors' is not a file" in err
+    assert "qwen_edit.inference.num_inference_steps: must be > 0" in err
+    args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(tiny_edit / "data" / "metadata.jsonl"),
+                             "--out", str(tmp_path), "--placement", "split"])
+    problems = infer.check_args(args, world_size=2)
+    assert any("one process" in p for p in problems)
+    assert any("needs 2 GPUs" in p for p in problems) == (torch.cuda.device_count() < 2)
+
+
+def test_read_requests_seeds_names_and_problems(tmp_path):
+    """Seeds default to base + row index (blank lines do not count), names to the index; duplicates are bad rows."""
+    (tmp_path / "edits.jsonl").write_text(
+        '{"edit_image": "a.png", "prompt": "p"}\n\n'
+        '{"edit_image": ["a.png", "b.png"], "prompt": "q", "seed": 5, "output": "x.png"}\n'
+        '{"edit_image": "a.png", "prompt": "r", "output": "x"}\n'
+        '{"edit_image": "a.png", "prompt": "s", "seed": -1}\n'
+        '{"edit_image": "a.png", "prompt": "t", "output": "../up"}\n'
+        '[1]\n'
+    )
+    requests, problems = inference.read_requests(tmp_path / "edits.jsonl", base_seed=10)
+    assert [(q.index, q.line, q.seed, q.name) for q in requests] == [(0, 1, 10, "000000"), (1, 3, 5, "x")]
+    assert requests[1].references == [tmp_path / "a.png", tmp_path / "b.png"]
+    assert [(i, line) for i, line, _ in problems] == [(2, 4), (3, 5), (4, 6), (5, 7)]
+    assert "already used by line 3" in problems[0][2] and "seed" in problems[1][2]
+
+
+def test_parse_lora():
+    assert inference.parse_lora("a/b.safetensors") == (Path("a/b.safetensors"), 1.0)
+    assert inference.parse_lora("a/b.safetensors:0.5") == (Path("a/b.safetensors"), 0.5)
+    assert inference.parse_lora("c:/x.safetensors") == (Path("c:/x.safetensors"), 1.0)
+
+
+def test_bridge_moves_and_casts_inputs_and_outputs():
+    """The hooks feed a module its own dtype (keyword arguments too) and hand back the caller's dtype."""
+    linear = torch.nn.Linear(4, 4).double()
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, hidden_states=None, mask=None):
+            assert hidden_states.dtype == torch.float64 and mask.dtype == torch.long
+            return (self.linear(hidden_states),)
+
+    module = Wrapped()
+    hooks = inference.bridge(module, torch.device("cpu"), torch.float64, torch.device("cpu"), torch.float32)
+    out = module(hidden_states=torch.ones(2, 4), mask=torch.ones(2, dtype=torch.long))[0]
+    assert out.dtype == torch.float32
+    for hook in hooks:
+        hook.remove()
+    with pytest.raises(AssertionError):
+        module(hidden_states=torch.ones(2, 4), mask=torch.ones(2, dtype=torch.long))
+
+
+def test_loras_load_with_weights(tiny_edit, tmp_path):
+    """--lora FILE:WEIGHT: a trained-looking LoRA changes the edit; weight 0 gives the base model's edit back."""
+    from train import checkpoint, models
+    from train.config import InferenceConfig, LoraConfig, ModelConfig
+
+    transformer = models.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
+    models.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
+    torch.manual_seed(0)
+    for name, p in transformer.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    lora = checkpoint.export_lora(transformer, tmp_path, alpha=4, rank=4)
+    settings = InferenceConfig(**SETTINGS)
+    pipe = inference.load_pipeline(tiny_edit / "model", torch.float32)
+    inference.place(pipe, settings, torch.device("cpu"))
+    from PIL import Image
+
+    image = [Image.open(tiny_edit / "data" / "0000_ref.png").convert("RGB")]
+
+    def edit():
+        return torch.tensor(list(inference.edit(pipe, "edit", image, "make it red", 3, settings).getdata()))
+
+    base = edit()
+    inference.load_loras(pipe, [(lora, 1.0)])
+    assert not torch.equal(edit(), base)
+    pipe.set_adapters(["lora0"], adapter_weights=[0.0])
+    assert torch.equal(edit(), base)

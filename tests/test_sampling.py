@@ -1,0 +1,305 @@
+"""Tests for train/sampling.py and the dataset side of it (bucket keys, categories) in train/data.py.
+
+Pure Python on synthetic bucket keys except where a dataset or the loader is the point; one end-to-end run
+(marked slow) trains micro-batches of 2 through train/main.py on a dataset with three shape buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+
+import pytest
+from conftest import run_trainer, write_config
+from PIL import Image
+from test_data import good, png, write_jsonl
+
+from train.data import BadRowsError, EditDataset, assign_categories, build_loader, preflight, read_rows
+from train.loop import LoaderSource, start_position
+from train.sampling import BucketBatchSampler, apportion
+
+AREA = 64 * 64
+
+
+def keys_of(sizes: list[int], seed: int = 0) -> list[tuple]:
+    """Bucket keys: sizes[i] samples of bucket i, in a shuffled dataset order."""
+    keys = [(b, b) for b, n in enumerate(sizes) for _ in range(n)]
+    random.Random(seed).shuffle(keys)
+    return keys
+
+
+def ranks(keys, micro: int, world: int, seed: int = 7, epoch: int = 0, **kw) -> list[list[list[int]]]:
+    """Every rank's micro-batches of one epoch."""
+    out = []
+    for rank in range(world):
+        sampler = BucketBatchSampler(keys, micro, rank, world, seed, **kw)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("micro, world", [(1, 1), (2, 2), (3, 4), (4, 3)])
+def test_every_micro_batch_has_one_shape_and_ranks_are_disjoint(micro, world, shuffle):
+    """Each micro-batch has `micro` samples of one bucket; ranks get equal counts and never share a sample."""
+    keys = keys_of([23, 17, 9, 2, 31])
+    for epoch in range(3):
+        per_rank = ranks(keys, micro, world, epoch=epoch, shuffle=shuffle)
+        assert len({len(r) for r in per_rank}) == 1 and per_rank[0]
+        assert len(per_rank[0]) == len(BucketBatchSampler(keys, micro, 0, world, 7))
+        for batch in (b for r in per_rank for b in r):
+            assert len(batch) == micro and len({keys[i] for i in batch}) == 1, batch
+        indices = [i for r in per_rank for b in r for i in b]
+        assert len(indices) == len(set(indices))
+
+
+def test_epoch_length_is_full_micro_batches_rounded_to_world():
+    """T = sum over buckets of floor(n / micro), rounded down to a multiple of world; each rank gets T / world."""
+    keys = keys_of([23, 17, 9, 2, 31])  # micro 4: 5 + 4 + 2 + 0 + 7 = 18 full micro-batches
+    assert [len(BucketBatchSampler(keys, 4, 0, w, 0)) for w in (1, 2, 4, 5)] == [18, 9, 4, 3]
+
+
+def test_same_seed_and_epoch_same_order_other_epoch_or_seed_differs():
+    """The order is a function of (seed, epoch): rebuilt samplers agree; another epoch or seed reorders."""
+    keys = keys_of([40, 25, 11])
+    a = ranks(keys, 2, 2, seed=3, epoch=5)
+    assert a == ranks(keys, 2, 2, seed=3, epoch=5)
+    assert a != ranks(keys, 2, 2, seed=3, epoch=6) and a != ranks(keys, 2, 2, seed=4, epoch=5)
+
+
+def test_one_rank_with_accumulation_sees_the_slots_of_two_ranks():
+    """Global slot k = (step * GAS + micro) * world + rank holds the same micro-batch for 2 ranks x GAS 1 and
+    1 rank x GAS 2 (what tests/test_train.py checks end to end on the weights)."""
+    keys = keys_of([20, 12])
+    two = ranks(keys, 1, 2, epoch=1)
+    (one,) = ranks(keys, 1, 1, epoch=1)
+    slots_two = {step * 2 + rank: two[rank][step] for rank in range(2) for step in range(len(two[0]))}
+    assert [slots_two[k] for k in range(len(one))] == one
+
+
+def test_shuffle_false_is_deterministic_and_goes_round_the_data():
+    """Without shuffling the order is fixed: buckets by first appearance, rows in order; epochs rotate."""
+    keys = [("a",), ("b",), ("a",), ("a",), ("b",), ("a",), ("b",)]
+    (epoch0,) = ranks(keys, 2, 1, shuffle=False)
+    assert epoch0 == [[0, 2], [3, 5], [1, 4]]
+    (epoch1,) = ranks(keys, 2, 1, shuffle=False, epoch=1)
+    assert epoch1 == epoch0  # T equals the cycle length: every epoch is the same cycle
+    rotated = ranks(keys, 2, 2, shuffle=False, epoch=1)  # T = 2 of 3: epoch 1 starts at position 2
+    assert rotated == [[[1, 4]], [[0, 2]]]
+
+
+def test_shuffled_batches_are_not_in_bucket_order():
+    """With shuffling, micro-batches of different buckets interleave and rows are mixed inside buckets."""
+    keys = keys_of([50, 50])
+    (order,) = ranks(keys, 2, 1)
+    buckets = [keys[b[0]] for b in order]
+    assert sum(x != y for x, y in zip(buckets, buckets[1:], strict=False)) > 10
+    assert any(b[1] != b[0] + 1 for b in order)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_skip_next_resumes_exactly(world):
+    """skip_next(n) before an epoch yields this rank's micro-batches from the (n+1)-th on; only once."""
+    keys = keys_of([30, 14, 7])
+    for rank in range(world):
+        sampler = BucketBatchSampler(keys, 2, rank, world, 1)
+        sampler.set_epoch(2)
+        full = list(sampler)
+        sampler.skip_next(3)
+        assert list(sampler) == full[3:]
+        assert list(sampler) == full  # the skip applies to the next iteration only
+
+
+def test_loader_source_resumes_inside_an_epoch(tmp_path):
+    """LoaderSource.start_epoch(epoch, skip) on a fresh loader with a persistent worker (as a resumed run has)
+    reads exactly the micro-batches that an uninterrupted epoch had left."""
+    ds = EditDataset(write_jsonl(tmp_path, [good(tmp_path, i) for i in range(1, 11)]),
+                     preflight(tmp_path, "edit", "stop"), "edit", AREA, AREA // 4)
+
+    def source() -> LoaderSource:
+        loader = build_loader(ds, 2, rank=0, world_size=1, seed=0, num_workers=1, pin_memory=False, shuffle=True)
+        return LoaderSource(loader, lambda raw: raw["lines"], micro_batch_size=2)
+
+    uninterrupted, resumed = source(), source()
+    epoch, taken = start_position(start_step=7, gas=1, batches_per_epoch=len(resumed))
+    assert (epoch, taken) == (1, 2)
+    resumed.start_epoch(epoch, taken)
+    uninterrupted.start_epoch(1, 0)
+    whole = list(uninterrupted)
+    assert list(resumed) == whole[taken:] and len(whole) == 5
+    resumed.start_epoch(2, 0)
+    uninterrupted.start_epoch(2, 0)
+    assert list(resumed) == list(uninterrupted)  # the skip held for one epoch only
+
+
+# --- balancing ----------------------------------------------------------------------------------------------------
+
+
+def test_apportion_largest_remainder():
+    """Parts sum to the total and are within 1 of the exact share; ties go by name."""
+    assert apportion(10, {"a": 1, "b": 1, "c": 1}) == {"a": 4, "b": 3, "c": 3}
+    parts = apportion(97, {"x": 0.5, "y": 0.3, "z": 0.2})
+    assert sum(parts.values()) == 97 and all(abs(parts[g] - 97 * w) < 1 for g, w in
+                                             {"x": 0.5, "y": 0.3, "z": 0.2}.items())
+
+
+@pytest.mark.parametrize("micro, world", [(1, 1), (2, 2), (4, 2)])
+def test_balanced_proportions_within_one_micro_batch(micro, world):
+    """Over an epoch each category's share of samples is its weight's share within 1/T (T micro-batches),
+    however unbalanced the data: 600 'a' rows, 60 'b', 15 'c', 25 uncategorised."""
+    cats = ["a"] * 600 + ["b"] * 60 + ["c"] * 15 + [None] * 25
+    order = random.Random(1).sample(range(len(cats)), len(cats))
+    cats = [cats[i] for i in order]
+    keys = [(i % 3,) for i in range(len(cats))]  # three shape buckets across the categories
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0, "": 0.0}
+    for epoch in range(2):
+        per_rank = ranks(keys, micro, world, epoch=epoch, categories=cats, category_weights=weights)
+        samples = [i for r in per_rank for b in r for i in b]
+        num_batches = len(samples) // micro
+        assert num_batches == len(BucketBatchSampler(keys, micro, 0, world, 7)) * world  # as without balancing
+        counts = Counter(cats[i] or "" for i in samples)
+        for category, weight in weights.items():
+            share = counts[category] / len(samples)
+            assert abs(share - weight / 4) < 1 / num_batches, (category, share, counts)
+        for batch in (b for r in per_rank for b in r):
+            assert len({keys[i] for i in batch}) == 1
+
+
+def test_balancing_repeats_small_categories_evenly_and_subsamples_large_ones():
+    """An upweighted small category repeats each row about equally; a downweighted one has no repeats."""
+    cats = ["big"] * 90 + ["small"] * 10
+    keys = [()] * 100
+    (order,) = ranks(keys, 1, 1, categories=cats, category_weights={"big": 1, "small": 1})
+    counts = Counter(i for b in order for i in b)
+    assert sorted(counts[i] for i in range(90, 100)) == [5] * 10  # 50 draws over 10 rows: 5 each
+    assert all(counts[i] <= 1 for i in range(90)) and sum(counts[i] for i in range(90)) == 50
+    (later,) = ranks(keys, 1, 1, epoch=1, categories=cats, category_weights={"big": 1, "small": 1})
+    assert {i for b in later for i in b if i < 90} != {i for b in order for i in b if i < 90}
+
+
+def test_category_without_weight_is_an_error():
+    """Every category in the data needs a weight; the error names the categories and their row counts."""
+    with pytest.raises(ValueError, match=r"no weight for categories '' \(1 rows\), 'b' \(2 rows\)"):
+        BucketBatchSampler([()] * 5, 1, 0, 1, 0, categories=["a", "a", "b", "b", None], category_weights={"a": 1})
+
+
+def test_weight_without_rows_is_an_error():
+    with pytest.raises(ValueError, match=r"category_weights\['zzz'\] = 1, but no row has category 'zzz'"):
+        BucketBatchSampler([()] * 2, 1, 0, 1, 0, categories=["a", "a"], category_weights={"a": 1, "zzz": 1})
+
+
+def test_category_that_fills_no_micro_batch_is_an_error():
+    """A weighted category whose buckets are all smaller than a micro-batch cannot be drawn: an error."""
+    keys = [(1,)] * 8 + [(1,), (2,)]
+    with pytest.raises(ValueError, match=r"category 'b': its 2 rows fill no micro-batch of 2"):
+        BucketBatchSampler(keys, 2, 0, 1, 0, categories=["a"] * 8 + ["b"] * 2, category_weights={"a": 1, "b": 1})
+
+
+def test_too_few_rows_per_bucket_is_an_error():
+    """Buckets that together fill fewer micro-batches than ranks: the error names rows, buckets and the fix."""
+    with pytest.raises(ValueError, match=r"5 rows in 3 shape bucket\(s\) \(the largest has 2\) cut into 2 "
+                                         r"micro-batch\(es\) of 2, fewer than one for each of 3 rank"):
+        BucketBatchSampler([(1,), (1,), (2,), (2,), (3,)], 2, 0, 3, 0)
+
+
+# --- the dataset side ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant, refs", [("edit", 1), ("edit_plus", 2)])
+def test_bucket_keys_match_the_tensors_the_dataset_yields(tmp_path, variant, refs):
+    """bucket_keys() (from preflight's header sizes, no decoding) equals the latent (h, w) of each tensor."""
+    rows = [good(tmp_path, i, refs) for i in range(1, 5)]
+    png(tmp_path / "t2.png", size=(128, 64))
+    png(tmp_path / "r3_0.png", size=(48, 96))
+    ds = EditDataset(write_jsonl(tmp_path, rows), preflight(tmp_path, variant, "stop"), variant, AREA, AREA // 4)
+    keys = ds.bucket_keys()
+    for i, key in enumerate(keys):
+        sample = ds[i]
+        tensors = [sample["target"], *sample["reference_pixels"]]
+        assert key == tuple((t.shape[1] // 8, t.shape[2] // 8) for t in tensors)
+    assert len(set(keys)) == 3 and keys[0] == keys[3]
+    unchecked = EditDataset(tmp_path, read_rows(tmp_path)[0], variant, AREA, AREA // 4)  # rows without sizes
+    assert unchecked.bucket_keys() == keys
+
+
+def test_categories_from_column_then_rules(tmp_path):
+    """The `category` column wins; empty ones take the first matching rule; no match stays None."""
+    rows = [{**good(tmp_path, 1), "category": "portrait"}, {**good(tmp_path, 2), "prompt": "make the sky red"},
+            {**good(tmp_path, 3), "category": "  ", "prompt": "a RED hat"}, {**good(tmp_path, 4), "prompt": "blue"}]
+    write_jsonl(tmp_path, rows)
+    rules = {"sky": r"\bsky\b", "colour": r"(?i)red|green"}
+    got = preflight(tmp_path, "edit", "stop", category_rules=rules)
+    assert [r.category for r in got] == ["portrait", "sky", "colour", None]
+    assert EditDataset(tmp_path, got, "edit", AREA, AREA // 4).categories() == ["portrait", "sky", "colour", None]
+    assert assign_categories(got, {}) == got
+
+
+def test_csv_category_column(tmp_path):
+    for i in (1, 2):
+        good(tmp_path, i)
+    (tmp_path / "metadata.csv").write_text("image,edit_image,prompt,category\nt1.png,r1_0.png,a,faces\n"
+                                           "t2.png,r2_0.png,b,\n")
+    assert [r.category for r in read_rows(tmp_path)[0]] == ["faces", None]
+
+
+def test_non_text_category_names_the_line(tmp_path):
+    write_jsonl(tmp_path, [good(tmp_path, 1), {**good(tmp_path, 2), "category": 3}])
+    rows, problems = read_rows(tmp_path)
+    assert [r.line for r in rows] == [1]
+    assert problems == ["metadata.jsonl line 2: category 3 is not text; write it as a string (or leave it empty)"]
+
+
+def test_build_loader_batches_mixed_sizes_and_reports_missing_weights(tmp_path):
+    """Micro-batch 2 over two aspect ratios stacks (one bucket each); categories without weights stop."""
+    rows = [good(tmp_path, i) for i in range(1, 9)]
+    for i in range(1, 9, 2):
+        png(tmp_path / f"t{i}.png", size=(128, 64))
+    ds = EditDataset(write_jsonl(tmp_path, rows), preflight(tmp_path, "edit", "stop"), "edit", AREA, AREA // 4)
+    loader = build_loader(ds, 2, rank=0, world_size=1, seed=0, num_workers=0, pin_memory=False, shuffle=True)
+    shapes = Counter(tuple(b["target"].shape) for b in loader)
+    assert shapes == {(2, 3, 32, 96): 2, (2, 3, 64, 64): 2}
+    with pytest.raises(BadRowsError, match="no weight for categories"):
+        build_loader(ds, 2, 0, 1, 0, 0, False, True, category_weights={"x": 1.0})
+    with pytest.raises(ValueError, match="mixes target sizes"):  # collate's safety net when buckets are off
+        list(build_loader(ds, 2, 0, 1, 0, 0, False, False, buckets=False))
+
+
+# --- end to end ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_micro_batch_two_trains_on_mixed_aspect_ratios(tiny_edit, tmp_path):
+    """train/main.py with micro-batch 2 on three shape buckets, categories, a mapping and a blocked term: it
+    trains, prints the prompt and sampling reports, and never stacks mixed sizes."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_edit / "data", data)
+    lines = [json.loads(t) for t in (data / "metadata.jsonl").read_text().splitlines()]
+    for k, row in enumerate(lines):
+        names = [row["image"], row["edit_image"]] if k % 3 == 1 else [row["edit_image"]] if k % 3 == 2 else []
+        for name in names:
+            with Image.open(data / name) as im:
+                im.convert("RGB").resize((192, 96)).save(data / name)
+        row["category"] = "wide" if k % 3 == 1 else ""
+    lines[0]["prompt"] = "forbidden  edit"
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "blocked.txt").write_text("# one term per line\nforbidden\n")
+    (tmp_path / "mapping.json").write_text(json.dumps({"circle": "round shape"}))
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "model").symlink_to(tiny_edit / "model")
+    (tiny / "data").symlink_to(data)
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=2, **{
+        "qwen_edit.data.num_workers": 0, "qwen_edit.output.log_every_steps": 1,
+        "qwen_edit.data.blocked_terms": str(tmp_path / "blocked.txt"),
+        "qwen_edit.data.prompt_mapping": str(tmp_path / "mapping.json"),
+        "qwen_edit.data.category_rules": {"square": "square"},
+        "qwen_edit.data.category_weights": {"wide": 1, "square": 1, "": 1}})
+    out = tmp_path / "out"
+    proc = run_trainer(tiny, out, config=cfg, extra=("--max_steps", "4"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "prompts: 32 rows, 1 normalised" in proc.stdout and "1 with a blocked term (dropped): rows 1" in proc.stdout
+    assert "sampling: 31 rows in 3 shape bucket(s), 15 micro-batches of 2 per rank" in proc.stdout, proc.stdout
+    assert "categories per epoch" in proc.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4

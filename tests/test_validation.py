@@ -1,0 +1,152 @@
+"""Validation images during training (train/validation.py): grids at the configured steps from 2 ranks, and
+training that is bitwise unchanged by them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import metrics, run_trainer, write_config
+from PIL import Image
+from safetensors.torch import load_file
+
+from train import validation
+from train.config import Config, ProjectConfig
+
+TINY_INFERENCE = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
+
+
+def check(proc) -> None:
+    tail = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
+
+
+@pytest.mark.slow
+def test_validation_grids_and_unchanged_training(tiny_edit, tmp_path):
+    """2 ranks, 4 steps, validation every 2: 'before' images and grids at steps 2 and 4 (3 edits spread over the
+    ranks, gathered on rank 0, also in tensorboard); losses and trained weights equal those of a run without it."""
+    data = tiny_edit / "data"
+    edits = tmp_path / "validation.jsonl"
+    rows = [{"edit_image": f"{data}/000{i}_ref.png", "prompt": f"make the circle {c}"}
+            for i, c in enumerate(["red", "blue", "green"])]
+    edits.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE}
+    runs = {}
+    for name, extra in {"plain": {}, "validated": {"qwen_edit.validation": {"file": str(edits), "every_steps": 2}}
+                        }.items():
+        cfg = write_config(tmp_path / f"{name}.json", **common, **extra)
+        runs[name] = tmp_path / name
+        check(run_trainer(tiny_edit, runs[name], config=cfg, num_procs=2, extra=("--max_steps", "4")))
+    losses = {name: [r["loss"] for r in metrics(out)] for name, out in runs.items()}
+    assert len(losses["plain"]) == 4 and losses["validated"] == losses["plain"], losses
+    a, b = (load_file(out / "export" / "pytorch_lora_weights.safetensors") for out in runs.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    out = runs["validated"] / "validation"
+    assert sorted(p.name for p in out.glob("step_*.png")) == ["step_000002.png", "step_000004.png"]
+    assert sorted(p.name for p in (out / "before").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
+    before = Image.open(out / "before" / "000000.png")
+    grids = {s: np.asarray(Image.open(out / f"step_00000{s}.png").convert("RGB")) for s in (2, 4)}
+    w, h = before.size
+    assert grids[4].shape == (16 + 3 * h, 3 * w, 3)  # header + 3 edits; reference | before | now
+    first_before = grids[4][16:16 + h, w:2 * w]
+    assert np.array_equal(first_before, np.asarray(before.convert("RGB")))
+    assert not np.array_equal(grids[2][16:, 2 * w:], grids[4][16:, 2 * w:]), "the 'now' column did not change"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs["validated"] / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("validation")] == [2, 4]
+
+
+def test_should_validate():
+    cfg = Config(ProjectConfig(), deepspeed={})
+    cfg.project.train.max_steps = 10
+    assert not any(validation.should_validate(s, cfg) for s in range(1, 11))  # no file: off
+    cfg.project.validation.file = "v.jsonl"
+    assert [s for s in range(1, 11) if validation.should_validate(s, cfg)] == [10]
+    cfg.project.validation.every_steps = 4
+    assert [s for s in range(1, 11) if validation.should_validate(s, cfg)] == [4, 8, 10]
+
+
+def test_preserved_training_state_restores_everything():
+    """RNG states, module modes and the VAE's flags come back, also when rendering fails; no gradients inside."""
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
+    module[0].eval()  # a mixed state is restored module by module
+    vae = type("Vae", (), {"use_tiling": False, "use_slicing": True})()
+
+    def reseed():
+        torch.manual_seed(1), random.seed(1), np.random.seed(1)
+
+    def draw():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    reseed()
+    expected = draw()
+    for fail in (True, False):
+        reseed()
+        with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+            with validation.preserved_training_state(module, vae, True, False):
+                assert not module.training and not torch.is_grad_enabled()
+                assert vae.use_tiling and not vae.use_slicing
+                draw(), draw()
+                if fail:
+                    raise RuntimeError("render failed")
+        assert draw() == expected
+        assert module.training and not module[0].training and module[1].training
+        assert (vae.use_tiling, vae.use_slicing) == (False, True) and torch.is_grad_enabled()
+
+
+def test_make_grid_layout():
+    """Columns: as many reference cells as the edit with most references, then the named columns; a header line."""
+    red, blue = Image.new("RGB", (32, 16), "red"), Image.new("RGB", (16, 16), "blue")
+    grid = validation.make_grid([[red], [red, blue]], {"before": [None, blue], "now": [blue, red]})
+    assert grid.size == (4 * 32, 16 + 2 * 16)
+    assert grid.getpixel((32 + 16, 16 + 8)) == (255, 255, 255)  # edit 1 has no second reference
+    assert grid.getpixel((2 * 32 + 16, 16 + 8)) == (255, 255, 255)  # nor a 'before' image
+    assert grid.getpixel((3 * 32 + 16, 16 + 16 + 8)) == (255, 0, 0)
+
+
+def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
+    """'before' images are saved once and reused while the edits and sampler settings stay the same; a resumed
+    LoRA run without them renders the base (adapters off); a resumed full fine-tune leaves the column empty."""
+    from train.engine import Dist
+    from train.metrics import NullMetrics
+
+    edits = tmp_path / "val.jsonl"
+    edits.write_text(f'{{"edit_image": "{tiny_edit}/data/0000_ref.png", "prompt": "make it red"}}\n')
+    cfg = Config(ProjectConfig(), deepspeed={})
+    cfg.project.model.path, cfg.project.output.dir = str(tiny_edit / "model"), str(tmp_path / "out")
+    cfg.project.validation.file = str(edits)
+    events = []
+
+    class Module:
+        def disable_adapters(self):
+            events.append("off")
+
+        def enable_adapters(self):
+            events.append("on")
+
+    def fake_render(self):
+        events.append("render")
+        return [Image.new("RGB", (8, 8), "red")]
+
+    monkeypatch.setattr(validation.Validator, "render", fake_render)
+
+    def before(start_step: int):
+        v = validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), Module(), None, NullMetrics())
+        v.render_before(start_step)
+        return v.before
+
+    assert before(0)[0].getpixel((0, 0)) == (255, 0, 0) and events == ["render"]
+    assert (tmp_path / "out" / "validation" / "before" / "000000.png").is_file()
+    assert before(5)[0].getpixel((0, 0)) == (255, 0, 0) and events == ["render"]  # reused
+    cfg.project.inference.num_inference_steps = 7  # other settings: the saved images no longer apply
+    before(5)
+    assert events == ["render", "off", "render", "on"]
+    cfg.project.inference.num_inference_steps = 8
+    cfg.project.train.mode = "full"
+    assert before(5) == [None] and events[-1] == "on"

@@ -1,0 +1,184 @@
+"""Batch inference: a model directory (+ LoRAs) and a jsonl of edits -> OUT/<name>.png, one per row.
+
+    python -m train.infer --model DIR --input edits.jsonl --out OUT [--lora FILE[:WEIGHT] ...] [--config JSON]
+    deepspeed --num_gpus N train/infer.py --model DIR --input edits.jsonl --out OUT ...      # data parallel
+    python -m train.infer --placement split ...        # one process: encoders on cuda:0, transformer on cuda:1
+
+Rows: {"edit_image": path or [paths], "prompt": str, "seed"?: int, "output"?: name}. Rank r renders rows r::W;
+a row's seed defaults to --seed + its index, so the images do not depend on the number of processes. Outputs are
+written atomically, and rows whose output exists are skipped: a killed run resumes by running it again. A bad row
+(unparsable, missing or undecodable image, empty prompt) is reported with its line, listed in OUT/bad_rows.txt
+and skipped; the exit status is 0 unless no row could be rendered (1), or the arguments are wrong (2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from train import config, engine, gpumon, inference, models
+from train.metrics import prefix_rank_output, print0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Qwen-Image-Edit batch inference (diffusers pipelines)")
+    parser.add_argument("--model", required=True, help="local diffusers-format Qwen-Image-Edit / -2509 directory")
+    parser.add_argument("--input", required=True, help="jsonl of edits (paths relative to its folder)")
+    parser.add_argument("--out", required=True, help="output directory: OUT/<name>.png per row")
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
+                        help="LoRA .safetensors to apply (repeatable), optionally with a weight (default 1.0)")
+    parser.add_argument("--config", help="JSON with a qwen_edit.inference section (a training config will do)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed: a row without 'seed' gets base + its index")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="weights' precision; auto = bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--placement", default="single", choices=["single", "split"],
+                        help="single: the whole pipeline on this process's device; split: text encoder + VAE on "
+                             "cuda:0, transformer on cuda:1 (one process, for a model too big for one GPU)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
+    """Problems with the arguments, each naming the flag and the fix."""
+    problems = []
+    if not (Path(args.model) / "model_index.json").is_file():
+        problems.append(f"--model: {args.model!r} has no model_index.json; point it at a diffusers-format directory")
+    if not Path(args.input).is_file():
+        problems.append(f"--input: {args.input!r} does not exist")
+    for spec in args.lora:
+        path, _ = inference.parse_lora(spec)
+        if not path.is_file():
+            problems.append(f"--lora: {str(path)!r} is not a file (FILE[:WEIGHT], e.g. export/lora.safetensors:0.8)")
+    if args.seed < 0:
+        problems.append("--seed: must be >= 0")
+    if args.placement == "split":
+        if world_size > 1:
+            problems.append("--placement split: runs in one process on two GPUs; start it with python -m train.infer, "
+                            "not under the deepspeed launcher")
+        if torch.cuda.device_count() < 2:
+            problems.append(f"--placement split: needs 2 GPUs, {torch.cuda.device_count()} visible")
+    return problems
+
+
+def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist):
+    """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied."""
+    variant = models.detect_variant(args.model, settings.model.variant)
+    device = torch.device("cuda", 0) if args.placement == "split" else d.device
+    dtype = models.encoder_dtype(args.dtype, device)
+    pipe = inference.load_pipeline(args.model, dtype, variant)
+    inference.load_loras(pipe, [inference.parse_lora(spec) for spec in args.lora])
+    inference.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
+    return pipe, variant
+
+
+def select_rows(args: argparse.Namespace, d: engine.Dist):
+    """This rank's share: (requests to render, already done count, bad rows as (line, problem))."""
+    requests, problems = inference.read_requests(args.input, args.seed)
+    bad = [(line, msg) for index, line, msg in problems if index % d.world_size == d.rank]
+    mine = [q for q in requests if q.index % d.world_size == d.rank]
+    todo = [q for q in mine if not output_path(args.out, q).is_file()]
+    return todo, len(mine) - len(todo), bad
+
+
+def output_path(out_dir: str, request: inference.EditRequest) -> Path:
+    return Path(out_dir) / f"{request.name}.png"
+
+
+def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settings, d: engine.Dist):
+    """Render and write every request of `todo`; returns (written, bad rows as (line, problem))."""
+    from tqdm import tqdm
+
+    written, bad = 0, []
+    for request in tqdm(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
+                        file=sys.stdout, dynamic_ncols=True):
+        problem = inference.check_request(request, variant)
+        if problem is None:
+            images = inference.open_references(request)
+            image = inference.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
+            inference.save_png_atomic(image, output_path(args.out, request))
+            written += 1
+        else:
+            print(f"bad row: line {request.line}: {problem}; skipped", file=sys.stderr, flush=True)
+            bad.append((request.line, problem))
+    return written, bad
+
+
+def _gather(value) -> list:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, value)
+        return parts
+    return [value]
+
+
+def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> int:
+    """Render this rank's rows; rank 0 writes the report and summary. Returns the exit status."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    monitor = gpumon.start_monitor(out, settings.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
+    try:
+        todo, done, bad = select_rows(args, d)
+        for line, problem in bad:
+            print(f"bad row: line {line}: {problem}; skipped", file=sys.stderr, flush=True)
+        written = 0
+        if todo:
+            pipe, variant = build_pipeline(args, settings, d)
+            written, bad_images = render_rows(pipe, variant, todo, args, settings, d)
+            bad += bad_images
+    finally:
+        gpus = monitor.stop()
+    counts = _gather((written, done, bad, gpus))
+    written, done = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    bad = sorted(b for c in counts for b in c[2])
+    if d.is_main:
+        report = out / "bad_rows.txt"
+        if bad:
+            report.write_text("".join(f"line {line}: {problem}\n" for line, problem in bad))
+        elif report.exists():
+            report.unlink()  # from an earlier run whose rows have been fixed
+        summary = {"written": written, "already_done": done, "bad_rows": len(bad), "world_size": d.world_size,
+                   "gpus": [g for c in counts for g in c[3]]}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print0(f"wrote {written} images into {out}, {done} were already there, {len(bad)} bad row(s)"
+               + (f" (listed in {report})" if bad else ""))
+    return 1 if bad and not (written or done) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    prefix_rank_output()
+    args = parse_args(argv)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    problems = check_args(args, world_size)
+    try:
+        settings = config.inference_settings(args.config)
+    except config.ConfigError as e:
+        problems += e.problems
+    if problems:
+        print0("error: " + "\n  - ".join(["invalid arguments:", *problems]), rank=rank, file=sys.stderr)
+        return 2
+    d = engine.init_distributed(settings.parallel.collective_timeout_s)
+    code = run(args, settings, d)
+    engine.teardown()  # not after a crash: the other ranks would wait in it (the launcher stops them instead)
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As train/main.py: skip interpreter teardown, which raced gloo/DeepSpeed threads on CPU.
+    os._exit(code)
