@@ -73,12 +73,12 @@ def build_tokenizer(corpus: list[str]):
     return tokenizer
 
 
-def build_processor(tokenizer):
+def build_processor(tokenizer, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280):
     """Qwen2VLProcessor with the released image-processor settings (14 px patches, 2x2 merge)."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     return Qwen2VLProcessor(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor()
     )
