@@ -17,7 +17,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from train import cache, checkpoint, config, data, engine, gpumon, loop, lora_io, models, prompts, validation
+from train import cache, checkpoint, config, data, engine, fp8, gpumon, loop, lora_io, models, prompts, validation
 from train.metrics import Metrics, NullMetrics, prefix_rank_output, print0
 
 
@@ -41,6 +41,9 @@ def build_transformer(cfg: config.Config):
     transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
     models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile,
                                 p.train.fp8_base, p.train.checkpoint_blocks)
+    if p.train.fp8_base:
+        count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
+        print0(f"fp8 base: {count} frozen linears kept in float8 e4m3", rank=int(os.environ.get("RANK", "0")))
     if p.train.mode == "lora" and p.lora.init_from:
         report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
         print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))

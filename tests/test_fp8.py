@@ -1,0 +1,111 @@
+"""train.fp8: frozen e4m3 base weights with fp8 matmuls (torch._scaled_mm runs on CPU too), and the partial
+checkpointing helper used with it. The GPU speed and loss-curve figures are in docs/performance.md."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train import fp8, models
+from train.config import LoraConfig
+from train.make_tiny import build_transformer
+
+
+def _linear(n_in: int, n_out: int, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(n_in, n_out)
+    with torch.no_grad():
+        lin.weight[3] *= 40  # one row with a much larger range: per-row scales keep the others precise
+    return lin.requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["token", "vector"])
+def test_float8_linear_matches_the_linear(kind):
+    """Outputs and input gradients within e4m3's rounding (3 mantissa bits: a few % per element, ~2-4% in norm)."""
+    lin = _linear(64, 48)
+    q = fp8.Float8FrozenLinear(lin, kind)
+    x = torch.randn(5, 7, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = q(x), lin(x_ref)
+    assert y.shape == y_ref.shape
+    assert ((y - y_ref).norm() / y_ref.norm()).item() < 0.05
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert ((x.grad - x_ref.grad).norm() / x_ref.grad.norm()).item() < 0.05
+    # the large row did not swamp the others: each output column is as precise as the whole
+    err = (y - y_ref).norm(dim=(0, 1)) / y_ref.norm(dim=(0, 1))
+    assert err.max().item() < 0.08
+
+
+def test_float8_linear_is_not_a_crude_copy():
+    """The test above can fail: a weight rounded to e5m2 (2 mantissa bits) and no scale misses the bound."""
+    lin = _linear(64, 48)
+    crude = lin.weight.to(torch.float8_e5m2).float()
+    x = torch.randn(35, 64)
+    ref = x @ lin.weight.T
+    assert ((x @ crude.T - ref).norm() / ref.norm()).item() > 0.05
+
+
+def test_convert_swaps_frozen_block_linears_and_keeps_lora():
+    """Under LoRA the blocks' 12 token linears (peft's base_layer where wrapped) and 2 modulation linears become
+    e4m3; embeddings/output stay; only LoRA trains; checkpoints (state_dict) hold no fp8 buffers."""
+    model = build_transformer()
+    models.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
+    before = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert fp8.convert_frozen_linears(model) == len(model.transformer_blocks) * 14
+    block = model.transformer_blocks[0]
+    assert isinstance(block.attn.to_q.base_layer, fp8.Float8FrozenLinear)  # wrapped by LoRA
+    assert isinstance(block.img_mlp.net[2], fp8.Float8FrozenLinear)  # not wrapped
+    assert block.img_mod[1].kind == "vector"
+    assert type(model.img_in) is torch.nn.Linear and type(model.proj_out) is torch.nn.Linear
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == before
+    assert not any("weight_fp8" in k or "weight_scale" in k for k in model.state_dict())
+
+
+def test_lora_learns_through_fp8_base():
+    """A forward/backward through the converted tiny model gives LoRA gradients close to the unquantised reference."""
+    import copy
+
+    torch.manual_seed(0)
+    model = build_transformer()
+    models.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    reference = copy.deepcopy(model)
+    fp8.convert_frozen_linears(model)
+    inputs = dict(hidden_states=torch.randn(1, 128, 64), timestep=torch.tensor([0.5]),
+                  encoder_hidden_states=torch.randn(1, 16, model.config.joint_attention_dim),
+                  encoder_hidden_states_mask=None, img_shapes=[[(1, 8, 8), (1, 8, 8)]], return_dict=False)
+    grads = []
+    for m in (model, reference):
+        m(**inputs)[0].square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad]))
+    assert torch.isfinite(grads[0]).all()
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item() > 0.99
+
+
+def test_fp8_refuses_a_trainable_base():
+    model = build_transformer().requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen base"):
+        fp8.convert_frozen_linears(model)
+
+
+@pytest.mark.parametrize("count, expected", [(0, 2), (1, 1)])
+def test_checkpoint_first_recomputes_only_the_first_blocks(monkeypatch, count, expected):
+    """train.checkpoint_blocks: diffusers hands every block to the function; only the first N are checkpointed."""
+    import torch.utils.checkpoint as ckpt
+
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+    model = build_transformer()
+    models.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
+                                gradient_checkpointing=True, compile_blocks=False, checkpoint_blocks=count)
+    model.train()
+    out = model(hidden_states=torch.randn(1, 128, 64), timestep=torch.tensor([0.5]),
+                encoder_hidden_states=torch.randn(1, 16, model.config.joint_attention_dim),
+                encoder_hidden_states_mask=None, img_shapes=[[(1, 8, 8), (1, 8, 8)]], return_dict=False)[0]
+    out.mean().backward()
+    assert len(calls) == expected
