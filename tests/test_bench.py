@@ -119,3 +119,50 @@ def test_workload_and_option_checks():
     for bad in (["--mode", "full", "--baseline"], ["--tiny", "--num_layers", "4"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypatch):
+    """QWEN_EDIT_RANDOM_INIT=1 builds the models from their config.json (same shapes); without it a directory
+    without weights is an error, never a silent random model."""
+    import shutil
+
+    from train import models
+    from train.config import ModelConfig
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_edit / "model", model_dir)
+    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    for f in model_dir.glob("*/*.safetensors"):
+        f.unlink()
+    monkeypatch.delenv(models.RANDOM_INIT_ENV, raising=False)
+    with pytest.raises(OSError):
+        models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    monkeypatch.setenv(models.RANDOM_INIT_ENV, "1")
+    built = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
+    encoders = models.load_encoders(model_dir, torch.float32, torch.device("cpu"))
+    assert encoders.vae.config.z_dim == 16 and encoders.text_encoder.config.text_config.hidden_size == 32
+
+
+def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_path):
+    """`python -m train.make_tiny --full_size_configs`: 60-block transformer, Qwen2.5-VL-7B, default VAE; no weights."""
+    import json
+    import shutil
+
+    from train.make_tiny import write_full_size_configs
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_edit / "model", model_dir)
+    write_full_size_configs(model_dir)
+    assert not list(model_dir.glob("*/*.safetensors"))
+    transformer = json.loads((model_dir / "transformer" / "config.json").read_text())
+    assert (transformer["num_layers"], transformer["num_attention_heads"], transformer["joint_attention_dim"]) == (
+        60, 24, 3584)
+    vl = json.loads((model_dir / "text_encoder" / "config.json").read_text())
+    text = vl.get("text_config", vl)
+    assert (text["hidden_size"], text["num_hidden_layers"], vl["vision_config"]["depth"]) == (3584, 28, 32)
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        built = QwenImageTransformer2DModel.from_config(transformer)
+    assert sum(p.numel() for p in built.parameters()) == 20_430_401_088

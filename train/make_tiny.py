@@ -217,6 +217,35 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
     return out
 
 
+def write_full_size_configs(model_dir: str | Path) -> None:
+    """Turn a tiny model directory into a weightless one with the released architectures' configs: the
+    Qwen-Image transformer (train.bench.FULL_ARCH), Qwen2.5-VL-7B (train.bench_data's VL_TEXT / VL_VISION, with the
+    tiny tokenizer's token ids) and the default VAE; the processor gets the released image limits. Loading it
+    needs QWEN_EDIT_RANDOM_INIT=1 (train.models builds each model at random init on the device): for measuring
+    the real trainer on full-size shapes without 58 GB of weights."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2Tokenizer
+
+    from train.bench import FULL_ARCH
+    from train.bench_data import VL_PIXELS, VL_TEXT, VL_VISION
+
+    model_dir = Path(model_dir)
+    for sub in ("transformer", "text_encoder", "vae"):
+        for f in (model_dir / sub).glob("*.safetensors*"):
+            f.unlink()
+    with torch.device("meta"):
+        QwenImageTransformer2DModel(**FULL_ARCH).save_config(model_dir / "transformer")
+        AutoencoderKLQwenImage().save_config(model_dir / "vae")
+    tokenizer = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    Qwen2_5_VLConfig(
+        text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
+        vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    ).save_pretrained(model_dir / "text_encoder")
+    build_processor(tokenizer, **VL_PIXELS).save_pretrained(model_dir / "processor")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory to write model/ and data/ into")
@@ -224,8 +253,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_samples", type=int, default=32)
     parser.add_argument("--size", type=int, default=128, help="side of the square synthetic images, px")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--full_size_configs", action="store_true",
+                        help="write the released architectures' configs and no weights (load with "
+                             "QWEN_EDIT_RANDOM_INIT=1; for GPU measurements)")
     args = parser.parse_args(argv)
     out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed)
+    if args.full_size_configs:
+        write_full_size_configs(out / "model")
     print(f"wrote {out / 'model'} and {out / 'data'}")
 
 

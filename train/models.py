@@ -6,6 +6,8 @@ Everything loads with `local_files_only=True` from the directory given; nothing 
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,16 +51,49 @@ def encoder_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+RANDOM_INIT_ENV = "QWEN_EDIT_RANDOM_INIT"
+
+
+def random_init() -> bool:
+    """QWEN_EDIT_RANDOM_INIT=1: build every model from its config.json at random init, directly on the device
+    (measurements on full-size shapes without the weights: `python -m train.make_tiny --full_size_configs`)."""
+    return os.environ.get(RANDOM_INIT_ENV) == "1"
+
+
+def _init_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextmanager
+def _random_init_scope(what: str, dtype: torch.dtype):
+    """Create modules on the current device in `dtype` (no fp32 copy first), and say so loudly."""
+    device = _init_device()
+    print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Encoders:
     from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
-    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        model_dir / "text_encoder", dtype=dtype, local_files_only=True
-    )
     processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
-    vae = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype, local_files_only=True)
+    if random_init():
+        with _random_init_scope("text encoder and VAE", dtype):
+            text_encoder = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir / "text_encoder"))
+            vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(model_dir / "vae"))
+    else:
+        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            model_dir / "text_encoder", dtype=dtype, local_files_only=True
+        )
+        vae = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
+                                                     local_files_only=True)
     for module in (text_encoder, vae):
         module.requires_grad_(False).eval().to(device)
     return Encoders(text_encoder, processor, vae)
@@ -67,6 +102,10 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype):
     from diffusers import QwenImageTransformer2DModel
 
+    if random_init():
+        with _random_init_scope("transformer", dtype):
+            config = QwenImageTransformer2DModel.load_config(Path(model_cfg.path) / "transformer")
+            return QwenImageTransformer2DModel.from_config(config)
     return QwenImageTransformer2DModel.from_pretrained(
         model_cfg.path, subfolder="transformer", torch_dtype=dtype, local_files_only=True
     )
