@@ -1,4 +1,17 @@
-"""The model-parallel mode (encoder GPU + decoder GPU, pipelined): not built yet.
+"""The model-parallel mode: frozen encoders on one GPU, the transformer being trained on the next (or cut over
+several), micro-batches pipelined between them; pipelines replicate over the remaining GPUs.
 
-`qwen_edit.parallel.mode = "model_parallel"` is refused by the config check until it exists.
+    plan.py       which process runs which stage on which device (pure, validated)
+    worlds.py     process groups: one world per role, gloo links along each pipeline, DeepSpeed's mpu
+    transport.py  messages between stages (shape header, then tensors)
+    stages.py     the encoder stage's loop and the decoder's receiving source (the bounded queue)
+    runner.py     the entry point train/main.py dispatches to
+See docs/model_parallel.md.
 """
+
+
+def main(cfg, resume: str | None) -> int:
+    """Run this process's stage of the model-parallel mode; returns the process exit code."""
+    from model_parallel.runner import main as run
+
+    return run(cfg, resume)

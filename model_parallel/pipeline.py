@@ -1,0 +1,100 @@
+"""The decoder cut: activations forward and their gradients backward between decoder stages (GPipe per step).
+
+Schedule per optimizer step of G = gradient_accumulation_steps micro-batches:
+    stages before the last:  F1 F2 .. FG (each sent on as soon as it is computed), then B1 .. BG
+    the last stage:          F1 B1 F2 B2 .. FG BG (loop.train unchanged; each B sends its input gradients back)
+so a stage before the last holds G micro-batches of activations (GPipe's memory) and the bubble is
+(D - 1) / (G + D - 1) of a step for D decoder stages. DeepSpeed steps every stage at the same boundary: its
+mpu (worlds.ModelParallelGroups) sums the gradient norm over the stages, so clipping and the NaN/inf skip are
+decided for the whole model at once.
+
+The last stage's gradient is already divided by G (engine.backward(loss) scales by GAS); the earlier stages
+back-propagate it with `scale_wrt_gas=False` so it is not divided twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_parallel import transport
+from model_parallel.split import Activations, DecoderStage
+from train import checkpoint, conditioning, loop
+from train.config import Config
+from train.engine import Dist
+
+_ACTS = ("act_img", "act_txt", "act_temb")
+
+
+def activation_message(b: loop.Batch, x: Activations) -> tuple[dict, dict]:
+    """The micro-batch and this stage's output, for the next stage."""
+    meta, tensors = transport.batch_message(b)
+    return meta, {**tensors, **dict(zip(_ACTS, x, strict=True))}
+
+
+class _SendGradients(torch.autograd.Function):
+    """Identity forward; backward sends the gradients of the stage's inputs to the previous stage."""
+
+    @staticmethod
+    def forward(ctx, sender, *x):
+        ctx.sender = sender
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in x]
+        return tuple(t.view_as(t) for t in x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [torch.zeros(s, dtype=dt, device=dv) if g is None else g for g, (s, dt, dv) in zip(grads, ctx.shapes,
+                                                                                                      strict=True)]
+        ctx.sender.send({"kind": "grads"}, dict(zip(_ACTS, grads, strict=True)))
+        return (None, *grads)
+
+
+def receiving_converter(stage: DecoderStage, device: torch.device, grad_sender: transport.Sender):
+    """For stages after the first: a message -> its Batch, with the activations put into the stage's inbox."""
+
+    def convert(meta: dict, tensors: dict) -> loop.Batch:
+        acts = [tensors.pop(k).to(device).requires_grad_() for k in _ACTS]
+        stage.inbox = _SendGradients.apply(grad_sender, *acts)
+        return transport.message_batch(meta, tensors, device)
+
+    convert.grad_sender = grad_sender
+    return convert
+
+
+def receive_gradients(link) -> list[torch.Tensor]:
+    _, tensors = transport.recv(link, 1)
+    return [tensors[k] for k in _ACTS]
+
+
+def run_upstream_stage(cfg: Config, dp: Dist, eng, stage: DecoderStage, source, links, sender: transport.Sender,
+                       scheduler_cfg: dict, trainer_state: dict, start_step: int) -> int:
+    """A decoder stage before the last: forward G micro-batches, then backward them as gradients arrive; saves
+    at the same steps as the last stage (every decoder process joins a save). Returns the final step."""
+    t, out = cfg.project.train, cfg.project.output
+    dtype = getattr(torch, cfg.precision)
+    gas = cfg.deepspeed["gradient_accumulation_steps"]
+    eng.train()
+    step = start_step
+    while step < t.max_steps:
+        outputs = []
+        for micro in range(gas):
+            b = source.next_batch()
+            if stage.is_first:
+                generator = loop.micro_batch_generator(t.seed, step, micro, cfg, dp, dp.device)
+                kwargs, _, _ = loop.noisy_inputs(b, cfg, generator, scheduler_cfg, dtype)
+            else:
+                kwargs = {"encoder_hidden_states_mask": b.cond.prompt_mask,
+                          "img_shapes": conditioning.img_shapes(b.target_hw, b.cond.reference_shapes,
+                                                                     b.x0.shape[0])}
+            x = eng(**kwargs)
+            sender.send(*activation_message(b, x))
+            outputs.append(x)
+        for x in outputs:
+            grads = [g.to(dp.device) for g in receive_gradients(links.grads_from_next)]
+            surrogate = sum((o * g).sum() for o, g in zip(x, grads, strict=True) if o.requires_grad)
+            eng.backward(surrogate, scale_wrt_gas=False)  # d(surrogate)/d(theta) = g . d(output)/d(theta)
+            eng.step()
+        step += 1
+        if loop.should_save(step, cfg):
+            checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
+    checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
+    return step

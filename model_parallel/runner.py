@@ -1,0 +1,210 @@
+"""Entry of the model-parallel mode: place this process, build its stage, run it, tear down.
+
+The decoder stages reuse the ZeRO-2 mode's pieces unchanged (train.main's builders, loop.train, checkpoint,
+exports): only their source of micro-batches differs (stages.ReceivingSource instead of the loader + encoders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from model_parallel import pipeline, stages, transport, worlds
+from model_parallel import plan as placement
+from train import checkpoint, config, data, engine, loop, lora_io, models
+from train import main as train_main
+from train.metrics import Metrics, NullMetrics, print0
+
+
+def num_blocks(model_dir: str) -> int:
+    return json.loads((Path(model_dir) / "transformer" / "config.json").read_text())["num_layers"]
+
+
+def build_plan(cfg: config.Config) -> placement.Plan:
+    env = os.environ
+    par = cfg.project.parallel
+    local = int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+    return placement.build_plan(par.stages, par.decoder_cuts, int(env.get("WORLD_SIZE", "1")),
+                                num_blocks(cfg.project.model.path), torch.cuda.device_count(), local)
+
+
+def parallel_layout(cfg: config.Config, world_size: int) -> dict:
+    par = cfg.project.parallel
+    return {"mode": par.mode, "world_size": world_size, "stages": len(par.stages), "decoder_cuts": par.decoder_cuts}
+
+
+def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tuple[str | None, int]:
+    """(tag, step) to resume from; the checkpoint must come from the same placement (ZeRO shards are per rank)."""
+    if resume is None:
+        return None, 0
+    tag, state = checkpoint.resolve_tag(cfg.project.output.dir, resume)
+    checkpoint.check_world_size(state, world_size, tag)
+    saved, now = state.get("parallel"), parallel_layout(cfg, world_size)
+    if saved != now:
+        raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
+                                     "the same qwen_edit.parallel settings, or export and start anew (see README)")
+    return tag, state["step"]
+
+
+def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None:
+    p = cfg.project
+    variant = models.detect_variant(p.model.path, p.model.variant)
+    try:
+        rows, loader = train_main.build_data(cfg, d, variant)
+    except data.BadRowsError as e:  # tell the decoder, so that it stops with the same message
+        sender = transport.Sender(links.to_next, 1)
+        sender.send({"kind": "error", "message": str(e)})
+        sender.flush()
+        raise
+    source = train_main.build_source(cfg, d, variant, rows, loader)  # the frozen encoders (or the cache)
+    stats = stages.run_encoder(cfg, source, links.to_next, peer=1)
+    print0(f"encoder stage: {stats['micro_batches']} micro-batches, busy {stats['busy_s']:.1f} s, "
+           f"idle {stats['idle_s']:.1f} s", rank=d.rank)
+
+
+def build_stage(cfg: config.Config, plan: placement.Plan, me: placement.Placement, d: engine.Dist):
+    """(engine, the module whose weights are exported, data-parallel view of this process) for a decoder stage.
+
+    One decoder stage trains the plain transformer exactly as the ZeRO-2 mode does (same checkpoint layout);
+    a cut wraps this stage's blocks in split.DecoderStage and gives DeepSpeed the stage/replica groups.
+    """
+    transformer = train_main.build_transformer(cfg)
+    if plan.num_stages == 2:
+        eng, _ = engine.build_engine(transformer, cfg.deepspeed)
+        return eng, transformer, d
+    from model_parallel.split import DecoderStage
+
+    mpu = worlds.ModelParallelGroups(plan, me)
+    stage = DecoderStage(transformer, me.blocks, me.is_first_decoder, me.is_last_decoder)
+    for param in stage.parameters():
+        param.model_parallel = True  # DeepSpeed: each stage's own weights count in the summed gradient norm
+    eng, _ = engine.build_engine(stage, cfg.deepspeed, mpu)
+    dp = engine.Dist(me.pipeline, plan.num_pipelines, d.local_rank, d.device, group=mpu.get_data_parallel_group())
+    return eng, transformer, dp
+
+
+def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: placement.Placement,
+                links: worlds.Links, resume: str | None) -> None:
+    p = cfg.project
+    world_size = len(plan.placements)
+    variant = models.detect_variant(p.model.path, p.model.variant)
+    tag, start_step = resume_point(cfg, world_size, resume)
+    if d.is_main:
+        config.write_resolved(cfg, p.output.dir)
+        Metrics.truncate(p.output.dir, start_step)
+    try:
+        batches_per_epoch = stages.receive_start(links.to_prev, 0)
+    except stages.EncoderStopped as e:
+        raise data.BadRowsError(str(e)) from e
+    sender = None
+    if not me.is_last_decoder:  # pass the epoch length on along the cut
+        sender = transport.Sender(links.to_next, 1, max_in_flight=cfg.deepspeed["gradient_accumulation_steps"] + 1)
+        sender.send({"kind": "start", "batches_per_epoch": batches_per_epoch})
+    eng, transformer, dp = build_stage(cfg, plan, me, d)
+    if tag is not None:
+        checkpoint.load(eng, p.output.dir, tag)
+        print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
+    trainer_state = {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
+                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],
+                     "parallel": parallel_layout(cfg, world_size), "config": config.to_dict(cfg)}
+    if me.is_first_decoder:
+        stages.send_ready(links.to_prev, 0, start_step)
+        convert = None
+    else:
+        convert = pipeline.receiving_converter(eng.module, d.device, transport.Sender(links.grads_to_prev, 0, 10**6))
+    source = stages.ReceivingSource(links.to_prev, 0, d.device, batches_per_epoch,
+                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert)
+    scheduler_cfg = models.scheduler_config(p.model.path)
+    t0 = time.perf_counter()
+    if me.is_last_decoder:
+        metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
+                   else NullMetrics())
+        try:
+            steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step)
+        finally:
+            metrics.close()
+    else:
+        steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
+                                            trainer_state, start_step)
+    wall = time.perf_counter() - t0
+    upstream_stats = source.close()
+    if sender is not None:
+        sender.send(upstream_stats)  # the encoder's closing statistics travel on to the last stage
+        sender.flush()
+    if convert is not None:
+        convert.grad_sender.flush()
+    digests = loop.replica_digests(eng.module, dp.group)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"trainable weights differ between decoder replicas after training: {digests}")
+    weights = exported_weights(transformer, p.train.mode, plan.num_stages > 2, me)
+    if d.is_main:
+        train_main.write_summary(p.output.dir, {
+            "steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
+            "parallel": parallel_layout(cfg, world_size),
+            "decoder_wall_s": wall, "decoder_wait_s": source.wait_s_total + source.first_wait_s,
+            "decoder_wait_after_first_s": source.wait_s_total,
+            "decoder_busy_fraction": 1 - (source.wait_s_total + source.first_wait_s) / wall,
+            "encoder": {k: v for k, v in upstream_stats.items() if k != "kind"}})
+        export(cfg, transformer, weights)
+
+
+def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placement) -> dict | None:
+    """The trained weights for the export: this stage's own, or (over a cut) every stage's of pipeline 0,
+    gathered on decoder rank 0 (a collective over the decoder world)."""
+    if not is_cut:
+        return None
+    import torch.distributed as dist
+
+    mine = {}
+    if me.pipeline == 0:
+        mine = (checkpoint.lora_state_dict(transformer) if mode == "lora"
+                else {k: v.detach().cpu() for k, v in transformer.state_dict().items()})
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def export(cfg: config.Config, transformer, weights: dict | None) -> None:
+    p = cfg.project
+    export_dir = Path(p.output.dir) / "export"
+    if p.train.mode == "lora":
+        if weights is None:
+            path = checkpoint.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank)
+        else:
+            path = checkpoint.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank)
+    else:
+        if weights is not None:  # a whole transformer again, from the base directory and every stage's weights
+            transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
+            transformer.load_state_dict(weights)
+        path = checkpoint.export_full(transformer, export_dir)
+    print0(f"exported {path}")
+
+
+def main(cfg: config.Config, resume: str | None) -> int:
+    """Run this process's stage; returns the exit code (0 done, 2 bad data or resume point)."""
+    engine.prepare_environment()
+    plan = build_plan(cfg)
+    me = plan.of(int(os.environ.get("RANK", "0")))
+    print0(f"model-parallel placement, {plan.num_pipelines} pipeline(s):\n{plan.describe()}", rank=me.rank)
+    device = worlds.set_device(me)
+    links = worlds.init_worlds(plan, me, cfg.project.parallel.collective_timeout_s)
+    d = engine.Dist(me.role_rank, plan.role_world_size(me.is_encoder), int(os.environ.get("LOCAL_RANK", "0")),
+                    device)
+    code = 0
+    try:
+        if me.is_encoder:
+            run_encoder(cfg, d, links)
+        else:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # adopts it
+            run_decoder(cfg, d, plan, me, links, resume)
+    except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError) as e:
+        print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
+        code = 2
+    engine.teardown()
+    return code

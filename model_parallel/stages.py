@@ -1,0 +1,168 @@
+"""The encoder stage's loop and the decoder's receiving source (the bounded queue between them).
+
+Protocol on the encoder -> first decoder link, in order:
+    encoder -> decoder  {"kind": "start", "batches_per_epoch": n}   (or {"kind": "error", "message": ...})
+    decoder -> encoder  {"kind": "ready", "start_step": s}           (after its engine and checkpoint loaded)
+    encoder -> decoder  one {"kind": "batch"} per micro-batch of steps s+1 .. max_steps, in training order
+    encoder -> decoder  {"kind": "end", "busy_s": ..., "idle_s": ...}
+Both sides derive the micro-batch count from the same config and start step (loop.start_position), so no
+message is ever left unmatched; the encoder iterates the same sampler as the ZeRO-2 mode would on the rank of
+its pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from model_parallel import transport
+from train import loop
+from train.config import Config
+
+
+def slow_stage_s(stage: str) -> float:
+    """Test hook QWEN_EDIT_SLOW_STAGE=encoder:0.3 (or decoder:0.3): extra seconds per micro-batch of that stage."""
+    name, _, seconds = os.environ.get("QWEN_EDIT_SLOW_STAGE", "").partition(":")
+    return float(seconds) if name == stage else 0.0
+
+
+def num_micro_batches(cfg: Config, start_step: int) -> int:
+    """Micro-batches one pipeline trains from `start_step` to the end."""
+    return (cfg.project.train.max_steps - start_step) * cfg.deepspeed["gradient_accumulation_steps"]
+
+
+def run_encoder(cfg: Config, source: loop.LoaderSource, link, peer: int) -> dict:
+    """Encode and send every micro-batch the decoder will train on; returns {busy_s, idle_s, micro_batches}.
+
+    `source` is the ZeRO-2 mode's online source (loader + frozen encoders) on this pipeline's data shard. The
+    send of micro-batch k waits until the decoder side took micro-batch k-1 (at most one message in flight,
+    plus the decoder's queue): that wait is this stage's idle time.
+    """
+    opening = transport.Sender(link, peer, 1)
+    opening.send({"kind": "start", "batches_per_epoch": len(source)})
+    opening.flush()
+    meta, _ = transport.recv(link, peer)
+    assert meta["kind"] == "ready", meta
+    gas = cfg.deepspeed["gradient_accumulation_steps"]
+    remaining = num_micro_batches(cfg, meta["start_step"])
+    epoch, taken = loop.start_position(meta["start_step"], gas, len(source))
+    sender = transport.Sender(link, peer, max_in_flight=1)
+    delay = slow_stage_s("encoder")
+    busy = idle = 0.0
+    sent = 0
+    t0 = time.perf_counter()
+    while sent < remaining:
+        source.start_epoch(epoch, taken)
+        taken = 0
+        for batch in source:
+            if delay:
+                time.sleep(delay)
+            busy += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            idle += sender.send(*transport.batch_message(batch))
+            sent += 1
+            t0 = time.perf_counter()
+            if sent == remaining:
+                break
+        epoch += 1
+    idle += sender.flush()
+    stats = {"micro_batches": sent, "busy_s": busy, "idle_s": idle, "data_wait_s": source.take_wait_s()}
+    sender.send({"kind": "end", **stats})
+    sender.flush()
+    return stats
+
+
+class EncoderStopped(RuntimeError):
+    """The encoder stage could not start (e.g. bad rows); its message says why."""
+
+
+def receive_start(link, peer: int) -> int:
+    """Decoder side: the encoder's opening message; returns its micro-batches per epoch."""
+    meta, _ = transport.recv(link, peer)
+    if meta["kind"] == "error":
+        raise EncoderStopped(f"the encoder stage stopped: {meta['message']}")
+    return meta["batches_per_epoch"]
+
+
+def send_ready(link, peer: int, start_step: int) -> None:
+    """Decoder side: the engine is built; the encoder may start at `start_step`."""
+    sender = transport.Sender(link, peer, 1)
+    sender.send({"kind": "ready", "start_step": start_step})
+    sender.flush()
+
+
+class ReceivingSource:
+    """loop.train's source on the first decoder stage: Batches received from the encoder stage.
+
+    A thread receives ahead into a queue of `queue_depth` micro-batches while the decoder trains, so a faster
+    encoder never makes the decoder wait; `take_wait_s` is the time the decoder blocked on an empty queue (its
+    idle time). It receives exactly `total` micro-batches, then the encoder's closing statistics.
+    """
+
+    def __init__(self, link, peer: int, device: torch.device, batches_per_epoch: int, total: int, queue_depth: int,
+                 convert=None):
+        self.batches_per_epoch, self.total = batches_per_epoch, total
+        self.convert = convert or (lambda meta, tensors: transport.message_batch(meta, tensors, device))
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self.encoder_stats: dict = {}
+        self._wait_s = 0.0
+        self.wait_s_total = 0.0  # over micro-batches 2.. (the first one also waits for the pipeline to fill)
+        self.first_wait_s = 0.0
+        self.delivered = 0
+        self._this_epoch = batches_per_epoch
+        self.delay = slow_stage_s("decoder")
+        self._thread = threading.Thread(target=self._receive, args=(link, peer, device), daemon=True)
+        self._thread.start()
+
+    def _receive(self, link, peer: int, device: torch.device) -> None:
+        try:
+            for _ in range(self.total):
+                self.queue.put(transport.recv(link, peer))
+            meta, _ = transport.recv(link, peer)
+            self.encoder_stats = meta
+        except BaseException as e:  # handed to the training thread, which raises it
+            self.queue.put(e)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def start_epoch(self, epoch: int, skip: int) -> None:
+        """The encoder stage runs the sampler (same epoch and skip, derived from the same step); here only the
+        epoch's length matters."""
+        self._this_epoch = self.batches_per_epoch - skip
+
+    def take_wait_s(self) -> float:
+        wait, self._wait_s = self._wait_s, 0.0
+        return wait
+
+    def next_batch(self) -> loop.Batch:
+        """The next micro-batch (blocks while the queue is empty; that time is the decoder's idle time)."""
+        if self.delay and self.delivered:
+            time.sleep(self.delay)  # test hook: a slower decoder (counted as busy, as compute would be)
+        t0 = time.perf_counter()
+        item = self.queue.get()
+        waited = time.perf_counter() - t0
+        self._wait_s += waited
+        if self.delivered:
+            self.wait_s_total += waited
+        else:
+            self.first_wait_s = waited
+        if isinstance(item, BaseException):
+            raise RuntimeError("receiving from the previous stage failed") from item
+        self.delivered += 1
+        return self.convert(*item)
+
+    def __iter__(self):
+        for _ in range(self._this_epoch):
+            if self.delivered == self.total:
+                return
+            yield self.next_batch()
+
+    def close(self) -> dict:
+        """Wait for the encoder's closing statistics (after the last micro-batch)."""
+        self._thread.join()
+        return self.encoder_stats

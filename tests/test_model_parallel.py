@@ -1,0 +1,233 @@
+"""The model-parallel mode: the placement plan, the cut transformer, and end-to-end runs over CPU processes.
+
+Reference for every comparison: the ZeRO-2 mode on the same config (fp32 on CPU). The stages move the same
+tensors through the same kernels, so losses, gradient norms and LoRA weights agree to fp32 summation order
+(tolerance 1e-6 relative; on this machine they are bitwise equal).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import metrics, run_trainer, write_config
+
+from model_parallel.plan import PlanError, build_plan
+
+TOL = 1e-6
+
+
+# --- the plan (no processes) ----------------------------------------------------------------------------------------
+
+
+def test_plan_two_stages_one_pipeline():
+    """2 processes: encoder on cuda:0, every block on cuda:1; role ranks 0 in both worlds."""
+    plan = build_plan(["cuda:0", "cuda:1"], [], world_size=2, num_blocks=60, num_gpus=2)
+    enc, dec = plan.placements
+    assert (enc.is_encoder, enc.device, enc.blocks, enc.role_rank) == (True, "cuda:0", None, 0)
+    assert (dec.is_last_decoder, dec.device, dec.blocks, dec.role_rank) == (True, "cuda:1", (0, 60), 0)
+
+
+def test_plan_replicas_take_the_next_devices():
+    """4 processes = 2 pipelines; the second on cuda:2/3; decoders are ranks 0 and 1 of the decoder world."""
+    plan = build_plan(["cuda:0", "cuda:1"], [], world_size=4, num_blocks=60, num_gpus=4)
+    assert [p.device for p in plan.placements] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [(p.pipeline, p.stage, p.role_rank) for p in plan.placements] == [(0, 0, 0), (0, 1, 0), (1, 0, 1),
+                                                                              (1, 1, 1)]
+    assert plan.role_world_size(encoder=False) == 2
+
+
+def test_plan_decoder_cut():
+    """3 stages with a cut at 30: blocks 0-29 and 30-59; the last stage is decoder rank 0 (it logs)."""
+    plan = build_plan(["cuda:0", "cuda:1", "cuda:2"], [30], world_size=6, num_blocks=60, num_gpus=0)
+    assert [p.blocks for p in plan.placements[:3]] == [None, (0, 30), (30, 60)]
+    assert all(p.device == "cpu" for p in plan.placements)
+    assert [p.role_rank for p in plan.placements] == [0, 1, 0, 1, 3, 2]
+    assert "rank 2: pipeline 0 stage 2 decoder blocks 30-59 on cpu" in plan.describe()
+
+
+def test_plan_refuses_a_pipeline_across_nodes():
+    """3 processes per node cannot hold whole 2-stage pipelines."""
+    with pytest.raises(PlanError, match="3 processes per node do not hold whole pipelines of 2 stages"):
+        build_plan(["cuda:0", "cuda:1"], [], world_size=6, num_blocks=60, num_gpus=3, local_world_size=3)
+
+
+# --- the cut transformer, in one process ----------------------------------------------------------------------------
+
+
+def test_cut_transformer_matches_the_whole(tiny_edit):
+    """Two DecoderStages chained by hand (activations forward, their gradients back through the surrogate) give the
+    whole transformer's loss and LoRA gradients, with and without gradient checkpointing."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from model_parallel.split import DecoderStage
+    from train import conditioning, models
+    from train.config import LoraConfig
+
+    def lora_model(checkpointing: bool):
+        torch.manual_seed(0)
+        t = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer")
+        targets = ["attn.to_q", "img_in", "proj_out", "txt_mlp.net.2"]
+        models.prepare_for_training(t, "lora", LoraConfig(rank=4, alpha=4, target_modules=targets), checkpointing,
+                                    False)
+        for n, p in t.named_parameters():  # LoRA B starts at zero: make gradients reach A too
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+        return t
+
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randn(1, 64, 64, generator=gen)
+    width = json.loads((tiny_edit / "model" / "transformer" / "config.json").read_text())["joint_attention_dim"]
+    kwargs = dict(hidden_states=torch.randn(1, 128, 64, generator=gen), timestep=torch.tensor([0.4]),
+                  encoder_hidden_states=torch.randn(1, 7, width, generator=gen),
+                  encoder_hidden_states_mask=torch.tensor([[1, 1, 1, 1, 1, 0, 0]]),
+                  img_shapes=conditioning.img_shapes((16, 16), [(1, 8, 8)], 1), return_dict=False)
+    for checkpointing in (False, True):
+        whole = lora_model(checkpointing)
+        loss_whole = ((whole(**kwargs)[0][:, :64] - target) ** 2).mean()
+        loss_whole.backward()
+        first = DecoderStage(lora_model(checkpointing), (0, 1), True, False)
+        last = DecoderStage(lora_model(checkpointing), (1, 2), False, True)
+        x = first(**kwargs)
+        last.inbox = tuple(t.detach().requires_grad_() for t in x)
+        received = last.inbox
+        loss_cut = ((last(**kwargs)[0][:, :64] - target) ** 2).mean()
+        loss_cut.backward()
+        sum((o * r.grad).sum() for o, r in zip(x, received, strict=True) if o.requires_grad).backward()
+        assert loss_cut.item() == pytest.approx(loss_whole.item(), rel=TOL)
+        def grads_of(module) -> dict[str, torch.Tensor]:
+            return {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in module.named_parameters()
+                    if p.requires_grad}
+
+        grads = {**grads_of(first.transformer), **grads_of(last.transformer)}
+        expected = grads_of(whole)
+        assert grads.keys() == expected.keys()
+        # (the last block's text-stream LoRA feeds nothing the loss sees: zero gradient in both)
+        assert sum(bool(g.abs().max() > 0) for g in expected.values()) > len(expected) // 2
+        scale = max(g.abs().max().item() for g in expected.values())
+        worst = max((grads[n] - g).abs().max().item() for n, g in expected.items()) / scale
+        assert worst < 1e-5, f"checkpointing={checkpointing}: worst gradient difference {worst:.3g} of the largest"
+
+
+# --- end-to-end over the launcher (CPU processes, gloo) -------------------------------------------------------------
+
+
+def check(proc) -> None:
+    tail = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
+
+
+def mp_config(path: Path, stages: int = 2, cuts: list[int] | None = None, **changes) -> Path:
+    return write_config(path, **{"qwen_edit.output.log_every_steps": 1,
+                                 "qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu"] * stages,
+                                                        "decoder_cuts": cuts or []}, **changes})
+
+
+def records(out: Path) -> list[tuple[float, float]]:
+    return [(r["loss"], r["grad_norm"]) for r in metrics(out)]
+
+
+def lora(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "export" / "pytorch_lora_weights.safetensors")
+
+
+def assert_same_training(out: Path, ref: Path) -> None:
+    got, want = records(out), records(ref)
+    assert len(got) == len(want), (got, want)
+    assert [x for r in got for x in r] == pytest.approx([x for r in want for x in r], rel=TOL), (got, want)
+    a, b = lora(out), lora(ref)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < TOL
+    assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-3  # the LoRA moved: not vacuous
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_edit, tmp_path_factory) -> Path:
+    """One process, ZeRO-2 mode, 6 steps logged every step."""
+    out = tmp_path_factory.mktemp("mp_reference")
+    cfg = write_config(out.parent / "ref.json", **{"qwen_edit.output.log_every_steps": 1})
+    check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "6")))
+    return out
+
+
+@pytest.mark.slow
+def test_two_stages_train_like_one_process_and_resume(tiny_edit, reference, tmp_path):
+    """Encoder process + decoder process: the one-process run's losses, gradient norms and LoRA export; the
+    checkpoint at step 3 resumes to the same losses; the summary reports both stages' busy/idle times."""
+    cfg = mp_config(tmp_path / "mp.json", **{"qwen_edit.output.save_every_steps": 3})
+    out = tmp_path / "out"
+    check(run_trainer(tiny_edit, out, config=cfg, num_procs=2, extra=("--max_steps", "6")))
+    assert_same_training(out, reference)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parallel"] == {"mode": "model_parallel", "world_size": 2, "stages": 2, "decoder_cuts": []}
+    assert 0 < summary["decoder_busy_fraction"] <= 1 and summary["encoder"]["micro_batches"] == 6
+    assert "data_wait_fraction" in metrics(out)[-1]
+    assert sorted(p.name for p in (out / "global_step3").glob("*.pt")) == [
+        "mp_rank_00_model_states.pt", "rng_state_rank0.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    shutil.rmtree(cut / "global_step6")
+    (cut / "latest").write_text("global_step3")
+    check(run_trainer(tiny_edit, cut, config=cfg, num_procs=2, extra=("--max_steps", "6", "--resume")))
+    assert records(cut) == records(out)
+
+
+@pytest.mark.slow
+def test_decoder_cut_in_two_trains_like_one_process(tiny_edit, reference, tmp_path):
+    """Encoder + blocks 0-0 + blocks 1-1 (3 processes): the one-process run's losses, norms and LoRA export."""
+    out = tmp_path / "out"
+    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "cut.json", 3, [1]), num_procs=3,
+                      extra=("--max_steps", "6")))
+    assert_same_training(out, reference)
+    assert len(list((out / "global_step6").glob("*mp_rank_01_optim_states.pt"))) == 1
+
+
+@pytest.mark.slow
+def test_two_pipelines_train_like_zero2_on_two_ranks(tiny_edit, tmp_path):
+    """4 processes = 2 pipelines whose decoders form a ZeRO-2 group: the 2-process ZeRO-2 run, step for step."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    check(run_trainer(tiny_edit, ref, config=write_config(tmp_path / "ref.json", **{
+        "qwen_edit.output.log_every_steps": 1}), num_procs=2, extra=("--max_steps", "3")))
+    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json"), num_procs=4, extra=("--max_steps", "3")))
+    assert_same_training(out, ref)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["replica_digests"]) == 2 and len(set(summary["replica_digests"])) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow", ["encoder", "decoder"])
+def test_idle_time_follows_the_schedule(tiny_edit, tmp_path, slow):
+    """One stage made 0.6 s per micro-batch slower: the other stage idles what the pipeline predicts from the two
+    stages' measured busy times per micro-batch, Te (encoder) and Td (decoder). Slow encoder: the decoder waits
+    max(0, Te - Td) per micro-batch after the first, the encoder hardly idles. Slow decoder: the decoder never
+    waits (the queue is full) and the encoder idles max(0, Td - Te) per micro-batch once it is queue_depth + 2
+    micro-batches ahead. Tolerance: 35 % + 0.5 s (a loaded 2-core machine)."""
+    import os
+
+    delay, n, depth = 0.6, 10, 2
+    out = tmp_path / "out"
+    os.environ["QWEN_EDIT_SLOW_STAGE"] = f"{slow}:{delay}"
+    try:
+        check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json", **{
+            "qwen_edit.parallel.queue_depth": depth}), num_procs=2, extra=("--max_steps", str(n))))
+    finally:
+        del os.environ["QWEN_EDIT_SLOW_STAGE"]
+    s = json.loads((out / "summary.json").read_text())
+    te = s["encoder"]["busy_s"] / n
+    td = (s["decoder_wall_s"] - s["decoder_wait_s"]) / n
+    decoder_wait, encoder_idle = s["decoder_wait_after_first_s"], s["encoder"]["idle_s"]
+    if slow == "encoder":
+        assert te > td + 0.3, s
+        predicted = (n - 1) * (te - td)
+        assert abs(decoder_wait - predicted) < 0.35 * predicted + 0.5, (predicted, s)
+        assert encoder_idle < 0.2 * n * delay, s
+    else:
+        assert td > te + 0.3, s
+        predicted = (n - depth - 2) * (td - te)
+        assert abs(encoder_idle - predicted) < 0.35 * predicted + 0.5, (predicted, s)
+        assert decoder_wait < 0.2 * n * delay, s
