@@ -207,4 +207,5 @@ def main(cfg: config.Config, resume: str | None) -> int:
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
         code = 2
     engine.teardown()
+    worlds.leave(links, cfg.project.parallel.collective_timeout_s)
     return code

@@ -37,6 +37,9 @@ class Links:
     to_prev: object | None  # forward group {previous stage, me}; my rank in it is 1
     grads_from_next: object | None = None  # backward group {me, next stage} (gradients across a decoder cut)
     grads_to_prev: object | None = None  # backward group {previous stage, me}
+    store: object | None = None  # the launch-wide TCPStore (hosted by launch rank 0)
+    launch_world_size: int = 1
+    launch_rank: int = 0
 
 
 def _gloo_pair(store, prefix: str, my_index: int, timeout: timedelta):
@@ -54,7 +57,7 @@ def init_worlds(plan: Plan, me: Placement, timeout_s: int) -> Links:
     dist.init_process_group(backend, store=dist.PrefixStore(f"{role}/", store), rank=me.role_rank,
                             world_size=plan.role_world_size(me.is_encoder), timeout=timeout)
     base = f"pipeline{me.pipeline}/"
-    links = Links(None, None)
+    links = Links(None, None, store=store, launch_world_size=world_size, launch_rank=me.rank)
     if me.stage < me.num_stages - 1:
         links.to_next = _gloo_pair(store, f"{base}link{me.stage}/fwd/", 0, timeout)
         if me.stage > 0:  # a decoder cut
@@ -116,3 +119,22 @@ class ModelParallelGroups:
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return list(self._dp_ranks)
+
+
+def leave(links: Links, timeout_s: int) -> None:
+    """Check out of the launch-wide store; its host (launch rank 0, an encoder) leaves last.
+
+    Launch rank 0 hosts the TCPStore that every role world and link was built on. An encoder finishes first
+    (it only sends), and when its process exited the store went with it: the decoders' last checkpoint barrier
+    failed with "Broken pipe" (seen on 2 H200s). So every process adds itself, and the host waits for all.
+    """
+    import time
+
+    if links.store is None:
+        return
+    links.store.add("left", 1)
+    if links.launch_rank != 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while links.store.add("left", 0) < links.launch_world_size and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -231,3 +231,33 @@ def test_idle_time_follows_the_schedule(tiny_edit, tmp_path, slow):
         predicted = (n - depth - 2) * (td - te)
         assert abs(encoder_idle - predicted) < 0.35 * predicted + 0.5, (predicted, s)
         assert decoder_wait < 0.2 * n * delay, s
+
+
+def test_store_host_leaves_last():
+    """worlds.leave: launch rank 0 (which hosts the TCPStore every group uses) waits until every process checked
+    out, so a fast encoder no longer takes the store away from decoders still saving (seen on GPUs)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from model_parallel import worlds
+    from tests.conftest import free_port
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
+    left_at = {}
+
+    def decoder():
+        time.sleep(0.5)  # still saving its checkpoint
+        worlds.leave(worlds.Links(None, None, store=client, launch_world_size=2, launch_rank=1), 30)
+        left_at["decoder"] = time.monotonic()
+
+    thread = threading.Thread(target=decoder)
+    thread.start()
+    worlds.leave(worlds.Links(None, None, store=host, launch_world_size=2, launch_rank=0), 30)
+    left_at["host"] = time.monotonic()
+    thread.join()
+    assert left_at["host"] >= left_at["decoder"] - 0.05
