@@ -136,6 +136,8 @@ def set_latent_statistics(vae, images: list[Image.Image]) -> None:
     """Give the random VAE per-channel latents_mean/std measured on `images`, as the real VAE's are."""
     import numpy as np
 
+    # Statistics of flat synthetic scenes barely depend on the resolution; cap it so that --size 1024 fits in memory.
+    images = [im if max(im.size) <= 256 else im.resize((256, 256)) for im in images]
     batch = torch.stack([torch.from_numpy(np.asarray(im, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
                          for im in images])
     with torch.no_grad():
