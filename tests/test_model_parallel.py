@@ -202,14 +202,14 @@ def test_two_pipelines_train_like_zero2_on_two_ranks(tiny_edit, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("slow", ["encoder", "decoder"])
 def test_idle_time_follows_the_schedule(tiny_edit, tmp_path, slow):
-    """One stage made 0.6 s per micro-batch slower: the other stage idles what the pipeline predicts from the two
+    """One stage made 1 s per micro-batch slower: the other stage idles what the pipeline predicts from the two
     stages' measured busy times per micro-batch, Te (encoder) and Td (decoder). Slow encoder: the decoder waits
     max(0, Te - Td) per micro-batch after the first, the encoder hardly idles. Slow decoder: the decoder never
     waits (the queue is full) and the encoder idles max(0, Td - Te) per micro-batch once it is queue_depth + 2
     micro-batches ahead. Tolerance: 35 % + 0.5 s (a loaded 2-core machine)."""
     import os
 
-    delay, n, depth = 0.6, 10, 2
+    delay, n, depth = 1.0, 10, 2
     out = tmp_path / "out"
     os.environ["QWEN_EDIT_SLOW_STAGE"] = f"{slow}:{delay}"
     try:
