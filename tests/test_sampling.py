@@ -120,7 +120,7 @@ def test_loader_source_resumes_inside_an_epoch(tmp_path):
 
     def source() -> LoaderSource:
         loader = build_loader(ds, 2, rank=0, world_size=1, seed=0, num_workers=1, pin_memory=False, shuffle=True)
-        return LoaderSource(loader, lambda raw: raw["lines"], micro_batch_size=2)
+        return LoaderSource(loader, lambda raw: raw["lines"])
 
     uninterrupted, resumed = source(), source()
     epoch, taken = start_position(start_step=7, gas=1, batches_per_epoch=len(resumed))

@@ -389,7 +389,8 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
     wall = time.perf_counter() - start
     events = prof.key_averages()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    # Kernels (and copies) only: an op's row repeats the device time of the kernels it launched.
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         f.write(f"wall {wall / 3:.4f} s/step under the profiler; device kernels {busy_us / 3e6:.4f} s/step "
@@ -522,6 +523,13 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
     return record
 
 
+def append_json(path: str, record: dict) -> None:
+    """Append `record` as one JSON line to `path` (the --json option of the benchmarks)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     """Largest |a_i - b_i| / |b_i| over two loss curves of the same steps and seeds."""
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
@@ -595,23 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     if d.is_main:
         print(format_report(record), flush=True)
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.json, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_json(args.json, record)
     engine.teardown()
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as e:  # argparse errors
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as train/main.py: skip interpreter teardown racing gloo/DeepSpeed threads
+    engine.exit_with(main)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     record = {**encoder_stats(encoders), "encoder_gpu_memory_gb": 0.0}
     with_encoders = free(d.device)
     step = step_fn(transformer, d, dtype, args)
-    online = time_source(loop.online_source(make_loader(dataset, args), encoders, args.variant, 1), step,
+    online = time_source(loop.online_source(make_loader(dataset, args), encoders, args.variant), step,
                          args.warmup, args.samples)
     start = time.perf_counter()
     cache.write_cache(work / "cache", dataset, rows, encoders, args.variant, {"bench": "bench_data"}, d,
@@ -196,8 +195,7 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     record["encoder_gpu_memory_gb"] = before_free - free(d.device)  # what training from the cache never holds
     index = cache.read_index(work / "cache")
     cached_ds = cache.CachedDataset(work / "cache", index, rows)
-    source = loop.LoaderSource(make_loader(cached_ds, args, cache.collate), lambda raw: cache.to_batch(raw, d.device),
-                               1)
+    source = loop.LoaderSource(make_loader(cached_ds, args, cache.collate), lambda raw: cache.to_batch(raw, d.device))
     cached = time_source(source, step, args.warmup, args.samples)
     cache_bytes = sum(f.stat().st_size for f in (work / "cache").glob("shard-*"))
     w = bench.make_workload(args.area, 1, 1, 1)
@@ -236,12 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         record = run(args, d, Path(work))
     print(format_report(record), flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        bench.append_json(args.json, record)
     engine.teardown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    engine.exit_with(main)

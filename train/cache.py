@@ -208,7 +208,7 @@ def write_cache(directory: Path, dataset, rows: list[data.Row], encoders: models
     """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last."""
     directory = Path(directory)
     _prepare_dir(directory, d)
-    records = data._gather(encode_share(directory, dataset, encoders, variant, d, num_workers), d.world_size)
+    records = data.gather_lists(encode_share(directory, dataset, encoders, variant, d, num_workers))
     if d.is_main:
         write_index(directory, records, rows, wanted, variant, d.world_size)
     engine.barrier()
@@ -325,7 +325,7 @@ def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[d
     loader = data.build_loader(cached, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed, p.data.num_workers,
                                p.data.pin_memory, p.data.shuffle, collate_fn=collate, buckets=p.data.buckets,
                                category_weights=p.data.category_weights)
-    return loop.LoaderSource(loader, lambda raw: to_batch(raw, d.device), cfg.micro_batch_size)
+    return loop.LoaderSource(loader, lambda raw: to_batch(raw, d.device))
 
 
 # ---------------------------------------------------------------- command
@@ -360,13 +360,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as train/main.py: skip interpreter teardown racing gloo/DeepSpeed threads
+    engine.exit_with(main)

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import datasets
 import torch
-import torch.distributed as dist
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import conditioning, prompts, sampling
+from train import conditioning, engine, prompts, sampling
 
 COLUMNS = ("image", "edit_image", "prompt")
 # Modes that convert("RGB") maps faithfully; 16-bit and float images would be clipped, not scaled.
@@ -157,12 +156,9 @@ def check_row(row: Row, data_dir: Path, variant: str) -> list[str]:
     return problems
 
 
-def _gather(items: list, world_size: int) -> list:
-    if world_size == 1 or not dist.is_initialized():
-        return items
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, items)
-    return [x for part in gathered for x in part]
+def gather_lists(items: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (a collective when a group is up)."""
+    return [x for part in engine.all_gather_objects(items) for x in part]
 
 
 def _inspect(row: Row, data_dir: Path, variant: str) -> tuple[int, list[str], list[tuple[int, int]] | None]:
@@ -187,7 +183,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
                                "shorten the list, or set qwen_edit.data.blocked_policy to \"keep\"")
     rows = assign_categories(rows, category_rules or {})
     mine = [_inspect(row, data_dir, variant) for row in rows[rank::world_size]]
-    checked = {line: (issues, sizes) for line, issues, sizes in _gather(mine, world_size)}
+    checked = {line: (issues, sizes) for line, issues, sizes in gather_lists(mine)}
     problems += [p for line in sorted(checked) for p in checked[line][0]]
     good = []
     for row in rows:

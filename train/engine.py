@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -96,6 +98,40 @@ def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
                                                       mpu=mpu)
     return engine, lr_scheduler
+
+
+def all_gather_objects(value, group=None) -> list:
+    """Every rank's `value` in rank order, on every rank (a collective over `group` when one is up); [value]
+    in a world of one."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return [value]
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, value, group=group)
+    return parts
+
+
+def exit_with(main: Callable[[], int]):
+    """Run an entry point started by the launcher and end the process with its exit code.
+
+    argparse's exit keeps its code; any other crash prints its traceback and exits 1 without waiting on the other
+    ranks (the launcher stops them). The process leaves by os._exit, skipping the interpreter's teardown: after
+    the final barrier all work is done, and gloo/DeepSpeed threads racing the interpreter's exit killed about 3%
+    of CPU launches with rc 250.
+    """
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def barrier() -> None:

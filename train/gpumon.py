@@ -141,13 +141,9 @@ def start_monitor(out_dir: str | Path, interval_s: float, local_rank: int, node:
 
 def gather_summaries(summary: list[dict]) -> list[dict]:
     """Every node's summary, on every rank (a collective when a process group is up)."""
-    import torch.distributed as dist
+    from train import engine
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return summary
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, summary)
-    return [entry for part in parts for entry in part]
+    return [entry for part in engine.all_gather_objects(summary) for entry in part]
 
 
 def node_rank() -> int:

@@ -111,14 +111,6 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
     return written, bad
 
 
-def _gather(value) -> list:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        parts: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, value)
-        return parts
-    return [value]
-
-
 def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> int:
     """Render this rank's rows; rank 0 writes the report and summary. Returns the exit status."""
     out = Path(args.out)
@@ -135,7 +127,7 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
             bad += bad_images
     finally:
         gpus = monitor.stop()
-    counts = _gather((written, done, bad, gpus))
+    counts = engine.all_gather_objects((written, done, bad, gpus))
     written, done = sum(c[0] for c in counts), sum(c[1] for c in counts)
     bad = sorted(b for c in counts for b in c[2])
     if d.is_main:
@@ -171,14 +163,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # As train/main.py: skip interpreter teardown, which raced gloo/DeepSpeed threads on CPU.
-    os._exit(code)
+    engine.exit_with(main)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from train import checkpoint, conditioning, faults, objective
 from train.config import Config
-from train.engine import Dist
+from train.engine import Dist, all_gather_objects
 from train.metrics import Throughput, peak_memory_gb
 from train.models import Encoders
 
@@ -45,10 +45,8 @@ class LoaderSource:
     frozen encoders it uses, if any (validation renders with them instead of loading a second copy).
     """
 
-    def __init__(self, loader, to_batch: Callable[[dict], Batch], micro_batch_size: int,
-                 encoders: Encoders | None = None):
-        self.loader, self.to_batch, self.micro_batch_size = loader, to_batch, micro_batch_size
-        self.encoders = encoders
+    def __init__(self, loader, to_batch: Callable[[dict], Batch], encoders: Encoders | None = None):
+        self.loader, self.to_batch, self.encoders = loader, to_batch, encoders
         self._wait_s = 0.0
 
     def __len__(self) -> int:
@@ -74,9 +72,9 @@ class LoaderSource:
             yield self.to_batch(raw)
 
 
-def online_source(loader, encoders: Encoders, variant: str, micro_batch_size: int) -> LoaderSource:
+def online_source(loader, encoders: Encoders, variant: str) -> LoaderSource:
     """Images from the loader, encoded on the fly by the frozen encoders."""
-    return LoaderSource(loader, lambda raw: encode_batch(raw, encoders, variant), micro_batch_size, encoders)
+    return LoaderSource(loader, lambda raw: encode_batch(raw, encoders, variant), encoders)
 
 
 def noisy_inputs(b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype):
@@ -238,11 +236,7 @@ def replica_digests(module: torch.nn.Module, group=None) -> list[str]:
         if p.requires_grad:
             h.update(name.encode())
             h.update(p.detach().float().cpu().numpy().tobytes())
-    digests = [h.hexdigest()]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        digests = [None] * dist.get_world_size(group)
-        dist.all_gather_object(digests, h.hexdigest(), group=group)
-    return digests
+    return all_gather_objects(h.hexdigest(), group)
 
 
 def _grad_norm(engine) -> float | None:

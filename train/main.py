@@ -56,7 +56,7 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[da
         return cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
-    return loop.online_source(loader, encoders, variant, cfg.micro_batch_size)
+    return loop.online_source(loader, encoders, variant)
 
 
 def write_summary(out_dir: str, summary: dict) -> None:
@@ -146,15 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:  # any crash: report it and leave non-zero without waiting on other ranks
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without running interpreter/atexit teardown: after the final barrier all work is done, and
-    # gloo/DeepSpeed threads racing the interpreter's exit killed about 3% of CPU launches with rc 250.
-    os._exit(code)
+    engine.exit_with(main)

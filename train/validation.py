@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 
 from train import inference, models
 from train.config import Config
-from train.engine import Dist
+from train.engine import Dist, all_gather_objects
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
@@ -66,10 +66,7 @@ def _png(image: Image.Image) -> bytes:
 
 def _gather_on_rank0(mine: list[tuple[int, bytes]], d: Dist) -> list[Image.Image] | None:
     """Every rank's (index, PNG) pairs -> the images in index order on rank 0 (a collective); None elsewhere."""
-    parts = [mine]
-    if dist.is_initialized() and d.world_size > 1:
-        parts = [None] * d.world_size
-        dist.all_gather_object(parts, mine)
+    parts = all_gather_objects(mine)
     if not d.is_main:
         return None
     pairs = sorted(pair for part in parts for pair in part)
