@@ -202,6 +202,7 @@ def main(cfg: config.Config, resume: str | None) -> int:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # adopts it
+            engine.release_shm_buffer()
             run_decoder(cfg, d, plan, me, links, resume)
     except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError) as e:
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)

@@ -51,7 +51,8 @@ def write_config(path: Path, base: Path = TINY_CONFIG, **changes) -> Path:
 
 
 def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: int | None = None,
-                extra: tuple[str, ...] = (), timeout: int = 900) -> subprocess.CompletedProcess:
+                extra: tuple[str, ...] = (), timeout: int = 900,
+                port: int | None = None) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train/main.py ...` (num_procs given) or plain `python train/main.py ...`."""
     args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
             "--output_dir", str(out), *extra]
@@ -59,7 +60,7 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
         cmd = [sys.executable, str(REPO / "train" / "main.py"), *args]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
-               "--master_port", str(free_port()), str(REPO / "train" / "main.py"), *args]
+               "--master_port", str(port or free_port()), str(REPO / "train" / "main.py"), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -21,9 +21,23 @@ def check(proc) -> None:
 @pytest.fixture(scope="module")
 def zero2_run(tiny_edit, tmp_path_factory) -> Path:
     """60 steps of LoRA with ZeRO-2 on 2 processes through the deepspeed launcher."""
+    from conftest import free_port
+
     out = tmp_path_factory.mktemp("zero2_run")
-    check(run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", "60")))
+    port = free_port()
+    check(run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", "60"), port=port))
+    (out / "master_port").write_text(str(port))
     return out
+
+
+def test_zero2_leaves_no_shared_memory(zero2_run):
+    """DeepSpeed's CPU all-reduce buffers (64 MiB per rank in /dev/shm) are unlinked (train.engine.release_shm_buffer);
+    before, every CPU launch leaked them until the machine ran out of memory."""
+    port = (zero2_run / "master_port").read_text()
+    shm = Path("/dev/shm")
+    assert shm.is_dir()  # Linux: where DeepSpeed's shm op puts them
+    left = [p.name for p in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    assert not left, left
 
 
 def test_zero2_loss_falls(zero2_run):
