@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import conditioning, engine, fp8, loop, models, rope
+from train import conditioning, engine, fp8, loop, models
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
 from train.metrics import prefix_rank_output
@@ -460,10 +460,9 @@ def run_baseline(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.D
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=b.x0.device.type == "cuda")
     try:
         step = baseline_step(model, b, opt, cfg, d, dtype)
-        with rope.diffusers_rope():  # the plain loop keeps diffusers' attention as it is
-            phase = time_steps(step, args.warmup, args.steps, b.x0.device)
-            if args.profile and d.is_main:
-                profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.baseline.txt")
+        phase = time_steps(step, args.warmup, args.steps, b.x0.device)
+        if args.profile and d.is_main:
+            profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.baseline.txt")
         return phase
     except torch.cuda.OutOfMemoryError as e:
         raise RuntimeError(oom_hint(w)) from e

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from train import conditioning, fp8, rope
+from train import conditioning, fp8
 from train.config import LoraConfig, ModelConfig
 
 
@@ -133,7 +133,7 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0) -> None:
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then activation checkpointing
-    and compiled blocks (with RoPE in real arithmetic, which inductor fuses: train/rope.py)."""
+    and compiled blocks."""
     if mode == "lora":
         add_lora(transformer, lora)
         if fp8_base:
@@ -144,7 +144,6 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks))
     if compile_blocks:
-        rope.install()
         for block in transformer.transformer_blocks:
             block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
 
