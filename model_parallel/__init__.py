@@ -5,6 +5,7 @@ several), micro-batches pipelined between them; pipelines replicate over the rem
     worlds.py     process groups: one world per role, gloo links along each pipeline, DeepSpeed's mpu
     transport.py  messages between stages (shape header, then tensors)
     stages.py     the encoder stage's loop and the decoder's receiving source (the bounded queue)
+    validation.py validation images: conditioning recorded on the encoder stage, rendered on the decoder
     runner.py     the entry point train/main.py dispatches to
 See docs/model_parallel.md.
 """

@@ -15,6 +15,7 @@ import torch
 
 from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
+from model_parallel import validation as mp_validation
 from train import checkpoint, config, data, engine, loop, lora_io, models
 from train import main as train_main
 from train.metrics import Metrics, NullMetrics, print0
@@ -61,9 +62,12 @@ def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None
         sender.flush()
         raise
     source = train_main.build_source(cfg, d, variant, rows, loader)  # the frozen encoders (or the cache)
-    stats = stages.run_encoder(cfg, source, links.to_next, peer=1)
+    stats = stages.run_encoder(cfg, source, links.to_next, peer=1, opening=lambda: mp_validation.encoder_opening(
+        cfg, d, getattr(source, "encoders", None)))
+    peak = (f", peak memory {torch.cuda.max_memory_allocated(d.device) / 1e9:.2f} GB (torch max allocated)"
+            if d.device.type == "cuda" else "")
     print0(f"encoder stage: {stats['micro_batches']} micro-batches, busy {stats['busy_s']:.1f} s, "
-           f"idle {stats['idle_s']:.1f} s", rank=d.rank)
+           f"idle {stats['idle_s']:.1f} s{peak}", rank=d.rank)
 
 
 def build_stage(cfg: config.Config, plan: placement.Plan, me: placement.Placement, d: engine.Dist):
@@ -112,25 +116,29 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],
                      "parallel": parallel_layout(cfg, world_size), "config": config.to_dict(cfg)}
     if me.is_first_decoder:
+        conditioning = mp_validation.receive_conditioning(cfg, links.to_prev, 0)  # config: no cut with validation
         stages.send_ready(links.to_prev, 0, start_step)
         convert = None
     else:
+        conditioning = None
         convert = pipeline.receiving_converter(eng.module, d.device, transport.Sender(links.grads_to_prev, 0, 10**6))
     source = stages.ReceivingSource(links.to_prev, 0, d.device, batches_per_epoch,
-                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert)
+                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert,
+                                    overlap=p.parallel.overlap or not me.is_first_decoder)
     scheduler_cfg = models.scheduler_config(p.model.path)
-    t0 = time.perf_counter()
-    if me.is_last_decoder:
-        metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
-                   else NullMetrics())
-        try:
-            steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step)
-        finally:
-            metrics.close()
-    else:
-        steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
-                                            trainer_state, start_step)
-    wall = time.perf_counter() - t0
+    metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
+               else NullMetrics())  # decoder rank 0 is the last stage of pipeline 0
+    try:
+        hook = mp_validation.decoder_hook(cfg, dp, eng.module, metrics, start_step, conditioning)
+        t0 = time.perf_counter()
+        if me.is_last_decoder:
+            steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step, hook)
+        else:
+            steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
+                                                trainer_state, start_step)
+        wall = time.perf_counter() - t0
+    finally:
+        metrics.close()
     upstream_stats = source.close()
     if sender is not None:
         sender.send(upstream_stats)  # the encoder's closing statistics travel on to the last stage
@@ -144,7 +152,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     if d.is_main:
         train_main.write_summary(p.output.dir, {
             "steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
-            "parallel": parallel_layout(cfg, world_size),
+            "parallel": parallel_layout(cfg, world_size), "overlap": p.parallel.overlap,
             "decoder_wall_s": wall, "decoder_wait_s": source.wait_s_total + source.first_wait_s,
             "decoder_wait_after_first_s": source.wait_s_total,
             "decoder_busy_fraction": 1 - (source.wait_s_total + source.first_wait_s) / wall,
@@ -189,7 +197,9 @@ def main(cfg: config.Config, resume: str | None) -> int:
     engine.prepare_environment()
     plan = build_plan(cfg)
     me = plan.of(int(os.environ.get("RANK", "0")))
-    print0(f"model-parallel placement, {plan.num_pipelines} pipeline(s):\n{plan.describe()}", rank=me.rank)
+    schedule = "overlapped" if cfg.project.parallel.overlap else "sequential (parallel.overlap false)"
+    print0(f"model-parallel placement, {plan.num_pipelines} pipeline(s), {schedule} schedule:\n{plan.describe()}",
+           rank=me.rank)
     device = worlds.set_device(me)
     links = worlds.init_worlds(plan, me, cfg.project.parallel.collective_timeout_s)
     d = engine.Dist(me.role_rank, plan.role_world_size(me.is_encoder), int(os.environ.get("LOCAL_RANK", "0")),

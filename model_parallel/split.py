@@ -16,6 +16,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 Activations = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # image stream B L D, text stream B T D, temb B D
+STAGE_PREFIX = "transformer."  # a DecoderStage's parameter names: the whole model's, under .transformer
 
 
 def prune(transformer, blocks: tuple[int, int], is_first: bool, is_last: bool) -> None:

@@ -2,8 +2,10 @@
 
 Protocol on the encoder -> first decoder link, in order:
     encoder -> decoder  {"kind": "start", "batches_per_epoch": n}   (or {"kind": "error", "message": ...})
+    encoder -> decoder  what `opening` produces (the validation conditioning; model_parallel/validation.py)
     decoder -> encoder  {"kind": "ready", "start_step": s}           (after its engine and checkpoint loaded)
     encoder -> decoder  one {"kind": "batch"} per micro-batch of steps s+1 .. max_steps, in training order
+                        (parallel.overlap false: each preceded by decoder -> encoder {"kind": "next"})
     encoder -> decoder  {"kind": "end", "busy_s": ..., "idle_s": ...}
 Both sides derive the micro-batch count from the same config and start step (loop.start_position), so no
 message is ever left unmatched; the encoder iterates the same sampler as the ZeRO-2 mode would on the rank of
@@ -16,6 +18,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,9 +28,13 @@ from train.config import Config
 
 
 def slow_stage_s(stage: str) -> float:
-    """Test hook QWEN_EDIT_SLOW_STAGE=encoder:0.3 (or decoder:0.3): extra seconds per micro-batch of that stage."""
-    name, _, seconds = os.environ.get("QWEN_EDIT_SLOW_STAGE", "").partition(":")
-    return float(seconds) if name == stage else 0.0
+    """Test hook QWEN_EDIT_SLOW_STAGE=encoder:0.3 (or decoder:0.3, or both: encoder:0.3,decoder:0.5): extra
+    seconds per micro-batch of that stage."""
+    for spec in os.environ.get("QWEN_EDIT_SLOW_STAGE", "").split(","):
+        name, _, seconds = spec.partition(":")
+        if name == stage:
+            return float(seconds)
+    return 0.0
 
 
 def num_micro_batches(cfg: Config, start_step: int) -> int:
@@ -35,42 +42,58 @@ def num_micro_batches(cfg: Config, start_step: int) -> int:
     return (cfg.project.train.max_steps - start_step) * cfg.deepspeed["gradient_accumulation_steps"]
 
 
-def run_encoder(cfg: Config, source: loop.LoaderSource, link, peer: int) -> dict:
+def _micro_batches(source: loop.LoaderSource, epoch: int, skip: int):
+    """The source's micro-batches from (epoch, skip) on, across epochs; each is encoded when it is asked for."""
+    while True:
+        source.start_epoch(epoch, skip)
+        skip = 0
+        yield from source
+        epoch += 1
+
+
+def _await_request(link, peer: int) -> float:
+    """parallel.overlap false: wait for the decoder's {"kind": "next"}; returns the seconds waited."""
+    t0 = time.perf_counter()
+    meta, _ = transport.recv(link, peer)
+    assert meta["kind"] == "next", meta
+    return time.perf_counter() - t0
+
+
+def run_encoder(cfg: Config, source: loop.LoaderSource, link, peer: int,
+                opening: Callable[[], list[tuple[dict, dict]]] | None = None) -> dict:
     """Encode and send every micro-batch the decoder will train on; returns {busy_s, idle_s, micro_batches}.
 
-    `source` is the ZeRO-2 mode's online source (loader + frozen encoders) on this pipeline's data shard. The
-    send of micro-batch k waits until the decoder side took micro-batch k-1 (at most one message in flight,
-    plus the decoder's queue): that wait is this stage's idle time.
+    `source` is the ZeRO-2 mode's online source (loader + frozen encoders) on this pipeline's data shard.
+    `opening()` makes messages sent after the opening one, while the decoder builds its engine.
+    parallel.overlap true: the send of micro-batch k waits until the decoder side took micro-batch k-1 (at most
+    one message in flight, plus the decoder's queue). False: micro-batch k is encoded only when the decoder asks
+    for it. Either wait is this stage's idle time.
     """
-    opening = transport.Sender(link, peer, 1)
-    opening.send({"kind": "start", "batches_per_epoch": len(source)})
-    opening.flush()
+    opening_sender = transport.Sender(link, peer, 1)
+    opening_sender.send({"kind": "start", "batches_per_epoch": len(source)})
+    for message in opening() if opening is not None else []:
+        opening_sender.send(*message)
+    opening_sender.flush()
     meta, _ = transport.recv(link, peer)
     assert meta["kind"] == "ready", meta
     gas = cfg.deepspeed["gradient_accumulation_steps"]
+    overlap = cfg.project.parallel.overlap
     remaining = num_micro_batches(cfg, meta["start_step"])
-    epoch, taken = loop.start_position(meta["start_step"], gas, len(source))
+    batches = _micro_batches(source, *loop.start_position(meta["start_step"], gas, len(source)))
     sender = transport.Sender(link, peer, max_in_flight=1)
     delay = slow_stage_s("encoder")
     busy = idle = 0.0
-    sent = 0
-    t0 = time.perf_counter()
-    while sent < remaining:
-        source.start_epoch(epoch, taken)
-        taken = 0
-        for batch in source:
-            if delay:
-                time.sleep(delay)
-            busy += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            idle += sender.send(*transport.batch_message(batch))
-            sent += 1
-            t0 = time.perf_counter()
-            if sent == remaining:
-                break
-        epoch += 1
+    for _ in range(remaining):
+        if not overlap:
+            idle += _await_request(link, peer)
+        t0 = time.perf_counter()
+        batch = next(batches)  # the frozen encoders run here
+        if delay:
+            time.sleep(delay)
+        busy += time.perf_counter() - t0
+        idle += sender.send(*transport.batch_message(batch))
     idle += sender.flush()
-    stats = {"micro_batches": sent, "busy_s": busy, "idle_s": idle, "data_wait_s": source.take_wait_s()}
+    stats = {"micro_batches": remaining, "busy_s": busy, "idle_s": idle, "data_wait_s": source.take_wait_s()}
     sender.send({"kind": "end", **stats})
     sender.flush()
     return stats
@@ -96,15 +119,19 @@ def send_ready(link, peer: int, start_step: int) -> None:
 
 
 class ReceivingSource:
-    """loop.train's source on the first decoder stage: Batches received from the encoder stage.
+    """loop.train's source on a decoder stage: Batches received from the previous stage.
 
-    A thread receives ahead into a queue of `queue_depth` micro-batches while the decoder trains, so a faster
-    encoder never makes the decoder wait; `take_wait_s` is the time the decoder blocked on an empty queue (its
-    idle time). It receives exactly `total` micro-batches, then the encoder's closing statistics.
+    overlap (the default): a thread receives ahead into a queue of `queue_depth` micro-batches while the decoder
+    trains, so a faster encoder never makes the decoder wait. overlap False (the first decoder stage with
+    parallel.overlap false): no thread; each micro-batch is asked for when it is needed ({"kind": "next"}) and
+    then received, so the encoder works only while the decoder waits. `take_wait_s` is the time the decoder
+    blocked on its input (its idle time). It receives exactly `total` micro-batches, then the encoder's closing
+    statistics.
     """
 
     def __init__(self, link, peer: int, device: torch.device, batches_per_epoch: int, total: int, queue_depth: int,
-                 convert=None):
+                 convert=None, overlap: bool = True):
+        self.link, self.peer = link, peer
         self.batches_per_epoch, self.total = batches_per_epoch, total
         self.convert = convert or (lambda meta, tensors: transport.message_batch(meta, tensors, device))
         self.queue: queue.Queue = queue.Queue(maxsize=queue_depth)
@@ -115,10 +142,13 @@ class ReceivingSource:
         self.delivered = 0
         self._this_epoch = batches_per_epoch
         self.delay = slow_stage_s("decoder")
-        self._thread = threading.Thread(target=self._receive, args=(link, peer, device), daemon=True)
-        self._thread.start()
+        self._ask = None if overlap else transport.Sender(link, peer, 1)
+        self._thread = None
+        if overlap:
+            self._thread = threading.Thread(target=self._receive, args=(link, peer), daemon=True)
+            self._thread.start()
 
-    def _receive(self, link, peer: int, device: torch.device) -> None:
+    def _receive(self, link, peer: int) -> None:
         try:
             for _ in range(self.total):
                 self.queue.put(transport.recv(link, peer))
@@ -144,7 +174,7 @@ class ReceivingSource:
         if self.delay and self.delivered:
             time.sleep(self.delay)  # test hook: a slower decoder (counted as busy, as compute would be)
         t0 = time.perf_counter()
-        item = self.queue.get()
+        item = self._take()
         waited = time.perf_counter() - t0
         self._wait_s += waited
         if self.delivered:
@@ -156,6 +186,13 @@ class ReceivingSource:
         self.delivered += 1
         return self.convert(*item)
 
+    def _take(self):
+        if self._ask is None:
+            return self.queue.get()
+        self._ask.send({"kind": "next"})  # overlap off: the encoder starts on this micro-batch only now
+        self._ask.flush()
+        return transport.recv(self.link, self.peer)
+
     def __iter__(self):
         for _ in range(self._this_epoch):
             if self.delivered == self.total:
@@ -164,5 +201,8 @@ class ReceivingSource:
 
     def close(self) -> dict:
         """Wait for the encoder's closing statistics (after the last micro-batch)."""
-        self._thread.join()
+        if self._thread is None:
+            self.encoder_stats, _ = transport.recv(self.link, self.peer)
+        else:
+            self._thread.join()
         return self.encoder_stats

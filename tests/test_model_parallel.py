@@ -155,16 +155,25 @@ def reference(tiny_edit, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def two_stage_run(tiny_edit, tmp_path_factory) -> Path:
+    """Encoder process + decoder process (overlapped schedule), 6 steps, a checkpoint at step 3."""
+    out = tmp_path_factory.mktemp("mp_two_stages")
+    cfg = mp_config(out.parent / f"{out.name}.json", **{"qwen_edit.output.save_every_steps": 3})
+    check(run_trainer(tiny_edit, out, config=cfg, num_procs=2, extra=("--max_steps", "6")))
+    return out
+
+
 @pytest.mark.slow
-def test_two_stages_train_like_one_process_and_resume(tiny_edit, reference, tmp_path):
+def test_two_stages_train_like_one_process_and_resume(tiny_edit, reference, two_stage_run, tmp_path):
     """Encoder process + decoder process: the one-process run's losses, gradient norms and LoRA export; the
     checkpoint at step 3 resumes to the same losses; the summary reports both stages' busy/idle times."""
     cfg = mp_config(tmp_path / "mp.json", **{"qwen_edit.output.save_every_steps": 3})
-    out = tmp_path / "out"
-    check(run_trainer(tiny_edit, out, config=cfg, num_procs=2, extra=("--max_steps", "6")))
+    out = two_stage_run
     assert_same_training(out, reference)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parallel"] == {"mode": "model_parallel", "world_size": 2, "stages": 2, "decoder_cuts": []}
+    assert summary["overlap"] is True
     assert 0 < summary["decoder_busy_fraction"] <= 1 and summary["encoder"]["micro_batches"] == 6
     assert "data_wait_fraction" in metrics(out)[-1]
     assert sorted(p.name for p in (out / "global_step3").glob("*.pt")) == [
@@ -178,25 +187,52 @@ def test_two_stages_train_like_one_process_and_resume(tiny_edit, reference, tmp_
 
 
 @pytest.mark.slow
-def test_decoder_cut_in_two_trains_like_one_process(tiny_edit, reference, tmp_path):
-    """Encoder + blocks 0-0 + blocks 1-1 (3 processes): the one-process run's losses, norms and LoRA export."""
+def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, reference, tmp_path):
+    """Encoder + blocks 0-0 + blocks 1-1 (3 processes): the one-process run's losses, norms and LoRA export;
+    `python -m train.export` of the last checkpoint (one file set per stage) merges the stages into the
+    end-of-training export, tensor for tensor (fp32 on CPU: the module weights are the fp32 masters)."""
+    from train import export
+
     out = tmp_path / "out"
     check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "cut.json", 3, [1]), num_procs=3,
                       extra=("--max_steps", "6")))
     assert_same_training(out, reference)
     assert len(list((out / "global_step6").glob("*mp_rank_01_optim_states.pt"))) == 1
+    assert export.main(["--checkpoint", str(out / "global_step6"), "--out", str(tmp_path / "exported")]) == 0
+    from safetensors.torch import load_file
+
+    merged, trained = load_file(tmp_path / "exported" / "pytorch_lora_weights.safetensors"), lora(out)
+    assert merged.keys() == trained.keys() and all(torch.equal(merged[k], trained[k]) for k in trained)
+    assert any(".transformer_blocks.0." in k for k in merged) and any(".transformer_blocks.1." in k for k in merged)
+    (out / "global_step6" / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(ValueError, match="a decoder cut over 2 stages saves"):
+        export.export(out / "global_step6", tmp_path / "broken")
 
 
 @pytest.mark.slow
 def test_two_pipelines_train_like_zero2_on_two_ranks(tiny_edit, tmp_path):
-    """4 processes = 2 pipelines whose decoders form a ZeRO-2 group: the 2-process ZeRO-2 run, step for step."""
+    """4 processes = 2 pipelines whose decoders form a ZeRO-2 group: the 2-process ZeRO-2 run, step for step. With
+    validation images in both runs: each pipeline renders its share (items p::2, as ZeRO-2 rank p), and the
+    grids are the ZeRO-2 run's, pixel for pixel (conditioning recorded on the encoder stages, replayed on the
+    decoders; model_parallel/validation.py)."""
+    from test_model_parallel_validation import edits_file
+    from test_validation import TINY_INFERENCE
+
+    validated = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE,
+                 "qwen_edit.validation.file": str(edits_file(tiny_edit, tmp_path / "validation.jsonl"))}
     ref, out = tmp_path / "ref", tmp_path / "out"
-    check(run_trainer(tiny_edit, ref, config=write_config(tmp_path / "ref.json", **{
-        "qwen_edit.output.log_every_steps": 1}), num_procs=2, extra=("--max_steps", "3")))
-    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json"), num_procs=4, extra=("--max_steps", "3")))
+    check(run_trainer(tiny_edit, ref, config=write_config(tmp_path / "ref.json", **validated), num_procs=2,
+                      extra=("--max_steps", "3")))
+    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json", **validated), num_procs=4,
+                      extra=("--max_steps", "3")))
     assert_same_training(out, ref)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["replica_digests"]) == 2 and len(set(summary["replica_digests"])) == 1
+    import numpy as np
+    from PIL import Image
+
+    grids = [np.asarray(Image.open(run / "validation" / "step_000003.png").convert("RGB")) for run in (ref, out)]
+    assert grids[0].shape[0] > 3 * 16 and np.array_equal(*grids)
 
 
 @pytest.mark.slow
@@ -207,17 +243,8 @@ def test_idle_time_follows_the_schedule(tiny_edit, tmp_path, slow):
     max(0, Te - Td) per micro-batch after the first, the encoder hardly idles. Slow decoder: the decoder never
     waits (the queue is full) and the encoder idles max(0, Td - Te) per micro-batch once it is queue_depth + 2
     micro-batches ahead. Tolerance: 35 % + 0.5 s (a loaded 2-core machine)."""
-    import os
-
     delay, n, depth = 1.0, 10, 2
-    out = tmp_path / "out"
-    os.environ["QWEN_EDIT_SLOW_STAGE"] = f"{slow}:{delay}"
-    try:
-        check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json", **{
-            "qwen_edit.parallel.queue_depth": depth}), num_procs=2, extra=("--max_steps", str(n))))
-    finally:
-        del os.environ["QWEN_EDIT_SLOW_STAGE"]
-    s = json.loads((out / "summary.json").read_text())
+    s = run_slowed(tiny_edit, tmp_path / "out", f"{slow}:{delay}", n, **{"qwen_edit.parallel.queue_depth": depth})
     te = s["encoder"]["busy_s"] / n
     td = (s["decoder_wall_s"] - s["decoder_wait_s"]) / n
     decoder_wait, encoder_idle = s["decoder_wait_after_first_s"], s["encoder"]["idle_s"]
@@ -231,6 +258,62 @@ def test_idle_time_follows_the_schedule(tiny_edit, tmp_path, slow):
         predicted = (n - depth - 2) * (td - te)
         assert abs(encoder_idle - predicted) < 0.35 * predicted + 0.5, (predicted, s)
         assert decoder_wait < 0.2 * n * delay, s
+
+
+@pytest.mark.slow
+def test_sequential_schedule_trains_like_the_overlapped_one(tiny_edit, two_stage_run, tmp_path):
+    """parallel.overlap false (the encoder encodes a micro-batch only when the decoder asks for it): the same
+    losses, gradient norms and LoRA export as the overlapped run, bit for bit; the summary names the schedule."""
+    out = tmp_path / "out"
+    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "seq.json", **{
+        "qwen_edit.parallel.overlap": False}), num_procs=2, extra=("--max_steps", "6")))
+    assert records(out) == records(two_stage_run)
+    a, b = lora(out), lora(two_stage_run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overlap"] is False and summary["encoder"]["micro_batches"] == 6
+
+
+def run_slowed(tiny_edit, out: Path, slow: str, num_steps: int, **changes) -> dict:
+    """A 2-stage run with QWEN_EDIT_SLOW_STAGE=slow; returns its summary.json."""
+    import os
+
+    os.environ["QWEN_EDIT_SLOW_STAGE"] = slow
+    try:
+        check(run_trainer(tiny_edit, out, config=mp_config(out.parent / f"{out.name}.json", **changes),
+                          num_procs=2, extra=("--max_steps", str(num_steps))))
+    finally:
+        del os.environ["QWEN_EDIT_SLOW_STAGE"]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_sequential_schedule_costs_both_stages_times(tiny_edit, tmp_path):
+    """Both stages made slower per micro-batch (encoder 1 s, decoder 1.3 s: about equal with the tiny encoders'
+    own CPU time), run with parallel.overlap false and true. Te, Td: the encoder's and decoder's measured busy
+    times per micro-batch. Sequential: the decoder idles Te every micro-batch (it asks, then waits for the
+    encoding) and the encoder idles Td, so a step takes Te + Td. Overlapped: a step takes max(Te, Td), and the
+    decoder idles far less than Te per micro-batch. Tolerances for a loaded 2-core machine: 35 % + 0.5 s on
+    totals; the sequential step at least 1.5x the overlapped one (about 1.9x expected)."""
+    n = 8
+    step_s = {}
+    for overlap in (False, True):
+        s = run_slowed(tiny_edit, tmp_path / f"overlap_{overlap}", "encoder:1.0,decoder:1.3", n,
+                       **{"qwen_edit.parallel.overlap": overlap})
+        assert s["overlap"] is overlap
+        te = s["encoder"]["busy_s"] / n
+        td = (s["decoder_wall_s"] - s["decoder_wait_s"]) / n
+        assert min(te, td) > 0.9, s
+        step_s[overlap] = s["decoder_wall_s"] / n
+        predicted_step = max(te, td) if overlap else te + td
+        assert abs(step_s[overlap] - predicted_step) < 0.35 * predicted_step + 0.5 / n, (predicted_step, s)
+        decoder_wait, encoder_idle = s["decoder_wait_after_first_s"], s["encoder"]["idle_s"]
+        if overlap:
+            assert decoder_wait < 0.5 * (n - 1) * te, s
+        else:
+            for measured, predicted in ((decoder_wait, (n - 1) * te), (encoder_idle, (n - 1) * td)):
+                assert abs(measured - predicted) < 0.35 * predicted + 0.5, (predicted, s)
+    assert step_s[False] > 1.5 * step_s[True], step_s
 
 
 def test_store_host_leaves_last():

@@ -185,6 +185,10 @@ class ParallelConfig:
     them), e.g. [30] with 3 stages runs blocks 0-29 and 30-59 on stages 2 and 3; [] = one decoder stage."""
     queue_depth: int = 2
     """model_parallel: encoded micro-batches that may wait for the decoder (the bounded queue between stages)."""
+    overlap: bool = True
+    """model_parallel: the encoder encodes ahead while the decoder trains; false = the first decoder stage asks
+    for each micro-batch when it needs it, and the encoder encodes only then (the unoverlapped split, for
+    measuring the pipeline's gain; training is identical)."""
 
 
 @dataclass
@@ -469,6 +473,10 @@ def _check_parallel(cfg: ProjectConfig, problems: list[str], world_size: int, nu
         problems.append(f"{key}.queue_depth: must be >= 1, got {cfg.parallel.queue_depth}")
     if fp16 and cfg.parallel.decoder_cuts:
         problems.append(f"{key}.decoder_cuts: fp16's loss scaling is not carried across a cut; use bf16")
+    if cfg.validation.file and cfg.parallel.decoder_cuts:
+        problems.append(f"{PROJECT_KEY}.validation.file: validation images need the whole transformer on one decoder "
+                        f"stage, but {key}.decoder_cuts {cfg.parallel.decoder_cuts} cuts it; set validation.file to "
+                        "\"\" (and render the export with python -m train.infer) or decoder_cuts to []")
     num_blocks = 10**9  # unknown until the model is readable; then the transformer's block count
     config_file = Path(cfg.model.path) / "transformer" / "config.json"
     if cfg.model.path and config_file.is_file():

@@ -4,7 +4,10 @@
 
 The fp32 master weights are consolidated from the ZeRO-2 optimizer shards with DeepSpeed's own
 `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; the checkpoint's client_state says how it was
-trained ({"step": N, "config": resolved config}). Outputs:
+trained ({"step": N, "config": resolved config}). A checkpoint of a decoder cut over D stages
+(parallel.decoder_cuts, docs/model_parallel.md) holds one file set per stage (mp_rank_00 .. mp_rank_D-1, each
+with its optimizer shards); each stage is consolidated on its own and the stages' weights, which never overlap,
+are merged into one export. Outputs:
 
     LoRA, diffusers   DIR/pytorch_lora_weights.safetensors   `transformer.X.lora_A.weight` (pipe.load_lora_weights)
     LoRA, comfyui     DIR/lora_comfyui.safetensors          `diffusion_model.X.lora_A.weight` + `X.alpha`
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -64,8 +68,9 @@ def read_config(ckpt: Path) -> dict:
     return cfg
 
 
-def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
-    """fp32 trainable weights (plus persistent buffers) merged from all ZeRO shards, by DeepSpeed's own code."""
+def consolidate(ckpt: Path, num_stages: int = 1) -> dict[str, torch.Tensor]:
+    """fp32 trainable weights (plus persistent buffers) merged from all ZeRO shards, by DeepSpeed's own code;
+    over every stage of a decoder cut when `num_stages` > 1 (names as in the whole transformer)."""
     shards = sorted(ckpt.glob(OPTIM_SHARDS))
     if not shards:
         raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
@@ -73,7 +78,49 @@ def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name, exclude_frozen_parameters=True)
+    if num_stages == 1:
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                                        exclude_frozen_parameters=True)
+    from model_parallel.split import STAGE_PREFIX
+
+    merged: dict[str, torch.Tensor] = {}
+    for stage, files in enumerate(stage_files(ckpt, num_stages)):
+        # zero_to_fp32 reads every *_model_states.pt / *_optim_states.pt of a directory as one model: give it a
+        # directory that holds only this stage's files (links), so that only public DeepSpeed API is used.
+        with tempfile.TemporaryDirectory() as view:
+            (Path(view) / ckpt.name).mkdir()
+            for f in files:
+                (Path(view) / ckpt.name / f.name).symlink_to(f.resolve())
+            state = get_fp32_state_dict_from_zero_checkpoint(view, tag=ckpt.name, exclude_frozen_parameters=True)
+        assert all(k.startswith(STAGE_PREFIX) for k in state), f"stage {stage}: {sorted(state)[:5]}"
+        assert not merged.keys() & {k.removeprefix(STAGE_PREFIX) for k in state}, "decoder stages share weights"
+        merged.update((k.removeprefix(STAGE_PREFIX), v) for k, v in state.items())
+    return merged
+
+
+def stage_files(ckpt: Path, num_stages: int) -> list[list[Path]]:
+    """Per decoder stage (DeepSpeed's model-parallel rank KK): mp_rank_KK_model_states.pt and its ZeRO shards."""
+    found = sorted(p.name for p in ckpt.glob("mp_rank_*_model_states.pt"))
+    wanted = [f"mp_rank_{k:02d}_model_states.pt" for k in range(num_stages)]
+    if found != wanted:
+        raise ValueError(f"--checkpoint {ckpt}: a decoder cut over {num_stages} stages saves {wanted}, found "
+                         f"{found}; the checkpoint is incomplete (a stage's save failed), export an earlier one")
+    stages = []
+    for k, name in enumerate(wanted):
+        shards = sorted(ckpt.glob(f"*zero_pp_rank_*_mp_rank_{k:02d}_optim_states.pt"))
+        if not shards:
+            raise ValueError(f"--checkpoint {ckpt}: stage mp_rank_{k:02d} has no ZeRO optimizer shards; the "
+                             "checkpoint is incomplete, export an earlier one")
+        stages.append([ckpt / name, *shards])
+    return stages
+
+
+def num_decoder_stages(cfg: dict) -> int:
+    """Decoder stages the checkpoint was trained with (1 unless parallel.decoder_cuts cut the transformer)."""
+    parallel = cfg["qwen_edit"].get("parallel", {})
+    if parallel.get("mode") != "model_parallel":
+        return 1
+    return len(parallel.get("decoder_cuts", [])) + 1
 
 
 def lora_layers(state: dict[str, torch.Tensor], ckpt: Path) -> dict[str, torch.Tensor]:
@@ -140,7 +187,7 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtyp
     if mode == "full" and fmt != "diffusers":
         raise ValueError(f"--format {fmt}: a full fine-tune exports only as a diffusers transformer directory; "
                          "use --format diffusers")
-    state = consolidate(ckpt)
+    state = consolidate(ckpt, num_decoder_stages(cfg))
     torch_dtype = getattr(torch, dtype)
     if mode == "full":
         return write_full(state, Path(model or cfg["qwen_edit"]["model"]["path"]), out, torch_dtype)

@@ -7,6 +7,12 @@ reference(s) | before training | now per edit, and the same grid to tensorboard.
 so grids of different steps differ only by the weights. Rendering leaves the training state as it found it:
 RNG states (torch CPU and CUDA, python, numpy), every module's train/eval mode, the VAE's tiling flags, the
 weights; a test checks that a run's losses are the same with and without validation.
+
+The conditioning may also be computed elsewhere (the model-parallel mode: the encoder stage holds the text
+encoder, the decoder stage the transformer): `encode_requests` runs each edit's pipeline up to its denoising
+loop and records what the pipeline's frozen-encoder methods returned (prompt embeddings and masks, reference
+latents); a Validator given those recordings replays them into a pipeline that has only a VAE for decoding.
+The pipeline code is diffusers' own on both sides, so the rendered images are the same either way.
 """
 
 from __future__ import annotations
@@ -58,6 +64,95 @@ def preserved_training_state(module: torch.nn.Module, vae, vae_tiling: bool, vae
         np.random.set_state(rng[3])
 
 
+# --- conditioning computed by another process ---------------------------------------------------------------------
+
+ENCODER_CALLS = ("encode_prompt", "_encode_vae_image")  # the edit pipelines' methods that run the frozen encoders
+Recorded = list  # [(method name, what it returned)] in call order: (embeds, mask or None) or a latents tensor
+
+
+class _Encoded(Exception):  # a signal, not an error: the pipeline's encoders have all run
+    """Stops a recording pipeline before its denoising loop."""
+
+
+@contextlib.contextmanager
+def _patched(pipe, methods: dict):
+    """Instance attributes shadowing the pipeline's methods inside; the class's own methods again outside."""
+    for name, method in methods.items():
+        setattr(pipe, name, method)
+    try:
+        yield
+    finally:
+        for name in methods:
+            delattr(pipe, name)
+
+
+def _shape_only_transformer(model_dir: str):
+    """The transformer on the meta device: the pipeline reads its config before encoding (no weights load)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        return QwenImageTransformer2DModel.from_config(
+            QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
+
+
+def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf) -> Recorded:
+    """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline."""
+    calls: Recorded = []
+
+    def recording(name: str):
+        original = getattr(pipe, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, original(*args, **kwargs)))
+            return calls[-1][1]
+
+        return call
+
+    prepare_latents = pipe.prepare_latents
+
+    def stop(*args, **kwargs):  # the reference latents are encoded in here; the denoising loop comes next
+        prepare_latents(*args, **kwargs)
+        raise _Encoded
+
+    with _patched(pipe, {**{name: recording(name) for name in ENCODER_CALLS}, "prepare_latents": stop}):
+        try:
+            inference.edit(pipe, variant, inference.open_references(request), request.prompt, request.seed, inf)
+        except _Encoded:
+            return calls
+    raise AssertionError("the edit pipeline never prepared its latents")
+
+
+@contextlib.contextmanager
+def replayed_conditioning(pipe, calls: Recorded, device: torch.device):
+    """Inside, the pipeline's frozen-encoder methods return `calls` (in order, moved to `device`) instead."""
+    pending = list(calls)
+
+    def replaying(name: str):
+        def call(*_args, **_kwargs):
+            recorded, out = pending.pop(0)
+            assert recorded == name, f"the pipeline called {name}, the recording has {recorded}"
+            if torch.is_tensor(out):
+                return out.to(device)
+            return tuple(None if t is None else t.to(device) for t in out)
+
+        return call
+
+    with _patched(pipe, {name: replaying(name) for name in ENCODER_CALLS}):
+        yield
+    assert not pending, f"{len(pending)} recorded encoder calls were not replayed"
+
+
+def encode_requests(cfg: Config, encoders: models.Encoders, rank: int, world_size: int) -> dict[int, Recorded]:
+    """{request index: recording} of validation.file's items rank::world_size (the share a Validator of that
+    rank renders), made with `encoders` under the inference section's VAE settings."""
+    p = cfg.project
+    variant = models.detect_variant(p.model.path, p.model.variant)
+    requests, _ = inference.read_requests(p.validation.file, p.train.seed)
+    pipe = inference.pipeline_from_components(p.model.path, variant, _shape_only_transformer(p.model.path), encoders)
+    with preserved_training_state(encoders.vae, encoders.vae, p.inference.vae_tiling, p.inference.vae_slicing):
+        return {q.index: record_conditioning(pipe, variant, q, p.inference) for q in requests[rank::world_size]}
+
+
 def _png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -102,11 +197,17 @@ def make_grid(references: list[list[Image.Image]], columns: dict[str, list[Image
 
 
 class Validator:
-    """The after_step hook of train.loop.train; also renders the 'before' column when built."""
+    """The after_step hook of train.loop.train; also renders the 'before' column when built.
 
-    def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: models.Encoders | None, metrics):
+    `conditioning`: this rank's share of the edits as `encode_requests` recorded them elsewhere; then
+    `encoders` needs only its VAE (for decoding), and the pipeline replays the recordings instead of encoding.
+    """
+
+    def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: models.Encoders | None, metrics,
+                 conditioning: dict[int, Recorded] | None = None):
         p = cfg.project
         self.cfg, self.d, self.module, self.encoders, self.metrics = cfg, d, module, encoders, metrics
+        self.conditioning = conditioning
         self.inference = p.inference
         self.variant = models.detect_variant(p.model.path, p.model.variant)
         self.requests, problems = inference.read_requests(p.validation.file, p.train.seed)
@@ -131,18 +232,25 @@ class Validator:
         pipe = self._pipeline()
         vae, inf = self.encoders.vae, self.inference
         mine = []
-        hooks = inference.bridge(self.module, self.d.device, self.module.dtype, vae.device,
-                                 self.encoders.text_encoder.dtype)
+        # the pipeline computes on the encoders' device, in their dtype (the VAE's, which the text encoder shares)
+        hooks = inference.bridge(self.module, self.d.device, self.module.dtype, vae.device, vae.dtype)
         try:
             with preserved_training_state(self.module, vae, inf.vae_tiling, inf.vae_slicing):
                 for request in self.requests[self.d.rank::self.d.world_size]:
-                    image = inference.edit(pipe, self.variant, inference.open_references(request), request.prompt,
-                                           request.seed, inf)
+                    with self._encoded(pipe, request):
+                        image = inference.edit(pipe, self.variant, inference.open_references(request),
+                                               request.prompt, request.seed, inf)
                     mine.append((request.index, _png(image)))
         finally:
             for hook in hooks:
                 hook.remove()
         return _gather_on_rank0(mine, self.d)
+
+    def _encoded(self, pipe, request: inference.EditRequest):
+        """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
+        if self.conditioning is None:
+            return contextlib.nullcontext()
+        return replayed_conditioning(pipe, self.conditioning[request.index], self.encoders.vae.device)
 
     def _fingerprint(self) -> str:
         """What the 'before' images depend on besides the base weights: the edits and the sampler settings."""
@@ -196,12 +304,13 @@ class Validator:
 
 
 def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: models.Encoders | None, metrics,
-               start_step: int) -> Validator | None:
+               start_step: int, conditioning: dict[int, Recorded] | None = None) -> Validator | None:
     """The validation hook for loop.train(after_step=...), its 'before' images rendered; None without a file.
 
-    `encoders`: the run's frozen encoders, or None (a latent cache): then they load on the first render."""
+    `encoders`: the run's frozen encoders, or None (a latent cache): then they load on the first render.
+    `conditioning`: see Validator (encoders then holds only a VAE)."""
     if not cfg.project.validation.file:
         return None
-    validator = Validator(cfg, d, module, encoders, metrics)
+    validator = Validator(cfg, d, module, encoders, metrics, conditioning)
     validator.render_before(start_step)
     return validator

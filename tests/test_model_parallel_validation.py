@@ -1,0 +1,107 @@
+"""Validation images in the model-parallel mode (model_parallel/validation.py): the conditioning recorded where
+the encoders are and replayed where the transformer is renders the images the encoders would; a 2-process run
+writes the grids and trains bitwise as without them; a decoder cut with validation is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import metrics, run_trainer, write_config
+from PIL import Image
+from safetensors.torch import load_file
+from test_validation import TINY_INFERENCE, check
+
+from train import config, models, validation
+from train.config import Config, ProjectConfig
+from train.engine import Dist
+from train.metrics import NullMetrics
+
+
+def edits_file(tiny: Path, path: Path, num_edits: int = 3) -> Path:
+    """Validation rows on the references of the tiny dataset's first rows (two per edit for 2509)."""
+    data = tiny / "data"
+    rows = [json.loads(line) for line in (data / "metadata.jsonl").read_text().splitlines()[:num_edits]]
+    rows = [{"edit_image": [str(data / r) for r in row["edit_image"]] if isinstance(row["edit_image"], list)
+             else str(data / row["edit_image"]), "prompt": f"{row['prompt']} ({i})"} for i, row in enumerate(rows)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("variant", ["edit", "edit_plus"])
+def test_replayed_conditioning_renders_what_the_encoders_render(variant, tiny_edit, tiny_plus, tmp_path):
+    """One process: encode_requests with the encoders, through the transport message, then a Validator with only
+    a VAE replays it: every image equals the one the Validator renders with the encoders (guidance on: the
+    negative prompt is recorded too; 2509: two references per edit)."""
+    from model_parallel import validation as mp_validation
+
+    tiny = tiny_edit if variant == "edit" else tiny_plus
+    cfg = Config(ProjectConfig(), deepspeed={})
+    p = cfg.project
+    p.model.path, p.output.dir = str(tiny / "model"), str(tmp_path / "out")
+    p.validation.file = str(edits_file(tiny, tmp_path / "val.jsonl", 2))
+    p.inference = config.InferenceConfig(**{**TINY_INFERENCE, "true_cfg_scale": 2.0})
+    d = Dist(0, 1, 0, torch.device("cpu"))
+    torch.manual_seed(0)
+    transformer = models.load_transformer(p.model, torch.float32)
+    encoders = models.load_encoders(p.model.path, torch.float32, d.device)
+
+    recorded = validation.encode_requests(cfg, encoders, 0, 1)
+    assert [name for name, _ in recorded[0]] == ["encode_prompt", "encode_prompt"] + ["_encode_vae_image"] * (
+        2 if variant == "edit_plus" else 1)
+    received = mp_validation.message_conditioning(*mp_validation.conditioning_message(recorded))
+    direct = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()
+    vae_only = models.Encoders(None, None, mp_validation.load_vae(cfg, d.device))
+    replayed = validation.Validator(cfg, d, transformer, vae_only, NullMetrics(), received).render()
+    assert len(direct) == len(replayed) == 2
+    for a, b in zip(direct, replayed, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_validation_with_a_decoder_cut_is_refused(tiny_edit, tmp_path):
+    """validation.file with parallel.decoder_cuts: a ConfigError naming qwen_edit.validation.file and the fix."""
+    cfg = write_config(tmp_path / "cut.json", **{
+        "qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu"] * 3, "decoder_cuts": [1]},
+        "qwen_edit.validation.file": str(edits_file(tiny_edit, tmp_path / "val.jsonl"))})
+    args = config.parse_args(["--ds_config", str(cfg), "--model", str(tiny_edit / "model"), "--data",
+                              str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(config.ConfigError, match=r"qwen_edit\.validation\.file: .*decoder_cuts \[1\] cuts it; set "
+                                                 r"validation\.file to \"\".* or decoder_cuts to \[\]"):
+        config.load_config(args, world_size=3, has_gpu=False)
+
+
+@pytest.mark.slow
+def test_model_parallel_validation_grids_and_unchanged_training(tiny_edit, tmp_path):
+    """Encoder + decoder process, 4 steps, validation every 2: 'before' images and grids at steps 2 and 4 (also
+    in tensorboard), rendered on the decoder stage from the encoder's conditioning; losses and the exported
+    LoRA equal those of the same run without validation, bit for bit."""
+    edits = edits_file(tiny_edit, tmp_path / "validation.jsonl")
+    common = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE,
+              "qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu", "cpu"]}}
+    runs = {}
+    for name, extra in {"plain": {}, "validated": {"qwen_edit.validation": {"file": str(edits), "every_steps": 2}}
+                        }.items():
+        cfg = write_config(tmp_path / f"{name}.json", **common, **extra)
+        runs[name] = tmp_path / name
+        check(run_trainer(tiny_edit, runs[name], config=cfg, num_procs=2, extra=("--max_steps", "4")))
+    losses = {name: [r["loss"] for r in metrics(out)] for name, out in runs.items()}
+    assert len(losses["plain"]) == 4 and losses["validated"] == losses["plain"], losses
+    a, b = (load_file(out / "export" / "pytorch_lora_weights.safetensors") for out in runs.values())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    out = runs["validated"] / "validation"
+    assert sorted(p.name for p in out.glob("step_*.png")) == ["step_000002.png", "step_000004.png"]
+    assert sorted(p.name for p in (out / "before").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
+    before = Image.open(out / "before" / "000000.png")
+    grids = {s: np.asarray(Image.open(out / f"step_00000{s}.png").convert("RGB")) for s in (2, 4)}
+    w, h = before.size
+    assert grids[4].shape == (16 + 3 * h, 3 * w, 3)  # header + 3 edits; reference | before | now
+    assert np.array_equal(grids[4][16:16 + h, w:2 * w], np.asarray(before.convert("RGB")))
+    assert not np.array_equal(grids[2][16:, 2 * w:], grids[4][16:, 2 * w:]), "the 'now' column did not change"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs["validated"] / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("validation")] == [2, 4]
