@@ -13,8 +13,6 @@ A decoder cut is refused by config validation: every denoising step would have t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from model_parallel import transport
@@ -74,25 +72,12 @@ def receive_conditioning(cfg: Config, link, peer: int) -> dict[int, validation.R
     return message_conditioning(*transport.recv(link, peer))
 
 
-def load_vae(cfg: Config, device: torch.device) -> torch.nn.Module:
-    """The VAE alone (the decoder stage decodes the rendered latents), as models.load_encoders loads it."""
-    from diffusers import AutoencoderKLQwenImage
-
-    model = cfg.project.model
-    dtype = models.encoder_dtype(model.encoder_dtype, device)
-    if models.random_init():
-        with models._random_init_scope("VAE", dtype):  # the same measurement mode as the encoders' loader
-            vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(Path(model.path) / "vae"))
-    else:
-        vae = AutoencoderKLQwenImage.from_pretrained(model.path, subfolder="vae", torch_dtype=dtype,
-                                                     local_files_only=True)
-    return vae.requires_grad_(False).eval().to(device)
-
-
 def decoder_hook(cfg: Config, d: Dist, module: torch.nn.Module, metrics, start_step: int,
                  conditioning: dict[int, validation.Recorded] | None) -> validation.Validator | None:
     """loop.train's after_step hook on the decoder stage, its 'before' images rendered; None without a file."""
     if conditioning is None:
         return None
-    encoders = models.Encoders(text_encoder=None, processor=None, vae=load_vae(cfg, d.device))
+    model = cfg.project.model
+    vae = models.load_vae(model.path, models.encoder_dtype(model.encoder_dtype, d.device), d.device)
+    encoders = models.Encoders(text_encoder=None, processor=None, vae=vae)
     return validation.build_hook(cfg, d, module, encoders, metrics, start_step, conditioning)

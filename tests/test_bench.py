@@ -142,6 +142,18 @@ def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypat
     assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
     encoders = models.load_encoders(model_dir, torch.float32, torch.device("cpu"))
     assert encoders.vae.config.z_dim == 16 and encoders.text_encoder.config.text_config.hidden_size == 32
+    # the same weights in every process and run (seeded per model), and the caller's RNG left alone
+    state = torch.random.get_rng_state()
+    again = models.load_encoders(model_dir, torch.float32, torch.device("cpu"))
+    vae = models.load_vae(model_dir, torch.float32, torch.device("cpu"))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for a, b in ((encoders.text_encoder, again.text_encoder), (encoders.vae, again.vae), (encoders.vae, vae)):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    built_again = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    assert all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), built_again.state_dict().values(),
+                                                 strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), reference.state_dict().values(),
+                                                     strict=True))  # it is not the saved model
 
 
 def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_path):

@@ -54,7 +54,7 @@ def test_replayed_conditioning_renders_what_the_encoders_render(variant, tiny_ed
         2 if variant == "edit_plus" else 1)
     received = mp_validation.message_conditioning(*mp_validation.conditioning_message(recorded))
     direct = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()
-    vae_only = models.Encoders(None, None, mp_validation.load_vae(cfg, d.device))
+    vae_only = models.Encoders(None, None, models.load_vae(cfg.project.model.path, torch.float32, d.device))
     replayed = validation.Validator(cfg, d, transformer, vae_only, NullMetrics(), received).render()
     assert len(direct) == len(replayed) == 2
     for a, b in zip(direct, replayed, strict=True):

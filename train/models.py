@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,37 +67,49 @@ def _init_device() -> torch.device:
 
 @contextmanager
 def _random_init_scope(what: str, dtype: torch.dtype):
-    """Create modules on the current device in `dtype` (no fp32 copy first), and say so loudly."""
+    """Create modules on the current device in `dtype` (no fp32 copy first), and say so loudly. The weights are
+    drawn from a seed fixed per model (`what`), so every process and every run builds the same ones (two runs to
+    compare, or a model-parallel decoder's VAE and its encoder's); the caller's RNG state is left as it was."""
     device = _init_device()
     print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    devices = [device.index] if device.type == "cuda" else []
     try:
-        with torch.device(device):
+        with torch.random.fork_rng(devices=devices), torch.device(device):
+            torch.manual_seed(zlib.crc32(what.encode()))
             yield
     finally:
         torch.set_default_dtype(saved)
 
 
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Encoders:
-    from diffusers import AutoencoderKLQwenImage
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
     processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
     if random_init():
-        with _random_init_scope("text encoder and VAE", dtype):
+        with _random_init_scope("text encoder", dtype):
             text_encoder = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir / "text_encoder"))
-            vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(model_dir / "vae"))
     else:
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             model_dir / "text_encoder", dtype=dtype, local_files_only=True
         )
+    text_encoder.requires_grad_(False).eval().to(device)
+    return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device))
+
+
+def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    """The frozen VAE alone (also what a model-parallel decoder stage loads to render validation images)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    if random_init():
+        with _random_init_scope("VAE", dtype):
+            vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(Path(model_dir) / "vae"))
+    else:
         vae = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
                                                      local_files_only=True)
-    for module in (text_encoder, vae):
-        module.requires_grad_(False).eval().to(device)
-    return Encoders(text_encoder, processor, vae)
+    return vae.requires_grad_(False).eval().to(device)
 
 
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype):
