@@ -10,10 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import metrics, run_trainer, write_config
-from PIL import Image
-from safetensors.torch import load_file
-from test_validation import TINY_INFERENCE, check
+from conftest import write_config
+from test_validation import TINY_INFERENCE, check_validated_run
 
 from train import config, models, validation
 from train.config import Config, ProjectConfig
@@ -75,33 +73,7 @@ def test_validation_with_a_decoder_cut_is_refused(tiny_edit, tmp_path):
 
 @pytest.mark.slow
 def test_model_parallel_validation_grids_and_unchanged_training(tiny_edit, tmp_path):
-    """Encoder + decoder process, 4 steps, validation every 2: 'before' images and grids at steps 2 and 4 (also
-    in tensorboard), rendered on the decoder stage from the encoder's conditioning; losses and the exported
-    LoRA equal those of the same run without validation, bit for bit."""
-    edits = edits_file(tiny_edit, tmp_path / "validation.jsonl")
-    common = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE,
-              "qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu", "cpu"]}}
-    runs = {}
-    for name, extra in {"plain": {}, "validated": {"qwen_edit.validation": {"file": str(edits), "every_steps": 2}}
-                        }.items():
-        cfg = write_config(tmp_path / f"{name}.json", **common, **extra)
-        runs[name] = tmp_path / name
-        check(run_trainer(tiny_edit, runs[name], config=cfg, num_procs=2, extra=("--max_steps", "4")))
-    losses = {name: [r["loss"] for r in metrics(out)] for name, out in runs.items()}
-    assert len(losses["plain"]) == 4 and losses["validated"] == losses["plain"], losses
-    a, b = (load_file(out / "export" / "pytorch_lora_weights.safetensors") for out in runs.values())
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-    out = runs["validated"] / "validation"
-    assert sorted(p.name for p in out.glob("step_*.png")) == ["step_000002.png", "step_000004.png"]
-    assert sorted(p.name for p in (out / "before").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
-    before = Image.open(out / "before" / "000000.png")
-    grids = {s: np.asarray(Image.open(out / f"step_00000{s}.png").convert("RGB")) for s in (2, 4)}
-    w, h = before.size
-    assert grids[4].shape == (16 + 3 * h, 3 * w, 3)  # header + 3 edits; reference | before | now
-    assert np.array_equal(grids[4][16:16 + h, w:2 * w], np.asarray(before.convert("RGB")))
-    assert not np.array_equal(grids[2][16:, 2 * w:], grids[4][16:, 2 * w:]), "the 'now' column did not change"
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(runs["validated"] / "tensorboard"), size_guidance={"images": 0}).Reload()
-    assert [e.step for e in events.Images("validation")] == [2, 4]
+    """Encoder + decoder process: the grids are rendered on the decoder stage from the encoder's conditioning;
+    the same checks as the ZeRO-2 run's (test_validation.check_validated_run)."""
+    check_validated_run(tiny_edit, tmp_path, edits_file(tiny_edit, tmp_path / "validation.jsonl"),
+                        **{"qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu", "cpu"]}})
