@@ -178,3 +178,23 @@ def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_pa
     with torch.device("meta"):
         built = QwenImageTransformer2DModel.from_config(transformer)
     assert sum(p.numel() for p in built.parameters()) == 20_430_401_088
+
+
+def test_idle_report_attributes_gaps_to_the_issuing_phase():
+    """Gaps between kernels (overlapping kernels merged) are charged to the phase the host was in when the
+    kernel after the gap was issued; host synchronisations are counted per phase."""
+    s = bench.Span
+    spans = [s("bench/forward", 0, 100, False), s("bench/backward", 100, 200, False), s("bench/step", 200, 300, False),
+             s("k1", 0, 40, True), s("k2", 30, 50, True),  # overlap: busy until 50
+             s("k3", 60, 90, True),  # 10 us gap, issued in forward
+             s("k4", 130, 190, True),  # 40 us gap, issued in backward
+             s("k5", 290, 300, True),  # 100 us gap, issued in step
+             s("cudaStreamSynchronize", 210, 280, False), s("cudaStreamSynchronize", 20, 25, False)]
+    report = bench.idle_report(spans, steps=1, top=2)
+    lines = report.splitlines()
+    assert lines[0].startswith("device idle between kernels: 0.15 ms/step in 3 gaps/step")
+    assert lines[1:4] == ["  bench/step: 0.10 ms/step", "  bench/backward: 0.04 ms/step",
+                          "  bench/forward: 0.01 ms/step"]
+    assert lines[4] == ("host synchronisations per step: cudaStreamSynchronize in bench/forward x1, "
+                        "cudaStreamSynchronize in bench/step x1")
+    assert "k4 -> k5" in lines[6] and "k3 -> k4" in lines[7] and len(lines) == 8

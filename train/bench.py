@@ -375,8 +375,66 @@ def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, dev
                  [float(x) for x in losses])
 
 
+PHASES = ("bench/forward", "bench/backward", "bench/step")  # record_function labels of project_step
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One profiler event reduced to what the idle report needs (times in microseconds)."""
+
+    name: str
+    start: float
+    end: float
+    on_device: bool
+
+
+def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
+    """Where the device waits for the host: gaps between kernels, attributed to the step phase (PHASES) the host
+    was in when the next kernel was issued, and the host synchronisations in each phase."""
+    kernels = sorted((s for s in spans if s.on_device), key=lambda s: s.start)
+    phases = sorted((s for s in spans if not s.on_device and s.name in PHASES), key=lambda s: s.start)
+
+    def phase_at(t: float) -> str:
+        inside = [p.name for p in phases if p.start <= t <= p.end]
+        return inside[-1] if inside else "between phases"
+
+    gaps, busy_until, previous = [], None, None
+    for k in kernels:
+        if busy_until is not None and k.start > busy_until:
+            gaps.append((k.start - busy_until, busy_until, previous, k.name))
+        if busy_until is None or k.end > busy_until:
+            busy_until, previous = k.end, k.name
+    by_phase: dict[str, float] = {}
+    for length, start, _, _ in gaps:
+        key = phase_at(start + length - 1.0)  # the host issued the kernel that ended the gap in this phase
+        by_phase[key] = by_phase.get(key, 0.0) + length
+    syncs: dict[str, int] = {}
+    for s in spans:
+        if not s.on_device and s.name in SYNC_CALLS:
+            key = f"{s.name} in {phase_at(s.start)}"
+            syncs[key] = syncs.get(key, 0) + 1
+    total = sum(g[0] for g in gaps)
+    lines = [f"device idle between kernels: {total / steps / 1e3:.2f} ms/step in {len(gaps) / steps:.0f} gaps/step; "
+             "by the phase that issued the next kernel:"]
+    lines += [f"  {name}: {us / steps / 1e3:.2f} ms/step" for name, us in sorted(by_phase.items(), key=lambda x: -x[1])]
+    lines.append("host synchronisations per step: " + (", ".join(
+        f"{name} x{count / steps:g}" for name, count in sorted(syncs.items())) or "none"))
+    lines.append(f"largest {top} gaps (ms, phase, kernel before -> kernel after):")
+    for length, start, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {length / 1e3:7.3f}  {phase_at(start + length - 1.0):15s} {str(before)[:60]} -> {after[:60]}")
+    return "\n".join(lines) + "\n"
+
+
+def profiler_spans(prof) -> list[Span]:
+    """Kernels, copies and host events of a finished torch.profiler run."""
+    device_kinds = {torch.autograd.DeviceType.CUDA}
+    return [Span(e.name, e.time_range.start, e.time_range.end, e.device_type in device_kinds) for e in prof.events()]
+
+
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
-    """torch.profiler over 3 more steps; writes the op table (by device time) and the device-busy share."""
+    """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
+    GPU, the idle report (where the device waits for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -395,6 +453,8 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
     with open(path, "w") as f:
         f.write(f"wall {wall / 3:.4f} s/step under the profiler; device kernels {busy_us / 3e6:.4f} s/step "
                 f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n")
+        if device.type == "cuda":
+            f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
         f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
@@ -408,11 +468,16 @@ def oom_hint(w: Workload) -> str:
 
 def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
     """One micro-step as train.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
+    from torch.profiler import record_function
+
     def step(i: int) -> torch.Tensor:
-        generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
-        loss = loop.forward_loss(eng, b, cfg, generator, SCHEDULER_CONFIG, dtype)
-        eng.backward(loss)
-        eng.step()
+        with record_function(PHASES[0]):
+            generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
+            loss = loop.forward_loss(eng, b, cfg, generator, SCHEDULER_CONFIG, dtype)
+        with record_function(PHASES[1]):
+            eng.backward(loss)
+        with record_function(PHASES[2]):
+            eng.step()
         return loss.detach()
 
     return step
