@@ -198,3 +198,16 @@ def test_idle_report_attributes_gaps_to_the_issuing_phase():
     assert lines[4] == ("host synchronisations per step: cudaStreamSynchronize in bench/forward x1, "
                         "cudaStreamSynchronize in bench/step x1")
     assert "k4 -> k5" in lines[6] and "k3 -> k4" in lines[7] and len(lines) == 8
+
+
+def test_kernel_filter_takes_events_and_averages():
+    """Device kernels count; host ops and the step-phase ranges the profiler mirrors on the device do not (both
+    for the profiler's events, which have .name, and its key_averages rows, which have .key)."""
+    from types import SimpleNamespace as NS
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert bench._is_kernel(NS(name="nvjet_gemm", device_type=cuda, is_user_annotation=False))
+    assert bench._is_kernel(NS(key="nvjet_gemm", device_type=cuda))
+    assert not bench._is_kernel(NS(name="aten::mm", device_type=cpu, is_user_annotation=False))
+    assert not bench._is_kernel(NS(key="bench/forward", device_type=cuda))
+    assert not bench._is_kernel(NS(name="my_range", device_type=cuda, is_user_annotation=True))

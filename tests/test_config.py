@@ -279,6 +279,13 @@ def test_out_of_range(setup, key, value, want):
     assert setup.set(q(key), value).problem() == f"{q(key)}: {want}"
 
 
+def test_fp8_transposed_needs_fp8_base(setup):
+    """train.fp8_transposed without fp8_base is named with both fixes; with it, the config loads."""
+    msg = setup.set(q("train.fp8_transposed"), True).problem()
+    assert msg.startswith(q("train.fp8_transposed") + ": only applies with train.fp8_base")
+    assert setup.set(q("train.fp8_base"), True).load().project.train.fp8_transposed
+
+
 def test_empty_target_modules_in_lora_mode(setup):
     """LoRA mode with no target modules asks for at least one, with an example."""
     msg = setup.set(q("lora.target_modules"), []).problem()

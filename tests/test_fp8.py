@@ -109,3 +109,21 @@ def test_checkpoint_first_recomputes_only_the_first_blocks(monkeypatch, count, e
                 encoder_hidden_states_mask=None, img_shapes=[[(1, 8, 8), (1, 8, 8)]], return_dict=False)[0]
     out.mean().backward()
     assert len(calls) == expected
+
+
+def test_kept_transposed_weight_gives_the_same_gradient():
+    """keep_transposed stores W8^T once; outputs and input gradients are bitwise those of the per-call transpose,
+    and the stored copy is the transpose (a vector linear keeps none)."""
+    lin = _linear(64, 48)
+    plain, kept = fp8.Float8FrozenLinear(lin, "token"), fp8.Float8FrozenLinear(lin, "token", keep_transposed=True)
+    assert plain.weight_fp8_t is None and torch.equal(kept.weight_fp8_t.float(), kept.weight_fp8.float().t())
+    assert fp8.Float8FrozenLinear(lin, "vector", keep_transposed=True).weight_fp8_t is None
+    x = torch.randn(3, 5, 64)
+    grads = []
+    for layer in (plain, kept):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(torch.ones_like(y))
+        grads.append((y.detach(), xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert "weight_fp8_t" not in kept.state_dict()

@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import conditioning, engine, fp8, loop, models
+from train import conditioning, engine, fp8, loop, models, rope
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
 from train.metrics import prefix_rank_output
@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8_base", action="store_true",
                    help="the project's step with the frozen block weights in fp8 (train.fp8_base; the baseline "
                         "stays bf16, so --baseline compares the curves)")
+    p.add_argument("--fp8_transposed", action="store_true",
+                   help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
+    p.add_argument("--complex_rope", action="store_true",
+                   help="the project's step with diffusers' complex rotary embedding instead of real pairs "
+                        "(train/rope.py), to measure that lever")
     p.add_argument("--text_mask", action="store_true",
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
@@ -144,6 +149,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--num_layers must be >= 1")
     if args.fp8_base and args.mode != "lora":
         parser.error("--fp8_base needs --mode lora (a frozen base)")
+    if args.fp8_transposed and not args.fp8_base:
+        parser.error("--fp8_transposed applies with --fp8_base")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
 
@@ -232,9 +239,10 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
                      compile_blocks: bool, checkpoint_blocks: int = 0) -> None:
-    """The trainer's own preparation (train.models.prepare_for_training, as train/main.py calls it)."""
+    """The trainer's own preparation (train.models.prepare_for_training, as train/main.py calls it), but with
+    diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
     models.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
-                                checkpoint_blocks=checkpoint_blocks)
+                                checkpoint_blocks=checkpoint_blocks, real_rope=False)
 
 
 def trainable_count(model: torch.nn.Module) -> int:
@@ -428,8 +436,14 @@ def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
 
 def profiler_spans(prof) -> list[Span]:
     """Kernels, copies and host events of a finished torch.profiler run."""
-    device_kinds = {torch.autograd.DeviceType.CUDA}
-    return [Span(e.name, e.time_range.start, e.time_range.end, e.device_type in device_kinds) for e in prof.events()]
+    return [Span(e.name, e.time_range.start, e.time_range.end, _is_kernel(e)) for e in prof.events()]
+
+
+def _is_kernel(event) -> bool:
+    """A kernel or copy on the device (not a host op, nor a record_function range mirrored on the device)."""
+    name = getattr(event, "name", None) or getattr(event, "key", "")  # FunctionEvent / key_averages' rows
+    return (event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            and name not in PHASES)
 
 
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
@@ -448,7 +462,7 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
     events = prof.key_averages()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     # Kernels (and copies) only: an op's row repeats the device time of the kernels it launched.
-    busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us = sum(e.self_device_time_total for e in events if _is_kernel(e))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         f.write(f"wall {wall / 3:.4f} s/step under the profiler; device kernels {busy_us / 3e6:.4f} s/step "
@@ -575,7 +589,8 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "tokens_per_sample": w.tokens_per_sample, "micro_batch": w.micro_batch, **model_info,
         "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
-        "zero_stage": args.zero_stage, "fp8_base": args.fp8_base,
+        "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
+        "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
         "peak_tflops_per_gpu": args.peak_tflops, **machine(d),
@@ -612,7 +627,8 @@ def format_report(r: dict) -> str:
         f"model       {r['model']}, {r['num_layers']} blocks, {r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
-        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']}, "
+        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} (transposed copy {r['fp8_transposed']}), "
+        f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
         f"s/step      {r['s_per_step']:.4f}",
@@ -651,9 +667,11 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
     baseline = run_baseline(model, b, cfg, d, dtype, args, w) if args.baseline else None
+    if not args.complex_rope:  # the trainer's rotary embedding (train.models.prepare_for_training's real_rope)
+        rope.use_real_pairs(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base
         models.check_fp8_device()
-        fp8.convert_frozen_linears(model)
+        fp8.convert_frozen_linears(model, keep_transposed=args.fp8_transposed)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
     return make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)

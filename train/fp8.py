@@ -45,25 +45,28 @@ class _Float8Matmul(torch.autograd.Function):
     """y = x W^T for a frozen e4m3 weight with per-row scales; gradient for x only."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight, scale)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                weight_t: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale, weight_t)
         x2 = x.reshape(-1, x.shape[-1])
         return scaled_matmul(x2, weight, scale, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        weight, scale = ctx.saved_tensors
+        weight, scale, weight_t = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
-        # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major.
+        # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major
+        # (kept from the conversion when asked, otherwise transposed here, a pass over the weight per call).
         ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
-        grad_x = scaled_matmul(g2, weight.t().contiguous(), ones, grad_out.dtype)
-        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None
+        w_t = weight.t().contiguous() if weight_t is None else weight_t
+        grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype)
+        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None, None
 
 
 class Float8FrozenLinear(torch.nn.Module):
     """A frozen nn.Linear kept in e4m3 with per-output-row scales (see the module docstring for `kind`)."""
 
-    def __init__(self, linear: torch.nn.Linear, kind: str):
+    def __init__(self, linear: torch.nn.Linear, kind: str, keep_transposed: bool = False):
         super().__init__()
         if kind not in ("token", "vector"):
             raise ValueError(f"kind must be 'token' or 'vector', got {kind!r}")
@@ -73,6 +76,9 @@ class Float8FrozenLinear(torch.nn.Module):
         self.register_buffer("weight_fp8", (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3),
                              persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
+        # The backward's operand layout, stored once (token kind only): the same bytes again, no pass per step.
+        transposed = self.weight_fp8.t().contiguous() if keep_transposed and kind == "token" else None
+        self.register_buffer("weight_fp8_t", transposed, persistent=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
 
@@ -83,7 +89,7 @@ class Float8FrozenLinear(torch.nn.Module):
         if self.kind == "vector":
             y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
         else:
-            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale)
+            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -100,9 +106,10 @@ def _kind(name: str) -> str | None:
     return None
 
 
-def convert_frozen_linears(transformer: torch.nn.Module) -> int:
+def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool = False) -> int:
     """Swap the blocks' frozen linears (peft's base_layer where LoRA wraps one) for Float8FrozenLinear in place;
-    returns how many were converted. Call after LoRA is added."""
+    returns how many were converted. Call after LoRA is added. keep_transposed: also store each token linear's
+    weight transposed for the backward (train.fp8_transposed: twice the fp8 weight memory, no transpose per step)."""
     targets = []
     for name, module in transformer.named_modules():
         base = getattr(module, "base_layer", None)
@@ -118,5 +125,5 @@ def convert_frozen_linears(transformer: torch.nn.Module) -> int:
     for parent, attr, linear, kind in targets:
         if linear.weight.requires_grad:
             raise ValueError("fp8 base weights need a frozen base (train.mode = 'lora')")
-        setattr(parent, attr, Float8FrozenLinear(linear, kind))
+        setattr(parent, attr, Float8FrozenLinear(linear, kind, keep_transposed))
     return len(targets)

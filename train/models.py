@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from train import conditioning, fp8
+from train import conditioning, fp8, rope
 from train.config import LoraConfig, ModelConfig
 
 
@@ -144,18 +144,22 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 
 
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
-                         compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0) -> None:
+                         compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
+                         fp8_transposed: bool = False, real_rope: bool = True) -> None:
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then activation checkpointing
-    and compiled blocks."""
+    and compiled blocks. real_rope: rotary embedding as real pairs (train/rope.py; the same rotation, which
+    compiled blocks fuse)."""
     if mode == "lora":
         add_lora(transformer, lora)
         if fp8_base:
             check_fp8_device()
-            fp8.convert_frozen_linears(transformer)
+            fp8.convert_frozen_linears(transformer, keep_transposed=fp8_transposed)
     else:
         transformer.requires_grad_(True)
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks))
+    if real_rope:
+        rope.use_real_pairs(transformer)
     if compile_blocks:
         for block in transformer.transformer_blocks:
             block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
