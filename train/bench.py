@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import conditioning, engine, fp8, fused_qkv, loop, models, rope
+from train import conditioning, engine, fp8, loop, models, rope
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
 from train.metrics import prefix_rank_output
@@ -114,8 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "stays bf16, so --baseline compares the curves)")
     p.add_argument("--fp8_transposed", action="store_true",
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
-    p.add_argument("--fused_qkv", action="store_true",
-                   help="with --fp8_base: q/k/v projections and their LoRA A stacked per stream (train.fused_qkv)")
     p.add_argument("--complex_rope", action="store_true",
                    help="the project's step with diffusers' complex rotary embedding instead of real pairs "
                         "(train/rope.py), to measure that lever")
@@ -151,8 +149,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--num_layers must be >= 1")
     if args.fp8_base and args.mode != "lora":
         parser.error("--fp8_base needs --mode lora (a frozen base)")
-    if (args.fp8_transposed or args.fused_qkv) and not args.fp8_base:
-        parser.error("--fp8_transposed and --fused_qkv apply with --fp8_base")
+    if args.fp8_transposed and not args.fp8_base:
+        parser.error("--fp8_transposed applies with --fp8_base")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
 
@@ -592,7 +590,6 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
-        "fused_qkv": args.fused_qkv,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
@@ -630,8 +627,7 @@ def format_report(r: dict) -> str:
         f"model       {r['model']}, {r['num_layers']} blocks, {r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
-        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} (transposed copy {r['fp8_transposed']}, "
-        f"fused q/k/v {r['fused_qkv']}), "
+        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} (transposed copy {r['fp8_transposed']}), "
         f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
@@ -676,8 +672,6 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     if args.fp8_base:  # after the baseline, which runs the bf16 base
         models.check_fp8_device()
         fp8.convert_frozen_linears(model, keep_transposed=args.fp8_transposed)
-        if args.fused_qkv:
-            fused_qkv.install(model, keep_transposed=args.fp8_transposed)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
     return make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)

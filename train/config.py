@@ -152,8 +152,6 @@ class TrainConfig:
     fp8_transposed: bool = False
     """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
-    fused_qkv: bool = False
-    """With fp8_base: each stream's q, k and v projections (and their LoRA A) as one matmul (train/fused_qkv.py)."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
 
@@ -387,9 +385,6 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     elif cfg.train.checkpoint_blocks and not cfg.train.gradient_checkpointing:
         problems.append(f"{p}.train.checkpoint_blocks: set, but train.gradient_checkpointing is false; enable it or "
                         "set checkpoint_blocks to 0")
-    if cfg.train.fused_qkv and not cfg.train.fp8_base:
-        problems.append(f"{p}.train.fused_qkv: only applies with train.fp8_base; enable fp8_base or set fused_qkv "
-                        "to false")
     if cfg.train.fp8_transposed and not cfg.train.fp8_base:
         problems.append(f"{p}.train.fp8_transposed: only applies with train.fp8_base; enable fp8_base or set "
                         "fp8_transposed to false")

@@ -40,8 +40,7 @@ def build_transformer(cfg: config.Config):
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
     models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile,
-                                p.train.fp8_base, p.train.checkpoint_blocks, p.train.fp8_transposed,
-                                fused_qkv=p.train.fused_qkv)
+                                p.train.fp8_base, p.train.checkpoint_blocks, p.train.fp8_transposed)
     if p.train.fp8_base:
         count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
         print0(f"fp8 base: {count} frozen linears kept in float8 e4m3", rank=int(os.environ.get("RANK", "0")))

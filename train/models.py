@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from train import conditioning, fp8, rope
-from train import fused_qkv as _fused_qkv
 from train.config import LoraConfig, ModelConfig
 
 
@@ -146,19 +145,15 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
-                         fp8_transposed: bool = False, real_rope: bool = True, fused_qkv: bool = False) -> None:
+                         fp8_transposed: bool = False, real_rope: bool = True) -> None:
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then activation checkpointing
     and compiled blocks. real_rope: rotary embedding as real pairs (train/rope.py; the same rotation, which
-    compiled blocks fuse). fused_qkv: stacked q/k/v projections over the fp8 base (train/fused_qkv.py)."""
-    if fused_qkv and not (mode == "lora" and fp8_base):
-        raise ValueError("fused_qkv stacks the fp8 base's q/k/v weights: it needs fp8_base (and LoRA)")
+    compiled blocks fuse)."""
     if mode == "lora":
         add_lora(transformer, lora)
         if fp8_base:
             check_fp8_device()
             fp8.convert_frozen_linears(transformer, keep_transposed=fp8_transposed)
-            if fused_qkv:
-                _fused_qkv.install(transformer, keep_transposed=fp8_transposed)
     else:
         transformer.requires_grad_(True)
     if gradient_checkpointing:
