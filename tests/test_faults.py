@@ -118,6 +118,20 @@ def test_failed_save_keeps_latest_resumable(tiny_edit, fault_config, reference_l
     assert not (out / "global_step8.partial").exists()
 
 
+def test_zero1_run_resumes_like_the_zero2_reference(tiny_edit, fault_config, reference_losses, tmp_path):
+    """ds_configs/lora_fast.json's ZeRO setting (stage 1, no gradient hooks): 4 steps, then --resume to the end;
+    every step's loss matches the uninterrupted ZeRO-2 run within fp32 summation order."""
+    config = write_config(tmp_path / "z1.json", base=fault_config,
+                          zero_optimization={"stage": 1, "overlap_comm": False, "contiguous_gradients": False})
+    out = tmp_path / "run"
+    check(run_trainer(tiny_edit, out, config=config, num_procs=2, extra=("--max_steps", "4")))
+    assert (out / "latest").read_text().strip() == "global_step4"
+    check(run_trainer(tiny_edit, out, config=config, num_procs=2, extra=("--max_steps", str(MAX_STEPS), "--resume")))
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    assert [r["loss"] for r in records] == pytest.approx(reference_losses, rel=1e-5)
+
+
 def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):
     """A 2-process checkpoint resumed by 1 process stops with exit 2 and says how to proceed."""
     out = tmp_path / "run"
