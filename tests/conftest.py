@@ -37,6 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def transformer_inputs(model, h: int = 8, w: int = 8, text_tokens: int = 16, generator=None) -> dict:
+    """Keyword arguments for one forward of a (tiny) QwenImageTransformer2DModel: a target and one reference of h x w
+    latent patches, `text_tokens` prompt embeddings, no text mask, timestep 0.5."""
+    import torch
+
+    hidden = torch.randn(1, 2 * h * w, model.config.in_channels, generator=generator)
+    text = torch.randn(1, text_tokens, model.config.joint_attention_dim, generator=generator)
+    return dict(hidden_states=hidden, timestep=torch.tensor([0.5]), encoder_hidden_states=text,
+                encoder_hidden_states_mask=None, img_shapes=[[(1, h, w), (1, h, w)]], return_dict=False)
+
+
 def write_config(path: Path, base: Path = TINY_CONFIG, **changes) -> Path:
     """Copy a config with dotted-key changes, e.g. {"qwen_edit.train.mode": "full"}."""
     cfg = json.loads(base.read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import transformer_inputs
 
 from train import fp8, models
 from train.config import LoraConfig
@@ -75,9 +76,7 @@ def test_lora_learns_through_fp8_base():
             torch.nn.init.normal_(p, std=0.02)
     reference = copy.deepcopy(model)
     fp8.convert_frozen_linears(model)
-    inputs = dict(hidden_states=torch.randn(1, 128, 64), timestep=torch.tensor([0.5]),
-                  encoder_hidden_states=torch.randn(1, 16, model.config.joint_attention_dim),
-                  encoder_hidden_states_mask=None, img_shapes=[[(1, 8, 8), (1, 8, 8)]], return_dict=False)
+    inputs = transformer_inputs(model)
     grads = []
     for m in (model, reference):
         m(**inputs)[0].square().mean().backward()
@@ -104,9 +103,7 @@ def test_checkpoint_first_recomputes_only_the_first_blocks(monkeypatch, count, e
     models.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
                                 gradient_checkpointing=True, compile_blocks=False, checkpoint_blocks=count)
     model.train()
-    out = model(hidden_states=torch.randn(1, 128, 64), timestep=torch.tensor([0.5]),
-                encoder_hidden_states=torch.randn(1, 16, model.config.joint_attention_dim),
-                encoder_hidden_states_mask=None, img_shapes=[[(1, 8, 8), (1, 8, 8)]], return_dict=False)[0]
+    out = model(**transformer_inputs(model))[0]
     out.mean().backward()
     assert len(calls) == expected
 

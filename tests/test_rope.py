@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import transformer_inputs
 from diffusers.models.transformers import transformer_qwenimage
 
 from train import rope
@@ -36,11 +37,9 @@ def test_rotate_passes_complex_and_real_mode_calls_through():
 
 def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    h, w = 4, 6  # latent patches of the target, then of one reference
-    hidden = torch.randn(1, 2 * h * w, 64, generator=g, requires_grad=True)
-    text = torch.randn(1, 5, model.config.joint_attention_dim, generator=g, requires_grad=True)
-    out = model(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=None,
-                timestep=torch.tensor([0.4]), img_shapes=[[(1, h, w), (1, h, w)]], return_dict=False)[0]
+    inputs = transformer_inputs(model, h=4, w=6, text_tokens=5, generator=g)  # a non-square grid for RoPE
+    hidden, text = inputs["hidden_states"].requires_grad_(), inputs["encoder_hidden_states"].requires_grad_()
+    out = model(**inputs)[0]
     loss = (out * torch.randn(out.shape, generator=g)).sum()
     loss.backward()
     return loss.detach(), [hidden.grad, text.grad] + [p.grad for p in model.parameters()]

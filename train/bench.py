@@ -407,16 +407,16 @@ def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
         inside = [p.name for p in phases if p.start <= t <= p.end]
         return inside[-1] if inside else "between phases"
 
-    gaps, busy_until, previous = [], None, None
+    gaps, busy_until, previous = [], None, None  # (length, phase, kernel before, kernel after)
     for k in kernels:
         if busy_until is not None and k.start > busy_until:
-            gaps.append((k.start - busy_until, busy_until, previous, k.name))
+            # charged to the phase in which the host issued the kernel that ended the gap
+            gaps.append((k.start - busy_until, phase_at(k.start - 1.0), previous, k.name))
         if busy_until is None or k.end > busy_until:
             busy_until, previous = k.end, k.name
     by_phase: dict[str, float] = {}
-    for length, start, _, _ in gaps:
-        key = phase_at(start + length - 1.0)  # the host issued the kernel that ended the gap in this phase
-        by_phase[key] = by_phase.get(key, 0.0) + length
+    for length, phase, _, _ in gaps:
+        by_phase[phase] = by_phase.get(phase, 0.0) + length
     syncs: dict[str, int] = {}
     for s in spans:
         if not s.on_device and s.name in SYNC_CALLS:
@@ -429,8 +429,8 @@ def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
     lines.append("host synchronisations per step: " + (", ".join(
         f"{name} x{count / steps:g}" for name, count in sorted(syncs.items())) or "none"))
     lines.append(f"largest {top} gaps (ms, phase, kernel before -> kernel after):")
-    for length, start, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
-        lines.append(f"  {length / 1e3:7.3f}  {phase_at(start + length - 1.0):15s} {str(before)[:60]} -> {after[:60]}")
+    for length, phase, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {length / 1e3:7.3f}  {phase:15s} {str(before)[:60]} -> {after[:60]}")
     return "\n".join(lines) + "\n"
 
 
