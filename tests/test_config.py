@@ -828,3 +828,9 @@ def test_inference_settings_for_train_infer(tmp_path):
     path.write_text("{")
     with pytest.raises(ConfigError, match="--config: cannot read"):
         inference_settings(path)
+
+
+def test_alpha_background_must_be_a_colour(setup):
+    problem = setup.set("qwen_edit.data.alpha_background", "whiteish").problem()
+    assert problem.startswith("qwen_edit.data.alpha_background: 'whiteish' is not a colour") and "#rrggbb" in problem
+    assert setup.set("qwen_edit.data.alpha_background", "#101010").load().project.data.alpha_background == "#101010"

@@ -64,19 +64,13 @@ FILE_CASES = {
     "random_bytes": (lambda p: p.write_bytes(random.Random(0).randbytes(500)), "noise.png",
                      ["cannot be decoded", "re-save it as PNG/JPEG"]),
     "truncated_png": (truncated_png, "cut.png", ["cannot be decoded", "truncated", "re-save it as PNG/JPEG"]),
-    "mode_I;16_png": (lambda p: Image.new("I;16", (64, 64)).save(p), "deep.png",
-                      ["unsupported image mode 'I;16'", "convert it to 8-bit RGB"]),
-    "mode_F_tiff": (lambda p: Image.new("F", (64, 64)).save(p), "float.tif",
-                    ["unsupported image mode 'F'", "convert it to 8-bit RGB"]),
-    "mode_I_tiff": (lambda p: Image.new("I", (64, 64)).save(p), "int.tif",
-                    ["unsupported image mode 'I'", "convert it to 8-bit RGB"]),
-}
+}  # 16-bit and float images are converted (tests/test_images.py)
 
 
 @pytest.mark.parametrize("slot", ["image", "edit_image"])
 @pytest.mark.parametrize("case", FILE_CASES.values(), ids=FILE_CASES.keys())
 def test_bad_file_names_row_file_and_fix(tmp_path, case, slot):
-    """A missing, empty, corrupt or unsupported-mode target or reference is one problem naming row, file and fix."""
+    """A missing, empty or corrupt target or reference is one problem naming row, file and fix."""
     make, name, fragments = case
     if make:
         make(tmp_path / name)

@@ -43,7 +43,7 @@ from train import conditioning, config, data, engine, loop, models
 from train.metrics import prefix_rank_output, print0
 
 INDEX = "index.json"
-FORMAT = 1  # bump when the layout or the meaning of the tensors changes
+FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/images.py)
 PART_BYTES = 2 << 30  # a rank starts a new shard part after this many bytes of tensors
 # Model components whose files the encodings depend on; files with these suffixes are large weights and are
 # identified by name and size (reading 16 GB to hash it would take minutes), all others by content.
@@ -120,6 +120,7 @@ def dependencies(cfg: config.Config, variant: str, rows: list[data.Row], dtype: 
         "model.encoder_dtype": str(dtype).removeprefix("torch."),
         "data.area": str(d.area),
         "data.condition_area": str(d.condition_area),
+        "data.alpha_background": d.alpha_background,
         "prompt template (train/conditioning.py)": _sha(templates),
         "prompt processing (data.normalize_prompts, prompt_mapping, blocked_terms, blocked_policy)": _sha(processing),
         "data rows and image files": rows_digest(d.path, rows),

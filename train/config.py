@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train import prompts
+from train import images, prompts
 
 PROJECT_KEY = "qwen_edit"
 
@@ -68,6 +68,9 @@ class DataConfig:
     """Pixel area targets and VAE copies of references are resized to (aspect kept, sides multiples of 32)."""
     condition_area: int = 384 * 384
     """Pixel area of the copies the VL encoder sees (2509 only; v1 shows it the VAE copy)."""
+    alpha_background: str = "white"
+    """Colour that transparent pixels (RGBA, LA, palette transparency) are composited over, for training,
+    validation and train.infer: a name ("white", "black") or "#rrggbb"."""
     bad_rows: str = field(default="stop", metadata=choice("stop", "skip"))
     """What to do when the pre-flight check finds bad rows: stop with the report, or skip them (reported)."""
     num_workers: int = 2
@@ -358,6 +361,10 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     for key, value in {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area}.items():
         if 0 < value < 32 * 32:
             problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+    try:
+        images.background_rgb(cfg.data.alpha_background)
+    except ValueError as e:
+        problems.append(str(e))
     if cfg.output.keep_last < 0:
         problems.append(f"{p}.output.keep_last: must be >= 0 (0 = keep every checkpoint)")
     if cfg.train.max_nonfinite_steps < 0:

@@ -25,11 +25,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import conditioning, engine, prompts, sampling
+from train import conditioning, engine, images, prompts, sampling
 
 COLUMNS = ("image", "edit_image", "prompt")
-# Modes that convert("RGB") maps faithfully; 16-bit and float images would be clipped, not scaled.
-SUPPORTED_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr"}
 
 
 class BadRowsError(ValueError):
@@ -113,11 +111,12 @@ def assign_categories(rows: list[Row], rules: dict[str, str]) -> list[Row]:
 
 
 def image_sizes(data_dir: Path, names: list[str]) -> list[tuple[int, int]]:
-    """(width, height) of each image, read from its header (nothing is decoded)."""
+    """(width, height) of each image as shown (after its EXIF orientation), read from its header (nothing is
+    decoded)."""
     sizes = []
     for name in names:
         with Image.open(data_dir / name) as im:
-            sizes.append(im.size)
+            sizes.append(images.oriented_size(im))
     return sizes
 
 
@@ -130,12 +129,14 @@ def _check_image(path: Path) -> str | None:
         with Image.open(path) as im:
             im.load()
             mode = im.mode
+            try:
+                images.to_rgb(im)  # what the dataset will do with it (orientation, alpha, bit depth)
+            except (ValueError, KeyError) as e:
+                return f"image mode {mode!r} cannot be converted to RGB ({e}); re-save it as 8-bit RGB"
     except Image.DecompressionBombError as e:
         return f"too large ({e}); downscale it or remove the row"
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         return f"cannot be decoded ({type(e).__name__}: {e}); re-save it as PNG/JPEG or remove the row"
-    if mode not in SUPPORTED_MODES:
-        return f"unsupported image mode {mode!r}; convert it to 8-bit RGB"
     return None
 
 
@@ -205,10 +206,12 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
 
 
 class EditDataset(torch.utils.data.Dataset):
-    """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs)."""
+    """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs); images are opened as a
+    viewer shows them (train/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
 
-    def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int):
-        self.data_dir = Path(data_dir)
+    def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int,
+                 background: str = images.DEFAULT_BACKGROUND):
+        self.data_dir, self.background = Path(data_dir), background
         # Arrow-backed, so workers share the table instead of pickling Python lists.
         self.table = datasets.Dataset.from_list([
             {"line": r.line, "image": r.target, "edit_image": r.references, "prompt": r.prompt,
@@ -238,8 +241,7 @@ class EditDataset(torch.utils.data.Dataset):
 
     def _open(self, name: str, line: int) -> Image.Image:
         try:
-            with Image.open(self.data_dir / name) as im:
-                return im.convert("RGB")
+            return images.open_rgb(self.data_dir / name, self.background)
         except OSError as e:  # checked before training, so the file changed since
             raise BadRowsError(f"row {line} ({name}): cannot be read any more ({e})") from e
 

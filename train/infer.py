@@ -101,7 +101,7 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
                         file=sys.stdout, dynamic_ncols=True):
         problem = inference.check_request(request, variant)
         if problem is None:
-            images = inference.open_references(request)
+            images = inference.open_references(request, settings.data.alpha_background)
             image = inference.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
             inference.save_png_atomic(image, output_path(args.out, request))
             written += 1

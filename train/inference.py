@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from train import conditioning, models
+from train import conditioning, images, models
 from train.config import InferenceConfig
 
 PIPELINE_CLASSES = {"edit": "QwenImageEditPipeline", "edit_plus": "QwenImageEditPlusPipeline"}
@@ -103,8 +103,10 @@ def check_request(request: EditRequest, variant: str) -> str | None:
     return None
 
 
-def open_references(request: EditRequest) -> list[Image.Image]:
-    return [Image.open(ref).convert("RGB") for ref in request.references]
+def open_references(request: EditRequest, background: str = images.DEFAULT_BACKGROUND) -> list[Image.Image]:
+    """The request's references as a viewer shows them (train/images.py: EXIF orientation, alpha over
+    `background`, 16-bit scaled), as the training data is opened."""
+    return [images.open_rgb(ref, background) for ref in request.references]
 
 
 # --- pipelines ---------------------------------------------------------------------------------------------------

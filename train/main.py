@@ -27,7 +27,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     rows = data.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules)
-    dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area)
+    dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
+                               p.data.alpha_background)
     loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
                                category_weights=p.data.category_weights)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-from train import inference, models
+from train import images, inference, models
 from train.config import Config
 from train.engine import Dist, all_gather_objects
 
@@ -95,8 +95,10 @@ def _shape_only_transformer(model_dir: str):
             QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
 
 
-def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf) -> Recorded:
-    """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline."""
+def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf,
+                        background: str = images.DEFAULT_BACKGROUND) -> Recorded:
+    """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline
+    (its references opened over the alpha `background`)."""
     calls: Recorded = []
 
     def recording(name: str):
@@ -116,7 +118,8 @@ def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf)
 
     with _patched(pipe, {**{name: recording(name) for name in ENCODER_CALLS}, "prepare_latents": stop}):
         try:
-            inference.edit(pipe, variant, inference.open_references(request), request.prompt, request.seed, inf)
+            references = inference.open_references(request, background)
+            inference.edit(pipe, variant, references, request.prompt, request.seed, inf)
         except _Encoded:
             return calls
     raise AssertionError("the edit pipeline never prepared its latents")
@@ -150,7 +153,8 @@ def encode_requests(cfg: Config, encoders: models.Encoders, rank: int, world_siz
     requests, _ = inference.read_requests(p.validation.file, p.train.seed)
     pipe = inference.pipeline_from_components(p.model.path, variant, _shape_only_transformer(p.model.path), encoders)
     with preserved_training_state(encoders.vae, encoders.vae, p.inference.vae_tiling, p.inference.vae_slicing):
-        return {q.index: record_conditioning(pipe, variant, q, p.inference) for q in requests[rank::world_size]}
+        return {q.index: record_conditioning(pipe, variant, q, p.inference, p.data.alpha_background)
+                for q in requests[rank::world_size]}
 
 
 def _png(image: Image.Image) -> bytes:
@@ -238,13 +242,16 @@ class Validator:
             with preserved_training_state(self.module, vae, inf.vae_tiling, inf.vae_slicing):
                 for request in self.requests[self.d.rank::self.d.world_size]:
                     with self._encoded(pipe, request):
-                        image = inference.edit(pipe, self.variant, inference.open_references(request),
+                        image = inference.edit(pipe, self.variant, self._references(request),
                                                request.prompt, request.seed, inf)
                     mine.append((request.index, _png(image)))
         finally:
             for hook in hooks:
                 hook.remove()
         return _gather_on_rank0(mine, self.d)
+
+    def _references(self, request: inference.EditRequest) -> list[Image.Image]:
+        return inference.open_references(request, self.cfg.project.data.alpha_background)
 
     def _encoded(self, pipe, request: inference.EditRequest):
         """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
@@ -295,7 +302,7 @@ class Validator:
             return
         images = self.render()
         if self.d.is_main:
-            references = [[im.convert("RGB") for im in inference.open_references(q)] for q in self.requests]
+            references = [self._references(q) for q in self.requests]
             grid = make_grid(references, {"before": self.before, f"step {step}": images})
             path = self.out / f"step_{step:06d}.png"
             inference.save_png_atomic(grid, path)

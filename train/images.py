@@ -1,0 +1,70 @@
+"""Opening an image file as the 8-bit RGB picture a person sees in a viewer: one helper for every reader.
+
+Three things separate the decoded pixels from what a viewer shows, and all are handled here:
+- EXIF orientation: phone cameras store the sensor's pixels and an Orientation tag; viewers apply the tag, so the
+  pixels are transposed with Pillow's own `ImageOps.exif_transpose` (and `oriented_size` reads the shown size).
+- Transparency: RGBA/LA/PA (and palette images with a transparent index) are composited over a background colour
+  (data.alpha_background, white by default), as a viewer on a white page shows them, instead of dropping alpha
+  (which turns transparent pixels into whatever colour they hide, often black).
+- Bit depth: 16-bit and 32-bit grey ("I;16", "I") are scaled to 8 bits (65535 -> 255) rather than clipped;
+  float ("F") images are scaled from [0, 1]. Pillow decodes 16-bit RGB PNGs to 8-bit RGB itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import ExifTags, Image, ImageColor, ImageOps
+
+DEFAULT_BACKGROUND = "white"
+# EXIF orientations 5-8 rotate by 90 or 270 degrees, so the shown width and height are swapped.
+_SWAPS_SIDES = {5, 6, 7, 8}
+_HIGH_DEPTH = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535}
+
+
+def background_rgb(color: str) -> tuple[int, int, int]:
+    """The (r, g, b) of a colour name or #rrggbb; ValueError naming the key and the fix."""
+    try:
+        return ImageColor.getrgb(color)[:3]
+    except ValueError as e:
+        raise ValueError(f"qwen_edit.data.alpha_background: {color!r} is not a colour; use a name such as "
+                         "\"white\" or \"black\", or \"#rrggbb\"") from e
+
+
+def _to_8bit(im: Image.Image) -> Image.Image:
+    """High-depth grey scaled (not clipped) into an 8-bit "L" image."""
+    values = np.asarray(im, dtype=np.float64)
+    if im.mode == "F":
+        scaled = values * 255.0  # float images hold [0, 1]
+    else:
+        scaled = values * (255.0 / _HIGH_DEPTH[im.mode])
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
+
+
+def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image:
+    """An opened image as 8-bit RGB: oriented by its EXIF tag, alpha composited over `background`, high bit
+    depths scaled. Every mode Pillow decodes converts (CMYK, YCbCr, palette, 1-bit ...)."""
+    im = ImageOps.exif_transpose(im)
+    if im.mode in _HIGH_DEPTH or im.mode == "F":
+        im = _to_8bit(im)
+    if (im.mode == "P" and "transparency" in im.info) or im.mode == "PA":
+        im = im.convert("RGBA")
+    if im.mode in ("RGBA", "LA", "RGBa", "La"):
+        rgba = im.convert("RGBA")
+        canvas = Image.new("RGBA", rgba.size, background_rgb(background) + (255,))
+        return Image.alpha_composite(canvas, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def open_rgb(path: str | Path, background: str = DEFAULT_BACKGROUND) -> Image.Image:
+    """Decode `path` fully into 8-bit RGB as a viewer shows it (see `to_rgb`); the file is closed on return."""
+    with Image.open(path) as im:
+        im.load()
+        return to_rgb(im, background)
+
+
+def oriented_size(im: Image.Image) -> tuple[int, int]:
+    """(width, height) as shown after the EXIF orientation, read from the header (nothing is decoded)."""
+    orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
+    return (im.height, im.width) if orientation in _SWAPS_SIDES else im.size
