@@ -162,10 +162,13 @@ def test_stop_lists_every_problem_in_one_error_and_writes_report(tmp_path):
     assert len(lines) == 4 and all(any(p in line for line in lines) for p in MIXED_PROBLEMS)
 
 
-def test_skip_keeps_exactly_the_good_rows_and_writes_report(tmp_path):
-    """With "skip", the good rows come back in order and the report lists every skipped problem."""
+def test_skip_keeps_exactly_the_good_rows_and_writes_report(tmp_path, capsys):
+    """With "skip", the good rows come back in order, the report lists every skipped problem, and the console says
+    how many rows were left out and where the report is."""
     report = tmp_path / "logs" / "bad_rows.txt"
     rows = preflight(write_mixed(tmp_path), "edit", "skip", report_path=report)
+    assert (f'data: bad_rows = "skip": 3 of 5 rows left out (4 problem(s), listed in {report}); 2 rows train'
+            in capsys.readouterr().out)
     assert [(r.line, r.target, r.references, r.prompt) for r in rows] == [
         (1, "t1.png", ["r1_0.png"], "edit number 1"), (5, "t5.png", ["r5_0.png"], "edit number 5")]
     text = report.read_text()
@@ -323,3 +326,27 @@ def test_build_loader_yields_batches(tmp_path):
     loader = build_loader(ds, 2, rank=1, world_size=2, seed=0, num_workers=0, pin_memory=False, shuffle=False)
     batches = list(loader)
     assert len(batches) == 1 and batches[0]["target"].shape == (2, 3, 64, 64) and batches[0]["lines"] == [3, 4]
+
+
+@pytest.mark.parametrize("variant", ["edit", "edit_plus"])
+def test_same_size_target_and_reference_share_one_lattice(tmp_path, variant):
+    """A target and a reference of one size are resized onto the same pixel grid: the same picture as both gives
+    equal tensors (any shift or zoom between them would be learnt as part of the edit)."""
+    png(tmp_path / "same.png", size=(100, 75), seed=3)
+    sample = dataset(tmp_path, variant, [{"image": "same.png", "edit_image": "same.png", "prompt": "keep"}])[0]
+    assert sample["target"].shape == sample["reference_pixels"][0].shape
+    assert torch.equal(sample["target"], sample["reference_pixels"][0])
+
+
+def test_preflight_names_pairs_whose_aspect_ratios_cannot_align(tmp_path, capsys):
+    """Rows whose target and reference aspect ratios differ by more than 1% are named on the console (the pair
+    trains, since a reframing edit such as F2P's is legitimate); aligned pairs are not mentioned."""
+    rows = [good(tmp_path, 1), good(tmp_path, 2), good(tmp_path, 3, refs=2)]
+    png(tmp_path / "r2_0.png", size=(64, 60))
+    png(tmp_path / "r3_1.png", size=(100, 64))
+    kept = preflight(write_jsonl(tmp_path, rows), "edit_plus", "stop")
+    out = capsys.readouterr().out
+    assert len(kept) == 3
+    assert "data: 2 row(s) whose target and reference aspect ratios differ by more than 1%" in out
+    assert "row 2 (t2.png 64x64): reference 1 r2_0.png 64x60" in out
+    assert "row 3 (t3.png 64x64): reference 2 r3_1.png 100x64" in out and "row 1 " not in out

@@ -26,6 +26,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
 from train import conditioning, engine, images, prompts, sampling
+from train.metrics import print0
 
 COLUMNS = ("image", "edit_image", "prompt")
 
@@ -177,6 +178,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
     """
     data_dir = Path(data_dir)
     rows, problems = read_rows(data_dir)
+    num_unparsed = len(problems)
     if processor is not None:
         num_read, rows = len(rows), processor.apply(rows)
         if num_read and not rows:
@@ -202,7 +204,37 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
                 f"{len(problems)} problem(s) in {data_dir}{tail}:\n{report}\n"
                 "Fix the rows, or set qwen_edit.data.bad_rows to \"skip\" to train without them."
             )
+        num_skipped = len(rows) - len(good) + num_unparsed
+        where = f"listed in {report_path}" if report_path is not None else "not written (no report path)"
+        print0(f"data: bad_rows = \"skip\": {num_skipped} of {len(rows) + num_unparsed} rows left out "
+               f"({len(problems)} problem(s), {where}); {len(good)} rows train", rank=rank)
+    for line in misaligned(good):
+        print0(f"data: {line}", rank=rank)
     return good
+
+
+ALIGN_TOLERANCE = 0.01  # aspect ratios this far apart shift the far edge by 1% of the side (10 px at 1024)
+
+
+def misaligned(rows: list[Row], limit: int = 10) -> list[str]:
+    """Report lines for rows whose target and a reference have different aspect ratios: both are resized to the
+    same area keeping their own ratio, so a pixel of one does not land on the same content of the other (the
+    model then learns a shift or zoom). Expected when the edit changes the framing (F2P: a face crop -> a full
+    photo); otherwise crop or pad the pair to one size. [] when every pair aligns."""
+    found = []
+    for row in rows:
+        (tw, th), *refs = row.sizes or [(1, 1)]
+        bad = [k + 1 for k, (w, h) in enumerate(refs) if abs((w / h) / (tw / th) - 1) > ALIGN_TOLERANCE]
+        if bad:
+            found.append(f"row {row.line} ({row.target} {tw}x{th}): reference {', '.join(map(str, bad))} "
+                         + ", ".join(f"{row.references[k - 1]} {refs[k - 1][0]}x{refs[k - 1][1]}" for k in bad))
+    if not found:
+        return []
+    head = (f"{len(found)} row(s) whose target and reference aspect ratios differ by more than "
+            f"{ALIGN_TOLERANCE:.0%}: their resized pixels cannot align (expected when the edit reframes, e.g. "
+            "F2P's face crop -> photo; otherwise crop or pad both images of a pair to one size):")
+    more = [f"  ... and {len(found) - limit} more"] if len(found) > limit else []
+    return [head, *(f"  {f}" for f in found[:limit]), *more]
 
 
 class EditDataset(torch.utils.data.Dataset):
