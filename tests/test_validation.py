@@ -137,18 +137,25 @@ def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
         def enable_adapters(self):
             events.append("on")
 
-    def fake_render(self):
+    def fake_render(self, label=None):
         events.append("render")
         return [Image.new("RGB", (8, 8), "red")]
 
     monkeypatch.setattr(validation.Validator, "render", fake_render)
+    messages = []
+
+    class Messages(NullMetrics):
+        def message(self, text: str) -> None:
+            messages.append(text)
 
     def before(start_step: int):
-        v = validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), Module(), None, NullMetrics())
+        v = validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), Module(), None, Messages())
         v.render_before(start_step)
         return v.before
 
     assert before(0)[0].getpixel((0, 0)) == (255, 0, 0) and events == ["render"]
+    assert messages == ["validation: rendering the 'before' images of 1 edit(s) before the first step (they are "
+                        "saved in OUTPUT/validation/before/ and reused while nothing that produced them changes)"]
     assert (tmp_path / "out" / "validation" / "before" / "000000.png").is_file()
     assert before(5)[0].getpixel((0, 0)) == (255, 0, 0) and events == ["render"]  # reused
     cfg.project.inference.num_inference_steps = 7  # other settings: the saved images no longer apply
@@ -157,3 +164,48 @@ def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
     cfg.project.inference.num_inference_steps = 8
     cfg.project.train.mode = "full"
     assert before(5) == [None] and events[-1] == "on"
+
+
+def test_before_images_keyed_on_what_produced_them(tiny_edit, tmp_path, monkeypatch):
+    """The saved 'before' images are re-rendered when the base model's transformer files, lora.init_from (set, or
+    replaced), the variant-bearing model path or a reference file changes; reused when nothing did."""
+    import shutil
+    import time
+
+    from train.engine import Dist
+    from train.metrics import NullMetrics
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit / "model", model)
+    shutil.copy(tiny_edit / "data" / "0000_ref.png", tmp_path / "ref.png")
+    edits = tmp_path / "val.jsonl"
+    edits.write_text('{"edit_image": "ref.png", "prompt": "make it red"}\n')
+    cfg = Config(ProjectConfig(), deepspeed={})
+    cfg.project.model.path, cfg.project.output.dir = str(model), str(tmp_path / "out")
+    cfg.project.validation.file = str(edits)
+    renders = []
+    monkeypatch.setattr(validation.Validator, "render",
+                        lambda self, label=None: renders.append(1) or [Image.new("RGB", (8, 8), "red")])
+
+    def rendered() -> bool:
+        """Whether render_before rendered (True) or reused (False) the saved images."""
+        count = len(renders)
+        validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), None, None, NullMetrics()).render_before(0)
+        return len(renders) > count
+
+    def replace(path: Path, data: bytes) -> None:
+        time.sleep(0.01)  # a new modification time even on coarse clocks
+        path.write_bytes(data)
+
+    assert rendered() and not rendered()
+    lora = tmp_path / "start.safetensors"
+    lora.write_bytes(b"one")
+    cfg.project.lora.init_from = str(lora)
+    assert rendered() and not rendered()
+    replace(lora, b"other")
+    assert rendered() and not rendered()
+    weights = next((model / "transformer").glob("*.safetensors"))
+    replace(weights, weights.read_bytes())  # a re-downloaded or re-converted base
+    assert rendered() and not rendered()
+    replace(tmp_path / "ref.png", (tmp_path / "ref.png").read_bytes())
+    assert rendered() and not rendered()

@@ -51,14 +51,44 @@ def peak_memory_gb(device: torch.device) -> float:
     return 0.0
 
 
+def _duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m: short enough for a log line."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def progress_line(record: dict, total_steps: int) -> str:
+    """One greppable line per logged step (for logs that are not a terminal: Slurm, nohup, `> log`); the ETA is
+    the window's step time times the steps left. Fields a record lacks are left out."""
+    step, parts = record["step"], [f"step {record['step']}/{total_steps}"]
+    formats = {"epoch": "epoch {}", "loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3g}",
+               "step_time_s": "step_time {:.3f}s", "samples_per_s": "{:.2f} samples/s"}
+    for key, form in formats.items():
+        if key in record:
+            parts.append(form.format(record[key]) if record[key] is not None else f"{key} n/a")
+    if "step_time_s" in record:
+        parts.append(f"ETA {_duration(record['step_time_s'] * max(total_steps - step, 0))}")
+    return " | ".join(parts)
+
+
 class Metrics:
-    """Writes each logged record to OUT/metrics.jsonl and tensorboard, and updates the tqdm bar."""
+    """Writes each logged record to OUT/metrics.jsonl and tensorboard; shows progress on stdout.
+
+    On a terminal a tqdm bar, started by the first step (so work before it, such as validation's 'before'
+    images, stays out of its rate and ETA); elsewhere (a file, a pipe, a batch job) one plain line per logged
+    step instead, since a bar's carriage returns would make the whole run one line.
+    """
 
     def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 gpu_monitor=None):
-        from tqdm import tqdm
-
+                 gpu_monitor=None, interactive: bool | None = None):
         self.gpu_monitor = gpu_monitor  # a gpumon.GpuMonitor: each record gets its GPUs' window summary
+        self.total_steps, self.start_step = total_steps, start_step
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.bar = None
 
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,8 +98,14 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stdout,
-                        dynamic_ncols=True)
+
+    def _bar(self):
+        if self.bar is None and self.interactive:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
+                            file=sys.stdout, dynamic_ncols=True)
+        return self.bar
 
     @staticmethod
     def truncate(out_dir: str | Path, last_step: int) -> None:
@@ -80,7 +116,8 @@ class Metrics:
             path.write_text("".join(line + "\n" for line in keep))
 
     def step(self, n: int = 1) -> None:
-        self.bar.update(n)
+        if self._bar() is not None:
+            self.bar.update(n)
 
     def log(self, record: dict) -> None:
         if self.gpu_monitor is not None:
@@ -91,11 +128,17 @@ class Metrics:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"train/{key}", value, record["step"])
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                             sps=f"{record['samples_per_s']:.2f}")
+        if self._bar() is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                 sps=f"{record['samples_per_s']:.2f}")
+        else:
+            print(progress_line(record, self.total_steps), flush=True)
 
     def message(self, text: str) -> None:
-        self.bar.write(text)
+        if self.bar is not None:
+            self.bar.write(text)  # above the bar, which then redraws
+        else:
+            print(text, flush=True)
 
     def image(self, tag: str, image, step: int) -> None:
         """A PIL image into tensorboard (when enabled)."""
@@ -106,7 +149,8 @@ class Metrics:
             self.writer.flush()
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         self.file.close()
         if self.writer is not None:
             self.writer.close()

@@ -22,6 +22,7 @@ import dataclasses
 import io
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +158,15 @@ def encode_requests(cfg: Config, encoders: models.Encoders, rank: int, world_siz
                 for q in requests[rank::world_size]}
 
 
+def _file_id(path: Path) -> list:
+    """[resolved path, size, mtime_ns] of a file ([path] when it is missing): changes when the file is replaced."""
+    path = Path(path)
+    if not path.is_file():
+        return [str(path)]
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
 def _png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -231,20 +241,27 @@ class Validator:
                                                            self.encoders)
         return self.pipe
 
-    def render(self) -> list[Image.Image] | None:
-        """Every request with the module as it is now: this rank renders items rank::world; rank 0 gets all."""
+    def render(self, label: str | None = None) -> list[Image.Image] | None:
+        """Every request with the module as it is now: this rank renders items rank::world; rank 0 gets all.
+        With a `label`, rank 0 prints a progress line per image it renders (its share of the edits)."""
         pipe = self._pipeline()
         vae, inf = self.encoders.vae, self.inference
         mine = []
+        share = self.requests[self.d.rank::self.d.world_size]
         # the pipeline computes on the encoders' device, in their dtype (the VAE's, which the text encoder shares)
         hooks = inference.bridge(self.module, self.d.device, self.module.dtype, vae.device, vae.dtype)
         try:
             with preserved_training_state(self.module, vae, inf.vae_tiling, inf.vae_slicing):
-                for request in self.requests[self.d.rank::self.d.world_size]:
+                for k, request in enumerate(share, 1):
+                    start = time.perf_counter()
                     with self._encoded(pipe, request):
                         image = inference.edit(pipe, self.variant, self._references(request),
                                                request.prompt, request.seed, inf)
                     mine.append((request.index, _png(image)))
+                    if label:
+                        self.metrics.message(f"validation: {label} image {k}/{len(share)} of this rank "
+                                             f"({len(self.requests)} edits on {self.d.world_size} rank(s)) in "
+                                             f"{time.perf_counter() - start:.1f}s")
         finally:
             for hook in hooks:
                 hook.remove()
@@ -260,9 +277,18 @@ class Validator:
         return replayed_conditioning(pipe, self.conditioning[request.index], self.encoders.vae.device)
 
     def _fingerprint(self) -> str:
-        """What the 'before' images depend on besides the base weights: the edits and the sampler settings."""
-        edits = [[[str(r) for r in q.references], q.prompt, q.seed] for q in self.requests]
-        return json.dumps({"edits": edits, "inference": dataclasses.asdict(self.inference)}, sort_keys=True)
+        """What produced the 'before' images: the base model (its transformer files), the variant, the LoRA it
+        started from (lora.init_from), the edits (validation file rows, reference files) and the sampler settings.
+        Weights are identified by path, size and modification time (hashing tens of GB would take minutes)."""
+        p = self.cfg.project
+        edits = [[[_file_id(r) for r in q.references], q.prompt, q.seed] for q in self.requests]
+        transformer = Path(p.model.path) / "transformer"
+        base = [_file_id(f) for f in sorted(transformer.glob("*")) if f.is_file()]
+        init_from = _file_id(Path(p.lora.init_from)) if p.train.mode == "lora" and p.lora.init_from else None
+        return json.dumps({"model": str(Path(p.model.path).resolve()), "transformer files": base,
+                           "variant": self.variant, "lora.init_from": init_from, "edits": edits,
+                           "alpha_background": p.data.alpha_background,
+                           "inference": dataclasses.asdict(self.inference)}, sort_keys=True)
 
     def render_before(self, start_step: int) -> None:
         """The 'before training' column: reused from OUTPUT/validation/before/ when it matches, else rendered.
@@ -286,14 +312,17 @@ class Validator:
         adapters_off = start_step > 0
         if adapters_off:
             self.module.disable_adapters()
+        self.metrics.message(f"validation: rendering the 'before' images of {len(self.requests)} edit(s) before the "
+                             "first step (they are saved in OUTPUT/validation/before/ and reused while nothing that "
+                             "produced them changes)")
         try:
-            images = self.render()
+            rendered = self.render(label="'before'")
         finally:
             if adapters_off:
                 self.module.enable_adapters()
         if self.d.is_main:
-            self.before = images
-            for q, image in zip(self.requests, images, strict=True):
+            self.before = rendered
+            for q, image in zip(self.requests, rendered, strict=True):
                 inference.save_png_atomic(image, folder / f"{q.index:06d}.png")
             saved.write_text(self._fingerprint())
 

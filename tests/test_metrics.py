@@ -1,0 +1,48 @@
+"""Progress output of train/metrics.py: a tqdm bar on a terminal, started by the first step; one plain line per
+logged step elsewhere (a file, a pipe, a batch job)."""
+
+from __future__ import annotations
+
+import json
+
+from train.metrics import Metrics, progress_line
+
+RECORD = {"step": 20, "epoch": 1, "loss": 0.123456, "lr": 1e-4, "grad_norm": 0.5, "step_time_s": 0.5,
+          "samples_per_s": 4.0}
+
+
+def test_progress_line_has_every_field_and_the_eta():
+    line = progress_line(RECORD, total_steps=200)
+    assert line == ("step 20/200 | epoch 1 | loss 0.1235 | lr 1.00e-04 | grad_norm 0.5 | step_time 0.500s | "
+                    "4.00 samples/s | ETA 1m30s")
+    assert progress_line({**RECORD, "grad_norm": None, "step_time_s": 20.0}, 200).endswith("grad_norm n/a | "
+                                                                                           "step_time 20.000s | "
+                                                                                           "4.00 samples/s | ETA 1h00m")
+
+
+def test_not_a_terminal_prints_one_line_per_log_step(tmp_path, capsys):
+    """Under pytest stdout is not a terminal: no bar (no carriage returns), one line per logged record."""
+    metrics = Metrics(tmp_path, total_steps=200, tensorboard=False)
+    metrics.message("validation: rendering")
+    for step in (10, 20):
+        for _ in range(10):
+            metrics.step()
+        metrics.log({**RECORD, "step": step})
+    metrics.close()
+    out = capsys.readouterr().out
+    assert "\r" not in out and metrics.bar is None
+    assert out.splitlines() == ["validation: rendering", progress_line({**RECORD, "step": 10}, 200),
+                                progress_line(RECORD, 200)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20]
+
+
+def test_terminal_bar_starts_with_the_first_step(tmp_path, capsys):
+    """On a terminal the bar is created by the first step, so what runs before (the 'before' images) is outside
+    its clock and ETA; messages before it are plain lines."""
+    metrics = Metrics(tmp_path, total_steps=5, start_step=2, tensorboard=False, interactive=True)
+    metrics.message("before the bar")
+    assert metrics.bar is None
+    metrics.step()
+    assert metrics.bar is not None and metrics.bar.n == 3 and metrics.bar.total == 5
+    metrics.close()
+    assert capsys.readouterr().out.startswith("before the bar\n")
