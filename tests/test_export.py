@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,156 @@ def test_alpha_other_than_rank_keeps_the_update(known, tiny_edit, tmp_path):
     transformer = fresh_transformer(tiny_edit, alpha=2 * rank)
     lora_io.load_into(transformer, paths["diffusers"])
     assert torch.equal(adapter_weights(transformer)[f"{m}.lora_B"], known[m][1])
+
+
+class Payload:
+    """Unpickles into a call of exec: writes `marker`, as a planted checkpoint file would run any code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def plant(file: Path, marker: Path) -> None:
+    """Add a Payload to the dict a DeepSpeed checkpoint file holds (the file keeps every real entry)."""
+    from train.checkpoint import safe_load
+
+    state = safe_load(file)
+    state["extra"] = Payload(marker)
+    torch.save(state, file)
+
+
+def copy_run(run: Path, out: Path, tags: tuple[str, ...] = (TAG,)) -> Path:
+    import shutil
+
+    for tag in tags:
+        shutil.copytree(run / TAG, out / tag)
+        state_file = out / tag / "trainer_state.json"
+        step = int(tag.removeprefix("global_step"))
+        state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "step": step}))
+    (out / "latest").write_text(tags[-1])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+def test_planted_payload_is_refused_and_never_runs(lora_run, tiny_edit, tmp_path, capsys, victim):
+    """A checkpoint file with a pickled call of exec: export and --resume exit 2 naming the file and the refused
+    global, and the code never runs (full unpickling, as DeepSpeed's own loaders do, would run it)."""
+    from train import checkpoint
+
+    out, marker = copy_run(lora_run, tmp_path / "run"), tmp_path / "marker"
+    plant(out / TAG / victim, marker)
+    assert export.main(["--checkpoint", str(out / TAG), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / TAG / victim}: refused to load" in err and "builtins.exec" in err, err
+    with pytest.raises(checkpoint.CheckpointFileError, match="it holds pickled references to builtins.exec"):
+        checkpoint.resolve_tag(out, "latest")
+    if victim.startswith("zero"):  # the whole trainer, through its launcher: stops before any model loads
+        proc = run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", "6", "--resume"))
+        assert proc.returncode != 0 and f"{victim}: refused to load" in proc.stderr, proc.stderr[-3000:]
+        assert "Loading weights" not in proc.stderr + proc.stdout
+    assert not marker.exists() and not (tmp_path / "x").exists()
+    torch.load(out / TAG / victim, weights_only=False)  # what DeepSpeed's loaders do: the payload is live
+    assert marker.read_text() == "ran"
+
+
+@pytest.mark.slow
+def test_resume_stays_inside_the_output_dir(lora_run, tmp_path):
+    """'latest' or --resume naming an absolute path, a parent or a link out of the output directory is refused."""
+    from train import checkpoint
+
+    elsewhere = copy_run(lora_run, tmp_path / "elsewhere")
+    out = copy_run(lora_run, tmp_path / "run")
+    (out / "global_step9").symlink_to(elsewhere / TAG)
+    for name in (str(elsewhere / TAG), f"../elsewhere/{TAG}", "global_step9", ".."):
+        (out / "latest").write_text(name)
+        with pytest.raises(checkpoint.ResumeError, match=f"names '{re.escape(name)}', which is not a checkpoint "
+                                                         "directory inside"):
+            checkpoint.resolve_tag(out, "latest")
+        with pytest.raises(checkpoint.ResumeError, match="not a checkpoint directory inside"):
+            checkpoint.resolve_tag(out, name)
+    (out / "latest").write_text(TAG)
+    assert checkpoint.resolve_tag(out, "latest")[0] == TAG
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_names_the_file_and_the_previous_one(lora_run, tmp_path):
+    """A truncated shard, a deleted model-states file or a broken trainer_state.json is named before any model
+    loads, with the previous complete checkpoint to resume from instead."""
+    from train import checkpoint
+
+    cases = {"truncate": "zero_pp_rank_0_mp_rank_00_optim_states.pt", "delete": "mp_rank_00_model_states.pt",
+             "garble": "trainer_state.json"}
+    for how, name in cases.items():
+        out = copy_run(lora_run, tmp_path / how, tags=("global_step2", TAG))
+        victim = out / TAG / name
+        if how == "truncate":
+            victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        elif how == "delete":
+            victim.unlink()
+        else:
+            victim.write_text('{"step": 4, "wor')
+        with pytest.raises(checkpoint.ResumeError) as e:
+            checkpoint.resolve_tag(out, "latest")
+        assert str(victim if how != "garble" else out / TAG) in str(e.value), str(e.value)
+        assert "resume from the previous complete one with --resume global_step2" in str(e.value), str(e.value)
+
+
+def spoil(sd: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], str]:
+    """A copy of the kohya-layout LoRA `sd` with one key made nonsensical; returns (file, the spoiled key)."""
+    sd = dict(sd)
+    a_key = next(k for k in sorted(sd) if k.endswith(".lora_down.weight"))
+    b_key, alpha_key = a_key.replace("lora_down", "lora_up"), a_key.replace(".lora_down.weight", ".alpha")
+    if how == "nan_b":
+        sd[b_key] = sd[b_key].clone().index_fill_(0, torch.tensor([0]), float("nan"))
+    elif how == "inf_a":
+        sd[a_key] = torch.full_like(sd[a_key], float("inf"))
+    elif how == "bool_a":
+        sd[a_key] = sd[a_key] > 0
+    elif how == "int_b":
+        sd[b_key] = sd[b_key].to(torch.int32)
+    else:  # alpha 0, NaN, a bool or two numbers
+        sd[alpha_key] = {"zero_alpha": torch.tensor(0.0), "nan_alpha": torch.tensor(float("nan")),
+                         "bool_alpha": torch.tensor(True), "vector_alpha": torch.tensor([1.0, 2.0])}[how]
+    return sd, {"a": a_key, "b": b_key}.get(how.split("_")[-1], alpha_key)
+
+
+@pytest.mark.parametrize("how", ["nan_b", "inf_a", "bool_a", "int_b", "zero_alpha", "nan_alpha", "bool_alpha",
+                                 "vector_alpha"])
+def test_nonsensical_lora_values_are_refused(how, known, tiny_edit, tmp_path):
+    """lora.init_from and train.infer --lora refuse NaN/inf weights, bool or integer matrices and alphas that are
+    not one finite number > 0, naming the file and the key, before any weight is copied."""
+    from train import infer
+
+    sd, key = spoil(to_format(known, "kohya"), how)
+    path = tmp_path / "lora.safetensors"
+    transformer = fresh_transformer(tiny_edit)
+    before = adapter_weights(transformer)
+    with pytest.raises(lora_io.LoraFileError, match=f"{re.escape(str(path))} cannot start a run: .*{re.escape(key)}"):
+        load_via_file(transformer, sd, path)
+    assert max_diff(adapter_weights(transformer), before) == 0
+    args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(tiny_edit / "data" / "metadata.jsonl"),
+                             "--out", str(tmp_path / "out"), "--lora", f"{path}:0.8"])
+    problems = infer.check_args(args, world_size=1)
+    assert len(problems) == 1 and str(path) in problems[0] and key in problems[0], problems
+
+
+def test_lora_metadata_alpha_and_weights_must_be_finite(known, tiny_edit, tmp_path):
+    """A NaN lora_alpha in diffusers' metadata, an unreadable file and a NaN --lora weight are refused too."""
+    from train import infer
+
+    path = tmp_path / "lora.safetensors"
+    save_file(to_format(known, "diffusers"), path,
+              metadata={"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": float("nan")})})
+    with pytest.raises(lora_io.LoraFileError, match="lora_alpha nan in its lora_adapter_metadata"):
+        lora_io.load_into(fresh_transformer(tiny_edit), path)
+    (tmp_path / "torn.safetensors").write_bytes(path.read_bytes()[:100])
+    args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(tiny_edit / "data" / "metadata.jsonl"),
+                             "--out", str(tmp_path / "out"), "--lora", f"{tmp_path / 'torn.safetensors'}",
+                             "--lora", f"{path}:nan"])
+    problems = infer.check_args(args, world_size=1)
+    assert "torn.safetensors cannot be read as safetensors" in problems[0], problems
+    assert "the weight nan is not a finite number" in problems[1], problems

@@ -3,6 +3,11 @@
 A save is a commit: every rank writes into `global_stepN.partial/`, then rank 0 writes trainer_state.json
 there (the completeness marker), renames the directory to `global_stepN/` and atomically replaces `latest`.
 A crash or a failed write at any point leaves `latest` on the previous complete checkpoint.
+
+Trust: a checkpoint is data, never code. DeepSpeed loads its files with `torch.load(weights_only=False)` (full
+pickle: a planted file runs any code); here every load goes through `safe_load` (torch's weights-only unpickler,
+allowing only the few DeepSpeed classes its ZeRO shards hold), and a resume only follows `latest` or a tag to a
+checkpoint directory inside the output directory. A file that needs anything else is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -10,7 +15,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
+import re
 import shutil
+import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +34,92 @@ PARTIAL = ".partial"
 
 class ResumeError(ValueError):
     """The requested checkpoint cannot be resumed; the message says what to do."""
+
+
+class CheckpointFileError(ResumeError):
+    """A checkpoint file that is refused (it would run code) or damaged; the message names the file."""
+
+
+def _allowed_globals() -> list:
+    """The classes besides tensors, dtypes and containers that DeepSpeed 0.19's checkpoints pickle: the ZeRO
+    optimizer shards hold the ZeRO stage enum, the loss scaler and the parameter fragment addresses (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO-1/2, bf16 and fp16 checkpoints). Each is a plain
+    data holder: rebuilding one sets attributes and runs no code of the file's choosing."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def _refusal(path, error: pickle.UnpicklingError) -> str:
+    """Why the weights-only unpickler refused `path`: the globals it names beyond the allowed ones (torch lists them
+    for zip-format files), else the unpickler's own reason without its advice to load with weights_only=False."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in _allowed_globals()}
+    try:
+        names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
+    except (RuntimeError, OSError, ValueError, pickle.UnpicklingError):
+        names = []
+    if names:
+        return f"it holds pickled references to {', '.join(names)}"
+    found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
+    return (found[1] if found else str(error).splitlines()[0]).split(" Please use")[0].rstrip(".")
+
+
+def safe_load(path: str | os.PathLike, map_location=None, mmap: bool | None = None):
+    """torch.load through the weights-only unpickler with DeepSpeed's few classes allowed (module doc).
+
+    Raises CheckpointFileError naming the file: refused when it needs any other global (a pickled object that
+    could run code), damaged when it cannot be read (truncated, not a torch file)."""
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise CheckpointFileError(
+            f"{path}: refused to load: {_refusal(path, e)}. A checkpoint of this trainer holds only tensors and plain "
+            "values, and a pickled object can run code; this file was not written by the trainer or was tampered "
+            "with. Delete it and use an earlier checkpoint that you trust") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        raise CheckpointFileError(f"{path}: damaged, cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+class _SafeLoading:
+    """Stands in for a DeepSpeed engine's checkpoint engine (DeepSpeed's own hook for how checkpoint files are
+    written and read): loads go through safe_load, everything else to the engine it wraps."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def load(self, path, map_location=None):
+        return safe_load(path, map_location)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _WeightsOnlyTorch:
+    """The torch module as DeepSpeed's zero_to_fp32 sees it inside `weights_only_consolidation`: its loads
+    (written with weights_only=False) go through safe_load."""
+
+    @staticmethod
+    def load(f, map_location=None, mmap=None, **_):
+        return safe_load(f, map_location, mmap)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextmanager
+def weights_only_consolidation():
+    """While active, deepspeed.utils.zero_to_fp32 loads checkpoint files through safe_load (it calls torch.load
+    with weights_only=False and offers no hook; only its own module's `torch` name is replaced)."""
+    from deepspeed.utils import zero_to_fp32
+
+    zero_to_fp32.torch = _WeightsOnlyTorch()
+    try:
+        yield
+    finally:
+        zero_to_fp32.torch = torch
 
 
 def checkpoint_tag(step: int) -> str:
@@ -105,10 +200,19 @@ def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last:
     return final
 
 
+def read_state(directory: Path) -> dict | None:
+    """The trainer_state.json of a checkpoint directory; None when it is missing or unreadable (a torn write)."""
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
+
+
 def complete_checkpoints(out_dir: Path) -> list[Path]:
-    """Committed checkpoint directories, oldest first."""
-    dirs = [p for p in out_dir.glob("global_step*") if p.is_dir() and (p / STATE_FILE).is_file()]
-    return sorted(dirs, key=lambda p: json.loads((p / STATE_FILE).read_text())["step"])
+    """Committed checkpoint directories (a readable trainer_state.json), oldest first."""
+    states = {p: read_state(p) for p in out_dir.glob("global_step*") if p.is_dir()}
+    return sorted((p for p, s in states.items() if s is not None), key=lambda p: states[p]["step"])
 
 
 def prune(out_dir: Path, keep_last: int) -> None:
@@ -116,22 +220,74 @@ def prune(out_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old)
 
 
+def confined_tag(out_dir: Path, tag: str, source: str) -> str:
+    """`tag` when it names a directory directly inside `out_dir` (also after following links); ResumeError naming
+    `source` ('latest' or --resume) otherwise, so a resume never reads files from outside the output directory."""
+    inside = tag not in ("", ".", "..") and Path(tag).name == tag and "\\" not in tag
+    if inside and (out_dir / tag).exists():
+        inside = (out_dir / tag).resolve().parent == out_dir.resolve()
+    if not inside:
+        raise ResumeError(f"--resume: {source} names {tag!r}, which is not a checkpoint directory inside {out_dir}; "
+                          "only checkpoints inside the output directory are resumed. Pass --resume global_stepN "
+                          f"(complete ones: {[p.name for p in complete_checkpoints(out_dir)] or 'none'})")
+    return tag
+
+
 def resolve_tag(out_dir: str | Path, tag: str) -> tuple[str, dict]:
-    """('global_stepN', trainer_state) for `tag` ('latest' or a directory name); raises ResumeError."""
+    """('global_stepN', trainer_state) for `tag` ('latest' or a directory name); raises ResumeError.
+
+    The checkpoint's files are checked too (check_files): a refused or damaged one is named before any model
+    loads."""
     out_dir = Path(out_dir)
+    source = f"--resume {tag}"
     if tag == "latest":
         latest = out_dir / "latest"
         if not latest.is_file():
             raise ResumeError(f"--resume: {out_dir} has no 'latest' checkpoint; run without --resume to start anew")
-        tag = latest.read_text().strip()
-    state_file = out_dir / tag / STATE_FILE
-    if not state_file.is_file():
+        tag, source = latest.read_text(errors="replace").strip(), f"{latest}"
+    tag = confined_tag(out_dir, tag, source)
+    state = read_state(out_dir / tag)
+    if state is None:
         done = [p.name for p in complete_checkpoints(out_dir)]
-        why = "its save was interrupted" if (out_dir / tag).is_dir() or (out_dir / (tag + PARTIAL)).is_dir() \
-            else "it does not exist"
+        if (out_dir / tag / STATE_FILE).is_file():
+            why = f"its {STATE_FILE} is damaged"
+        elif (out_dir / tag).is_dir() or (out_dir / (tag + PARTIAL)).is_dir():
+            why = "its save was interrupted"
+        else:
+            why = "it does not exist"
         raise ResumeError(f"--resume {tag}: {out_dir / tag} is not a complete checkpoint ({why}); "
-                          f"complete ones: {done or 'none'}")
-    return tag, json.loads(state_file.read_text())
+                          f"complete ones: {done or 'none'}{earlier_hint(out_dir, tag)}")
+    check_files(out_dir, tag, state)
+    return tag, state
+
+
+def earlier_hint(out_dir: Path, tag: str) -> str:
+    """'; resume from the previous complete one with --resume global_stepK' when there is one before `tag`."""
+    done = [p.name for p in complete_checkpoints(out_dir) if p.name != tag]
+    step = int(tag.removeprefix("global_step")) if re.fullmatch(r"global_step\d+", tag) else None
+    earlier = [t for t in done if step is None or int(t.removeprefix("global_step")) < step]
+    return f"; resume from the previous complete one with --resume {earlier[-1]}" if earlier else ""
+
+
+def check_files(out_dir: Path, tag: str, state: dict) -> None:
+    """Every .pt file of checkpoint `tag` opens through safe_load (memory-mapped where it can, so the weights are
+    not read), and the files DeepSpeed will look for are there; CheckpointFileError names the file otherwise."""
+    ckpt = out_dir / tag
+    expected = ["mp_rank_00_model_states.pt"]
+    rank = _rank()  # this rank's own shard: with node-local storage a node holds only its ranks' shards
+    sharded = any(ckpt.glob("*zero_pp_rank_*_optim_states.pt"))
+    if sharded and "parallel" not in state and rank < state.get("world_size", 1):
+        prefix = "bf16_" if any(ckpt.glob("bf16_zero_pp_rank_*")) else ""
+        expected.append(f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    for name in expected:
+        if not (ckpt / name).is_file():
+            raise CheckpointFileError(f"--resume {tag}: {ckpt / name} is missing; the checkpoint is damaged"
+                                      f"{earlier_hint(out_dir, tag)}")
+    for path in sorted(ckpt.glob("*.pt")):
+        try:
+            safe_load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+        except CheckpointFileError as e:
+            raise CheckpointFileError(f"--resume {tag}: {e}{earlier_hint(out_dir, tag)}") from None
 
 
 def check_world_size(state: dict, world_size: int, tag: str) -> None:
@@ -147,14 +303,17 @@ def check_world_size(state: dict, world_size: int, tag: str) -> None:
 
 
 def load(engine, out_dir: str | Path, tag: str) -> None:
-    """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state."""
+    """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state; every file is read
+    through safe_load (DeepSpeed's checkpoint engine is wrapped for the load)."""
+    if not isinstance(engine.checkpoint_engine, _SafeLoading):
+        engine.checkpoint_engine = _SafeLoading(engine.checkpoint_engine)
     path, _ = engine.load_checkpoint(str(out_dir), tag=tag, load_module_strict=False,
                                      load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise ResumeError(f"--resume {tag}: DeepSpeed found no checkpoint files in {Path(out_dir) / tag}")
     rng_file = Path(out_dir) / tag / f"rng_state_rank{_rank()}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        rng = safe_load(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

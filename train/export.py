@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import write_diffusers_lora
+from train.checkpoint import safe_load, weights_only_consolidation, write_diffusers_lora
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_SHARDS = "*zero_pp_rank_*_optim_states.pt"
@@ -59,7 +59,7 @@ def read_config(ckpt: Path) -> dict:
         else:
             hint = "pass the global_stepN directory of a training output"
         raise ValueError(f"--checkpoint {ckpt}: no {MODEL_STATES} there; {hint}")
-    client = torch.load(states, map_location="cpu", weights_only=True, mmap=True)  # mmap: weights stay on disk
+    client = safe_load(states, map_location="cpu", mmap=True)  # mmap: weights stay on disk
     cfg = client.get("config")
     if not isinstance(cfg, dict) or "step" not in client or "qwen_edit" not in cfg:
         raise ValueError(f"{states} has no qwen-edit-trainer client_state (keys 'step' and 'config' with a "
@@ -75,9 +75,14 @@ def consolidate(ckpt: Path, num_stages: int = 1) -> dict[str, torch.Tensor]:
     if not shards:
         raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
                          "weights; export needs a checkpoint trained with zero_optimization.stage 1 or 2")
+    print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
+    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (train/checkpoint.py)
+        return _consolidate_stages(ckpt, num_stages)
+
+
+def _consolidate_stages(ckpt: Path, num_stages: int) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
     if num_stages == 1:
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name,
                                                         exclude_frozen_parameters=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
-from train import config, engine, gpumon, inference, models
+from train import config, engine, gpumon, inference, lora_io, models
 from train.metrics import prefix_rank_output, print0
 
 
@@ -54,9 +55,13 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
     if not Path(args.input).is_file():
         problems.append(f"--input: {args.input!r} does not exist")
     for spec in args.lora:
-        path, _ = inference.parse_lora(spec)
+        path, weight = inference.parse_lora(spec)
         if not path.is_file():
             problems.append(f"--lora: {str(path)!r} is not a file (FILE[:WEIGHT], e.g. export/lora.safetensors:0.8)")
+        elif not math.isfinite(weight):
+            problems.append(f"--lora {spec}: the weight {weight} is not a finite number; write FILE:0.8")
+        else:
+            problems += [f"--lora: {problem}" for problem in lora_io.check_file(path)]
     if args.seed < 0:
         problems.append("--seed: must be >= 0")
     if args.placement == "split":

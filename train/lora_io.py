@@ -19,6 +19,7 @@ effective update of the file is preserved exactly; training then continues from 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,56 @@ def file_alpha(metadata: dict[str, str] | None) -> float | None:
     return float(alphas[0]) if alphas else None
 
 
+def _alpha_value(tensor: torch.Tensor) -> float | None:
+    """An alpha key's value when it is one real number (not a bool), else None."""
+    if tensor.numel() != 1 or tensor.dtype == torch.bool or tensor.is_complex():
+        return None
+    return float(tensor.item())
+
+
+def value_problems(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> list[str]:
+    """What makes a file's values unusable as a LoRA, by key: A/B matrices that are not floating point (bool,
+    integer), NaN or infinite entries in any floating-point tensor, alphas that are not one finite number > 0 (a
+    zero alpha silences the LoRA, a NaN one turns every image black)."""
+    not_float, nonfinite, bad_alpha = [], [], []
+    for key, tensor in tensors.items():
+        kind = parse_key(key)[1]
+        if kind == "alpha":
+            value = _alpha_value(tensor)
+            if value is None or not math.isfinite(value) or value <= 0:
+                bad_alpha.append(f"{key} = {tensor.tolist() if tensor.numel() <= 4 else tuple(tensor.shape)}")
+        elif tensor.is_floating_point():
+            if not torch.isfinite(tensor).all():
+                nonfinite.append(key)
+        elif kind in ("A", "B"):
+            not_float.append(f"{key} ({str(tensor.dtype).removeprefix('torch.')})")
+    problems = []
+    if not_float:
+        problems.append(f"{len(not_float)} LoRA matrices are not floating point: {listed(not_float)}")
+    if nonfinite:
+        problems.append(f"{len(nonfinite)} tensors hold NaN or infinite values: {listed(nonfinite)}")
+    if bad_alpha:
+        problems.append(f"{len(bad_alpha)} alphas are not a finite number > 0: {listed(bad_alpha)}")
+    try:
+        alpha = file_alpha(metadata)
+    except (ValueError, json.JSONDecodeError) as e:
+        problems.append(f"its lora_adapter_metadata cannot be used ({e})")
+    else:
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            problems.append(f"lora_alpha {alpha} in its lora_adapter_metadata is not a finite number > 0")
+    return problems
+
+
+def check_file(path: str | Path) -> list[str]:
+    """value_problems of a LoRA .safetensors file, or why it cannot be read ([] = fine); for train.infer --lora."""
+    try:
+        tensors, metadata = read_file(path)
+    except LoraFileError as e:
+        return [str(e).removeprefix("qwen_edit.lora.init_from: ")]
+    return [f"{path}: {problem}; the file is damaged or was saved from a diverged run, use another one"
+            for problem in value_problems(tensors, metadata)]
+
+
 def normalise(state_dict: dict[str, torch.Tensor], lora_modules: list[str], all_modules: list[str]) -> LoraFile:
     """Sort the file's keys into A/B/alpha per adapter module; everything else lands in `unknown`."""
     resolve_lora, resolve_any = resolver(lora_modules), resolver(all_modules)
@@ -126,7 +177,7 @@ def normalise(state_dict: dict[str, torch.Tensor], lora_modules: list[str], all_
             where = "" if module is None or resolve_any(module) is None else " (module has no LoRA in this config)"
             out.unknown.append(key + where)
         elif kind == "alpha":
-            out.alpha[target] = float(tensor.item())
+            out.alpha[target] = _alpha_value(tensor)  # value_problems has refused anything but a number > 0
         else:
             (out.down if kind == "A" else out.up)[target] = tensor
     return out
@@ -134,13 +185,17 @@ def normalise(state_dict: dict[str, torch.Tensor], lora_modules: list[str], all_
 
 def read_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
     """Tensors and header metadata of a .safetensors file."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise LoraFileError(f"qwen_edit.lora.init_from: {path} is not a .safetensors file; convert it to safetensors")
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    except (OSError, SafetensorError) as e:
+        raise LoraFileError(f"qwen_edit.lora.init_from: {path} cannot be read as safetensors ({e}); the file is "
+                            "damaged or not a LoRA") from None
 
 
 def lora_layers(transformer, adapter_name: str) -> dict[str, object]:
@@ -223,6 +278,10 @@ def load_into(transformer, path: str | Path, adapter_name: str = "default") -> L
     if not layers:
         raise ValueError(f"the transformer has no LoRA adapter {adapter_name!r}; call models.add_lora first")
     tensors, metadata = read_file(path)
+    problems = value_problems(tensors, metadata)
+    if problems:
+        raise LoraFileError(f"qwen_edit.lora.init_from: {path} cannot start a run: {'; '.join(problems)}. The file "
+                            "is damaged or was saved from a diverged run; use another one")
     lf = normalise(tensors, list(layers), [n for n, _ in transformer.named_modules()])
     verify(lf, transformer, layers, adapter_name, path)
     rescaled = copy_weights(lf, layers, adapter_name, file_alpha(metadata))
