@@ -31,6 +31,14 @@ def tiny_plus(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_plus"), "edit_plus", num_samples=16)
 
 
+@pytest.fixture(scope="session")
+def tiny_2511(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-Edit-2511: the 2509 checkpoint (same seed, so the same weights) with zero_cond_t set."""
+    from train.make_tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny_2511"), "edit_plus_2511", num_samples=16)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +47,8 @@ def free_port() -> int:
 
 def transformer_inputs(model, h: int = 8, w: int = 8, text_tokens: int = 16, generator=None) -> dict:
     """Keyword arguments for one forward of a (tiny) QwenImageTransformer2DModel: a target and one reference of h x w
-    latent patches, `text_tokens` prompt embeddings, no text mask, timestep 0.5."""
+    latent patches, `text_tokens` prompt embeddings, no text mask, timestep 0.5 (with zero_cond_t the reference
+    tokens are modulated at 0)."""
     import torch
 
     hidden = torch.randn(1, 2 * h * w, model.config.in_channels, generator=generator)

@@ -50,6 +50,12 @@ def tiny_edit_plus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_edit_plus_2511(tmp_path_factory):
+    """The 2509 checkpoint above (same seed: same weights) with zero_cond_t, as Qwen-Image-Edit-2511."""
+    return make_tiny(tmp_path_factory.mktemp("tiny_2511"), variant="edit_plus_2511", num_samples=4, size=64)
+
+
+@pytest.fixture(scope="module")
 def edit_pipe(tiny_edit):
     return load_pipeline(tiny_edit)
 
@@ -60,7 +66,8 @@ def edit_plus_pipe(tiny_edit_plus):
 
 
 def run_pipeline(pipe, images, prompt) -> dict:
-    """The real pipeline at the small areas; returns the keyword inputs of its first transformer call.
+    """The real pipeline at the small areas; returns the keyword inputs of its first transformer call (and its
+    output, under "output").
 
     Two steps, not one: with a single step the scheduler's shift_terminal stretch divides 0 by 0 (NaN timestep).
     """
@@ -69,13 +76,18 @@ def run_pipeline(pipe, images, prompt) -> dict:
     def record(module, args, kwargs):
         calls.append({k: kwargs.get(k) for k in RECORDED})
 
-    handle = pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    def record_output(module, args, kwargs, output):
+        calls[-1].setdefault("output", output[0])
+
+    handles = [pipe.transformer.register_forward_pre_hook(record, with_kwargs=True),
+               pipe.transformer.register_forward_hook(record_output, with_kwargs=True)]
     try:
         with C.pipeline_areas(AREA, CONDITION_AREA):
             pipe(image=images, prompt=prompt, true_cfg_scale=1.0, num_inference_steps=2, output_type="latent",
                  generator=torch.Generator().manual_seed(0))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     assert len(calls) == 2, f"expected two transformer calls (2 steps, no CFG), got {len(calls)}"
     assert torch.isfinite(calls[0]["timestep"]).all(), calls[0]["timestep"]
     return calls[0]
@@ -170,6 +182,47 @@ def test_edit_plus_two_references_of_different_sizes_match_pipeline(edit_plus_pi
     ours = trainer_inputs(edit_plus_pipe, [images], [prompt], "edit_plus", hw)
     assert len(recorded["img_shapes"][0]) == 3 and recorded["img_shapes"][0][1] != recorded["img_shapes"][0][2]
     assert_matches_pipeline(ours, recorded, hw)
+
+
+def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_plus_pipe):
+    """2511 (QwenImageEditPlusPipeline, transformer zero_cond_t): the trainer's conditioning equals the pipeline's,
+    and the transformer called with the trainer's inputs (loop.noisy_inputs' layout: noisy target then the
+    references; img_shapes from train.conditioning) returns the pipeline's own prediction. The 2509 weights (the
+    same tiny weights without zero_cond_t) predict something else for the same inputs, so the test sees the key."""
+    from train import loop, models
+
+    pipe = load_pipeline(tiny_edit_plus_2511)
+    assert isinstance(pipe, QwenImageEditPlusPipeline) and pipe.transformer.config.zero_cond_t
+    assert models.detect_variant(tiny_edit_plus_2511 / "model") == "edit_plus_2511"
+    images = [noise_image(96, 64, seed=1), noise_image(64, 64, seed=2)]
+    prompt = "paint the circle of picture 1 in the colour of picture 2"
+    recorded = run_pipeline(pipe, images, prompt)
+    hw = target_latent_hw(images[-1])
+    ours = trainer_inputs(pipe, [images], [prompt], "edit_plus_2511", hw)
+    assert_matches_pipeline(ours, recorded, hw)
+
+    num_target = (hw[0] // 2) * (hw[1] // 2)
+    noisy = recorded["hidden_states"][:, :num_target]  # the pipeline's own noise: loop draws its own
+    cond = C.Conditioning(ours["encoder_hidden_states"], ours["encoder_hidden_states_mask"], ours["reference_tokens"],
+                          ours["img_shapes"][0][1:])
+    kwargs = {"hidden_states": torch.cat([noisy, cond.reference_tokens], dim=1), "timestep": recorded["timestep"],
+              "encoder_hidden_states": cond.prompt_embeds, "encoder_hidden_states_mask": cond.prompt_mask,
+              "img_shapes": C.img_shapes(hw, cond.reference_shapes, 1), "return_dict": False}
+    layout, _, _ = loop.noisy_inputs(loop.Batch(noisy.float(), hw, cond), _tiny_train_config(), torch.Generator(),
+                                     models.scheduler_config(tiny_edit_plus_2511 / "model"), torch.float32)
+    assert layout.keys() == kwargs.keys() and layout["img_shapes"] == kwargs["img_shapes"]
+    assert torch.equal(layout["hidden_states"][:, num_target:], kwargs["hidden_states"][:, num_target:])
+    with torch.no_grad():
+        prediction = pipe.transformer(**kwargs)[0]
+        plain_2509 = edit_plus_pipe.transformer(**kwargs)[0]
+    assert_same("2511 prediction", prediction, recorded["output"])
+    assert (prediction - plain_2509).abs().max().item() > 1e-3, "zero_cond_t changed nothing"
+
+
+def _tiny_train_config():
+    from train.config import Config, ProjectConfig
+
+    return Config(ProjectConfig(), deepspeed={"gradient_accumulation_steps": 1})
 
 
 def test_templates_and_drop_index_match_pipelines(edit_pipe, edit_plus_pipe):

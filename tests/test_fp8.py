@@ -64,12 +64,14 @@ def test_convert_swaps_frozen_block_linears_and_keeps_lora():
     assert not any("weight_fp8" in k or "weight_scale" in k for k in model.state_dict())
 
 
-def test_lora_learns_through_fp8_base():
-    """A forward/backward through the converted tiny model gives LoRA gradients close to the unquantised reference."""
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_lora_learns_through_fp8_base(zero_cond_t):
+    """A forward/backward through the converted tiny model gives LoRA gradients close to the unquantised reference;
+    also with 2511's zero_cond_t, where the modulation ("vector") linears take [t, 0]: twice the batch."""
     import copy
 
     torch.manual_seed(0)
-    model = build_transformer()
+    model = build_transformer(zero_cond_t)
     models.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
     for name, p in model.named_parameters():
         if "lora_B" in name:

@@ -58,18 +58,23 @@ def test_plan_refuses_a_pipeline_across_nodes():
 # --- the cut transformer, in one process ----------------------------------------------------------------------------
 
 
-def test_cut_transformer_matches_the_whole(tiny_edit):
+@pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_2511"])
+def test_cut_transformer_matches_the_whole(tiny_name, request):
     """Two DecoderStages chained by hand (activations forward, their gradients back through the surrogate) give the
-    whole transformer's loss and LoRA gradients, with and without gradient checkpointing."""
+    whole transformer's loss and LoRA gradients, with and without gradient checkpointing; also for 2511, whose
+    timestep embedding crosses the cut doubled ([t, 0]) and whose stages rebuild the reference modulation index."""
     from diffusers import QwenImageTransformer2DModel
 
     from model_parallel.split import DecoderStage
     from train import conditioning, models
     from train.config import LoraConfig
 
+    tiny_edit = request.getfixturevalue(tiny_name)
+
     def lora_model(checkpointing: bool):
         torch.manual_seed(0)
         t = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer")
+        assert t.config.zero_cond_t == (tiny_name == "tiny_2511")
         targets = ["attn.to_q", "img_in", "proj_out", "txt_mlp.net.2"]
         models.prepare_for_training(t, "lora", LoraConfig(rank=4, alpha=4, target_modules=targets), checkpointing,
                                     False)

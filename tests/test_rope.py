@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import transformer_inputs
 from diffusers.models.transformers import transformer_qwenimage
@@ -45,12 +46,13 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Te
     return loss.detach(), [hidden.grad, text.grad] + [p.grad for p in model.parameters()]
 
 
-def test_transformer_with_real_pairs_equals_diffusers(monkeypatch):
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_transformer_with_real_pairs_equals_diffusers(monkeypatch, zero_cond_t):
     """The whole tiny transformer, fp32: same loss and gradients as diffusers' complex path, and the blocks did
-    take the real path (every rotation call counted)."""
+    take the real path (every rotation call counted); also with 2511's zero_cond_t."""
     monkeypatch.setattr(transformer_qwenimage, "apply_rotary_emb_qwen", rope._DIFFUSERS)
     torch.manual_seed(0)
-    model = build_transformer()
+    model = build_transformer(zero_cond_t)
     ref_loss, ref_grads = _loss_and_grads(model)
     model.zero_grad()
     rope.use_real_pairs(model)

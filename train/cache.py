@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         index = ensure(cfg, d, variant, rows, loader.dataset, rebuild_stale=True)
         verb = "up to date" if index == before else "written"
         print0(f"cache {verb}: {cache_dir(cfg)} ({index['num_samples']} samples)", rank=d.rank)
-    except (data.BadRowsError, CacheError) as e:
+    except (data.BadRowsError, CacheError, models.ModelError) as e:
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

@@ -1,10 +1,13 @@
-"""What the transformer sees, built exactly as diffusers' edit pipelines build it.
+"""What the transformer sees, built exactly as diffusers' Qwen-Image pipelines build it.
 
 QwenImageEditPipeline ("edit", v1) and QwenImageEditPlusPipeline ("edit_plus", 2509) differ in three places:
 the prompt template (v1 puts one vision block in the template; 2509 prefixes "Picture i: " blocks to the
 instruction), the image the VL model sees (v1: the same ~1 MP reference the VAE encodes; 2509: a ~384^2 copy),
-and the number of references (v1: 1; 2509: 1-3). tests/test_conditioning.py checks every tensor built here
-against what the pipelines pass to the transformer.
+and the number of references (v1: 1; 2509: 1-3). Edit-2511 ("edit_plus_2511") is conditioned as 2509; its
+transformer (config zero_cond_t) does the rest. A sample without references (text-to-image rows, and the
+"t2i" variant, Qwen-Image / 2512) is encoded as QwenImagePipeline encodes a prompt: its own template and drop
+index, the tokenizer alone, no vision blocks. tests/test_conditioning.py checks every tensor built here against
+what the pipelines pass to the transformer.
 
 Shape legend: B batch, C latent channels (16), h/w latent height/width, L packed tokens, T text tokens, D width.
 """
@@ -19,9 +22,15 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
-VARIANTS = ("edit", "edit_plus")
-MAX_REFERENCES = {"edit": 1, "edit_plus": 3}
-PIPELINE_CLASS_NAMES = {"QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit_plus"}
+VARIANTS = ("edit", "edit_plus", "edit_plus_2511", "t2i")
+MAX_REFERENCES = {"edit": 1, "edit_plus": 3, "edit_plus_2511": 3, "t2i": 0}
+# model_index.json's _class_name -> variant; 2511 names the 2509 pipeline and is told apart by its transformer config
+PIPELINE_CLASS_NAMES = {"QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit_plus",
+                        "QwenImagePipeline": "t2i"}
+MODEL_NAMES = {"edit": "Qwen-Image-Edit", "edit_plus": "Qwen-Image-Edit-2509",
+               "edit_plus_2511": "Qwen-Image-Edit-2511, zero_cond_t", "t2i": "Qwen-Image / -2512, text-to-image"}
+PIPELINE_CLASSES = {"edit": "QwenImageEditPipeline", "edit_plus": "QwenImageEditPlusPipeline",
+                    "edit_plus_2511": "QwenImageEditPlusPipeline", "t2i": "QwenImagePipeline"}
 
 _SYSTEM = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
@@ -35,6 +44,14 @@ PROMPT_TEMPLATES = {
     "edit_plus": _SYSTEM + "{}<|im_end|>\n<|im_start|>assistant\n",
 }
 DROP_IDX = 64  # template tokens before the instruction's own; dropped from the hidden states
+# QwenImagePipeline's (text-to-image) template, its dropped prefix, and its tokenizer and embedding length limits
+T2I_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+T2I_DROP_IDX = 34
+T2I_TOKENIZER_MAX_LENGTH = 1024  # + T2I_DROP_IDX tokens, truncated: the pipeline's tokenizer call
+T2I_MAX_SEQUENCE_LENGTH = 512  # embeddings kept per prompt: the pipeline's default max_sequence_length
 PIXELS_PER_LATENT = 8  # VAE spatial factor; tokens are 2x2 latent patches, so sizes are multiples of 16
 # Defaults of the released pipelines: target and VAE copies ~1 MP, the 2509 VL copies ~384^2.
 DEFAULT_AREA = 1024 * 1024
@@ -72,6 +89,8 @@ def reference_inputs(images: list[Image.Image], variant: str, area: int, conditi
 
 
 def prompt_texts(prompts: list[str], num_references: int, variant: str) -> list[str]:
+    if num_references == 0:
+        return [T2I_TEMPLATE.format(p) for p in prompts]
     if variant == "edit":
         return [PROMPT_TEMPLATES["edit"].format(p) for p in prompts]
     prefix = "".join(f"Picture {i + 1}: {_VISION}" for i in range(num_references))
@@ -83,9 +102,13 @@ def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[
     """Qwen2.5-VL last hidden states of the instructions, template prefix dropped.
 
     Returns (embeds_BTD, mask_BT) with padding on the right; mask is None when no sample is padded, as the
-    pipelines pass it (an all-ones mask would only keep SDPA off its fastest kernels).
+    pipelines pass it (an all-ones mask would only keep SDPA off its fastest kernels). Samples without references
+    are encoded as QwenImagePipeline does: `processor` may then be the tokenizer alone (text-to-image models ship
+    no processor).
     """
     texts = prompt_texts(prompts, len(vl_images[0]), variant)
+    if not vl_images[0]:
+        return _encode_text_only(text_encoder, getattr(processor, "tokenizer", processor), texts)
     flat_images = [im for sample in vl_images for im in sample]
     inputs = processor(text=texts, images=flat_images, padding=True, return_tensors="pt").to(text_encoder.device)
     out = text_encoder(
@@ -95,9 +118,26 @@ def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[
         image_grid_thw=inputs.get("image_grid_thw"),
         output_hidden_states=True,
     )
-    hidden_BTD = out.hidden_states[-1]
-    keep = inputs["attention_mask"].bool()
-    per_sample = [hidden_BTD[i][keep[i]][DROP_IDX:] for i in range(len(texts))]
+    return _pad(out.hidden_states[-1], inputs["attention_mask"].bool(), DROP_IDX)
+
+
+def _encode_text_only(text_encoder, tokenizer, texts: list[str]):
+    """QwenImagePipeline's prompt encoding: the tokenizer (truncating), no images, its drop index and length cap."""
+    inputs = tokenizer(texts, max_length=T2I_TOKENIZER_MAX_LENGTH + T2I_DROP_IDX, padding=True, truncation=True,
+                       return_tensors="pt").to(text_encoder.device)
+    out = text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                       output_hidden_states=True)
+    embeds_BTD, mask_BT = _pad(out.hidden_states[-1], inputs["attention_mask"].bool(), T2I_DROP_IDX)
+    embeds_BTD = embeds_BTD[:, :T2I_MAX_SEQUENCE_LENGTH]
+    if mask_BT is not None:
+        mask_BT = mask_BT[:, :T2I_MAX_SEQUENCE_LENGTH]
+        mask_BT = None if bool(mask_BT.all()) else mask_BT
+    return embeds_BTD, mask_BT
+
+
+def _pad(hidden_BTD: torch.Tensor, keep_BT: torch.Tensor, drop_idx: int):
+    """Per sample its unpadded hidden states after the template prefix, right-padded again; mask None if unpadded."""
+    per_sample = [hidden_BTD[i][keep_BT[i]][drop_idx:] for i in range(hidden_BTD.shape[0])]
     max_len = max(e.shape[0] for e in per_sample)
     embeds_BTD = torch.stack([torch.cat([e, e.new_zeros(max_len - e.shape[0], e.shape[1])]) for e in per_sample])
     mask_BT = torch.stack([torch.arange(max_len, device=e.device) < e.shape[0] for e in per_sample]).long()
@@ -143,8 +183,13 @@ class Conditioning:
     reference_shapes: list[tuple[int, int, int]]  # (1, h/2, w/2) per reference
 
 
-def encode_references(vae, reference_pixels: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """Pack every reference slot (each (B, 3, H, W)) and concatenate them along the sequence."""
+def encode_references(vae, reference_pixels: list[torch.Tensor], batch_size: int = 1,
+                      ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Pack every reference slot (each (B, 3, H, W)) and concatenate them along the sequence; no slots (a
+    text-to-image micro-batch of `batch_size`) give an empty (B, 0, 4C) sequence."""
+    if not reference_pixels:
+        channels = 4 * vae.config.z_dim
+        return torch.zeros(batch_size, 0, channels, device=vae.device, dtype=vae.dtype), []
     tokens, shapes = [], []
     for pixels in reference_pixels:
         latents = encode_latents(vae, pixels)

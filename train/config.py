@@ -53,9 +53,12 @@ def choice(*values: str):
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Local diffusers-format directory of Qwen-Image-Edit or -2509 (model_index.json inside). CLI: --model."""
-    variant: str = field(default="auto", metadata=choice("auto", "edit", "edit_plus"))
-    """auto reads model_index.json; edit = v1 (one reference), edit_plus = 2509 (1-3 references)."""
+    """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511 or Qwen-Image (model_index.json inside).
+    CLI: --model."""
+    variant: str = field(default="auto", metadata=choice("auto", "edit", "edit_plus", "edit_plus_2511", "t2i"))
+    """auto reads model_index.json and transformer/config.json; edit = v1 (one reference), edit_plus = 2509
+    (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference); an
+    explicit value must match the files."""
     encoder_dtype: str = field(default="auto", metadata=choice("auto", "bfloat16", "float32"))
     """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
 

@@ -158,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = config.inference_settings(args.config)
     except config.ConfigError as e:
         problems += e.problems
+    if not problems:
+        try:
+            models.detect_variant(args.model, settings.model.variant)
+        except models.ModelError as e:
+            problems.append(str(e))
     if problems:
         print0("error: " + "\n  - ".join(["invalid arguments:", *problems]), rank=rank, file=sys.stderr)
         return 2

@@ -19,9 +19,6 @@ from PIL import Image
 from train import conditioning, images, models
 from train.config import InferenceConfig
 
-PIPELINE_CLASSES = {"edit": "QwenImageEditPipeline", "edit_plus": "QwenImageEditPlusPipeline"}
-
-
 # --- requests: the jsonl rows of train.infer and of validation.file ----------------------------------------------
 
 
@@ -115,7 +112,7 @@ def open_references(request: EditRequest, background: str = images.DEFAULT_BACKG
 def _pipeline_class(variant: str):
     import diffusers
 
-    return getattr(diffusers, PIPELINE_CLASSES[variant])
+    return getattr(diffusers, conditioning.PIPELINE_CLASSES[variant])
 
 
 def load_pipeline(model_dir: str | Path, dtype: torch.dtype, variant: str = "auto"):
@@ -227,7 +224,7 @@ def edit(pipe, variant: str, images: list[Image.Image], prompt: str, seed: int, 
     guided = inference.true_cfg_scale > 1
     with conditioning.pipeline_areas(inference.area, inference.condition_area):
         return pipe(
-            image=images if variant == "edit_plus" else images[0],
+            image=images[0] if variant == "edit" else images,
             prompt=prompt,
             negative_prompt=inference.negative_prompt if guided else None,
             true_cfg_scale=inference.true_cfg_scale,

@@ -31,7 +31,8 @@ def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
         encoders.text_encoder, encoders.processor, batch["prompts"], batch["vl_images"], variant
     )
     target = conditioning.encode_latents(encoders.vae, batch["target"])
-    ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"])
+    ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"],
+                                                            len(batch["prompts"]))
     cond = conditioning.Conditioning(embeds, mask, ref_tokens, ref_shapes)
     return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
 
@@ -208,7 +209,8 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
             step_loss.zero_()
             if should_log(step, cfg) and window_steps:
                 elapsed = speed.elapsed()
-                record = {"step": step, "epoch": epoch, "loss": _mean_over_ranks(window_loss / window_steps, d.group),
+                record = {"step": step, "epoch": epoch, "variant": trainer_state["variant"],
+                          "loss": _mean_over_ranks(window_loss / window_steps, d.group),
                           "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": skipped,
                           "data_wait_fraction": source.take_wait_s() / elapsed,
                           **speed.read(step - last_logged), "peak_memory_gb": peak_memory_gb(d.device)}

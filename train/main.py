@@ -18,6 +18,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from train import cache, checkpoint, config, data, engine, fp8, gpumon, loop, lora_io, models, prompts, validation
+from train.conditioning import MODEL_NAMES
 from train.metrics import Metrics, NullMetrics, prefix_rank_output, print0
 
 
@@ -84,7 +85,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
         config.write_resolved(cfg, p.output.dir)
         Metrics.truncate(p.output.dir, start_step)  # drop records of steps that will be trained again
     rows, loader = build_data(cfg, d, variant)
-    print0(f"{len(rows)} rows, variant {variant}, world size {d.world_size}, precision {cfg.precision}", rank=d.rank)
+    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
+           f"precision {cfg.precision}", rank=d.rank)
     source = build_source(cfg, d, variant, rows, loader)
     transformer = build_transformer(cfg)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(),
                                  num_gpus=torch.cuda.device_count())
     except config.ConfigError as e:
+        print0(f"error: {e}", rank=rank, file=sys.stderr)
+        return 2
+    try:
+        models.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
+    except models.ModelError as e:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2
     if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/

@@ -1,9 +1,10 @@
 """Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline.
 
-    python -m train.make_tiny --out DIR [--variant edit|edit_plus] [--num_samples N] [--size PX]
+    python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i] [--num_samples N] [--size PX]
 
-writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit or -2509: model_index.json, transformer/,
-vae/, text_encoder/, tokenizer/, processor/, scheduler/) and DIR/data (images + metadata.jsonl).
+writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit, -2509 or -2511: model_index.json, transformer/,
+vae/, text_encoder/, tokenizer/, processor/, scheduler/; of Qwen/Qwen-Image for t2i: no processor/) and DIR/data
+(images + metadata.jsonl).
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on the prompt templates, and
 every network is randomly initialised from a fixed seed, so the demo and the tests load them through
 exactly the `from_pretrained` and dataset paths that real weights and data take.
@@ -123,12 +124,14 @@ def build_vae():
     ).eval()
 
 
-def build_transformer():
+def build_transformer(zero_cond_t: bool = False):
+    """The tiny transformer; zero_cond_t=True is Qwen-Image-Edit-2511's config (references modulated at t=0)."""
     from diffusers import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(
         patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=TEXT_DIM, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        zero_cond_t=zero_cond_t,
     )
 
 
@@ -159,8 +162,9 @@ def draw_scene(shape: str, colour: str, xy: tuple[int, int], size: int, backgrou
 def make_dataset(out: Path, variant: str, num_samples: int, size: int, seed: int = 0) -> list[Image.Image]:
     """Recolour edits: the target is the reference with its shape in the colour the prompt names.
 
-    Edit (v1): one reference, prompt "make the circle red". Edit-2509: a second reference is a swatch of
-    the new colour and the prompt refers to it ("Picture 2"), so the model must read both references.
+    Edit (v1): one reference, prompt "make the circle red". Edit-2509 and -2511: a second reference is a swatch
+    of the new colour and the prompt refers to it ("Picture 2"), so the model must read both references.
+    Text-to-image (t2i): no reference; the prompt describes the target ("a red circle on grey").
     Returns the images written (for the VAE statistics).
     """
     rng = random.Random(seed)
@@ -174,11 +178,15 @@ def make_dataset(out: Path, variant: str, num_samples: int, size: int, seed: int
         xy = (rng.randint(size // 4, 3 * size // 4), rng.randint(size // 4, 3 * size // 4))
         reference = draw_scene(shape, old, xy, size, (grey, grey, grey))
         target = draw_scene(shape, new, xy, size, (grey, grey, grey))
-        reference.save(out / f"{i:04d}_ref.png")
         target.save(out / f"{i:04d}_target.png")
+        if variant == "t2i":
+            rows.append({"image": f"{i:04d}_target.png", "prompt": f"a {new} {shape} on grey"})
+            images.append(target)
+            continue
+        reference.save(out / f"{i:04d}_ref.png")
         row = {"image": f"{i:04d}_target.png", "edit_image": f"{i:04d}_ref.png", "prompt": f"make the {shape} {new}"}
         images += [reference, target]
-        if variant == "edit_plus":
+        if variant in ("edit_plus", "edit_plus_2511"):
             Image.new("RGB", (size // 2, size // 2), COLOURS[new]).save(out / f"{i:04d}_swatch.png")
             row["edit_image"] = [f"{i:04d}_ref.png", f"{i:04d}_swatch.png"]
             row["prompt"] = f"paint the {shape} of picture 1 in the colour of picture 2"
@@ -188,12 +196,18 @@ def make_dataset(out: Path, variant: str, num_samples: int, size: int, seed: int
     return images
 
 
+VARIANTS = ("edit", "edit_plus", "edit_plus_2511", "t2i")
+
+
 def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, size: int = 128, seed: int = 0) -> Path:
     """Write OUT/model and OUT/data; returns OUT."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    if variant not in ("edit", "edit_plus"):
-        raise ValueError(f"--variant must be 'edit' or 'edit_plus', got {variant!r}")
+    from train.conditioning import PIPELINE_CLASSES
+
+    if variant not in VARIANTS:
+        raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     out = Path(out)
     images = make_dataset(out / "data", variant, num_samples, size, seed)
     template_words = ("Describe the key features of the input image (color, shape, size, texture, objects, "
@@ -202,19 +216,19 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
                       "the original input where appropriate. system user assistant Picture 1: 2: 3:")
     corpus = [template_words] + [f"make the {s} {c} paint the {s} of picture 1 in the colour of picture 2"
                                  for s in SHAPES for c in COLOURS]
+    if variant == "t2i":  # QwenImagePipeline's template (the edit models' tokenizers stay as they were)
+        corpus[0] = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+                     "relationships of the objects and background: system user assistant on grey")
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(corpus * 4)
     vae = build_vae()
     set_latent_statistics(vae, images[:16])
-    pipeline_class = QwenImageEditPlusPipeline if variant == "edit_plus" else QwenImageEditPipeline
-    pipeline = pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=build_text_encoder(tokenizer),
-        tokenizer=tokenizer,
-        processor=build_processor(tokenizer),
-        transformer=build_transformer(),
-    )
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
+                      text_encoder=build_text_encoder(tokenizer), tokenizer=tokenizer,
+                      transformer=build_transformer(zero_cond_t=variant == "edit_plus_2511"))
+    if variant != "t2i":  # Qwen-Image (text-to-image) ships no processor
+        components["processor"] = build_processor(tokenizer)
+    pipeline = getattr(diffusers, PIPELINE_CLASSES[variant])(**components)
     pipeline.save_pretrained(out / "model")
     return out
 
@@ -251,7 +265,7 @@ def write_full_size_configs(model_dir: str | Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory to write model/ and data/ into")
-    parser.add_argument("--variant", default="edit", choices=["edit", "edit_plus"])
+    parser.add_argument("--variant", default="edit", choices=VARIANTS)
     parser.add_argument("--num_samples", type=int, default=32)
     parser.add_argument("--size", type=int, default=128, help="side of the square synthetic images, px")
     parser.add_argument("--seed", type=int, default=0)

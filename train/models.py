@@ -18,18 +18,70 @@ from train import conditioning, fp8, rope
 from train.config import LoraConfig, ModelConfig
 
 
+class ModelError(ValueError):
+    """The model directory does not fit the configuration or the installed diffusers; the message says why."""
+
+
 def detect_variant(model_dir: str | Path, override: str = "auto") -> str:
-    """'edit' or 'edit_plus', from model_index.json's pipeline class unless overridden."""
-    if override != "auto":
-        return override
-    index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    name = index.get("_class_name", "")
-    if name not in conditioning.PIPELINE_CLASS_NAMES:
-        raise ValueError(
+    """The model's variant from model_index.json's pipeline class and the transformer config together: edit (v1),
+    edit_plus (2509), edit_plus_2511 (the 2509 pipeline with `zero_cond_t`), t2i (Qwen-Image / 2512).
+
+    An explicit `override` (qwen_edit.model.variant) must agree with the files; it is what a directory whose
+    pipeline class is not one of these is trained as. First checks that the installed diffusers builds the
+    transformer from every key of its config (`check_diffusers_supports`).
+    """
+    model_dir = Path(model_dir)
+    transformer_config = check_diffusers_supports(model_dir)
+    zero_cond_t = bool(transformer_config.get("zero_cond_t", False))
+    name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", "")
+    family = conditioning.PIPELINE_CLASS_NAMES.get(name)
+    if family is None and override == "auto":
+        raise ModelError(
             f"{model_dir}/model_index.json names pipeline {name!r}, not one of "
-            f"{', '.join(conditioning.PIPELINE_CLASS_NAMES)}; set qwen_edit.model.variant to edit or edit_plus"
+            f"{', '.join(conditioning.PIPELINE_CLASS_NAMES)}; set qwen_edit.model.variant to one of "
+            f"{', '.join(conditioning.VARIANTS)}"
         )
-    return conditioning.PIPELINE_CLASS_NAMES[name]
+    if family is None:  # an unknown pipeline class: trained as the variant asked for, if the transformer agrees
+        family = "edit_plus" if override == "edit_plus_2511" else override
+    if zero_cond_t and family != "edit_plus":
+        raise ModelError(f"{model_dir}: transformer/config.json sets zero_cond_t, which only Qwen-Image-Edit-2511 "
+                         f"(QwenImageEditPlusPipeline) uses, but the pipeline is {name!r}; fix the config")
+    detected = "edit_plus_2511" if zero_cond_t else family
+    if override not in ("auto", detected):
+        raise ModelError(
+            f"qwen_edit.model.variant is {override!r} but {model_dir} is {detected!r} (model_index.json: {name!r}, "
+            f"transformer zero_cond_t: {str(zero_cond_t).lower()}); set the variant to {detected!r} or \"auto\""
+        )
+    return detected
+
+
+# Keys of released configs that no diffusers version has used (Qwen-Image's transformer carries
+# pooled_projection_dim); diffusers drops them with a warning, and that changes nothing.
+UNUSED_CONFIG_KEYS = {"pooled_projection_dim"}
+
+
+def check_diffusers_supports(model_dir: str | Path) -> dict:
+    """The transformer's config, after checking that the installed diffusers' QwenImageTransformer2DModel takes
+    every key of it: an older diffusers drops keys it does not know with only a warning (a 2511 checkpoint would
+    silently train as 2509 without `zero_cond_t`), so such a key is an error naming it and the versions."""
+    import diffusers
+    from diffusers import QwenImageTransformer2DModel
+
+    path = Path(model_dir) / "transformer" / "config.json"
+    if not path.is_file():
+        raise ModelError(f"{path} does not exist; point the model path at a diffusers-format directory")
+    config = json.loads(path.read_text())
+    _, dropped, _ = QwenImageTransformer2DModel.extract_init_dict(dict(config))
+    dropped = sorted(set(dropped) - UNUSED_CONFIG_KEYS)
+    if dropped:
+        written_by = config.get("_diffusers_version", "a newer version")
+        raise ModelError(
+            f"{path} sets {', '.join(f'{k}={json.dumps(config[k])}' for k in dropped)}, which "
+            f"QwenImageTransformer2DModel of the installed diffusers {diffusers.__version__} does not take (it would "
+            f"drop it and train another model); the config was written by diffusers {written_by}: install "
+            f"diffusers>={written_by} (pip install -U diffusers)"
+        )
+    return config
 
 
 def scheduler_config(model_dir: str | Path) -> dict:
