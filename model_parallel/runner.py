@@ -157,7 +157,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
             "decoder_wait_after_first_s": source.wait_s_total,
             "decoder_busy_fraction": 1 - (source.wait_s_total + source.first_wait_s) / wall,
             "encoder": {k: v for k, v in upstream_stats.items() if k != "kind"}})
-        export(cfg, transformer, weights)
+        export(cfg, transformer, weights, checkpoint.export_metadata(config.to_dict(cfg), variant, steps))
 
 
 def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placement) -> dict | None:
@@ -176,19 +176,19 @@ def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placeme
     return {k: v for part in parts for k, v in part.items()}
 
 
-def export(cfg: config.Config, transformer, weights: dict | None) -> None:
+def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict[str, str]) -> None:
     p = cfg.project
     export_dir = Path(p.output.dir) / "export"
     if p.train.mode == "lora":
         if weights is None:
-            path = checkpoint.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank)
+            path = checkpoint.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank, metadata)
         else:
-            path = checkpoint.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank)
+            path = checkpoint.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank, metadata=metadata)
     else:
         if weights is not None:  # a whole transformer again, from the base directory and every stage's weights
             transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
             transformer.load_state_dict(weights)
-        path = checkpoint.export_full(transformer, export_dir)
+        path = checkpoint.export_full(transformer, export_dir, metadata)
     print0(f"exported {path}")
 
 

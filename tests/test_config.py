@@ -834,3 +834,8 @@ def test_alpha_background_must_be_a_colour(setup):
     problem = setup.set("qwen_edit.data.alpha_background", "whiteish").problem()
     assert problem.startswith("qwen_edit.data.alpha_background: 'whiteish' is not a colour") and "#rrggbb" in problem
     assert setup.set("qwen_edit.data.alpha_background", "#101010").load().project.data.alpha_background == "#101010"
+
+
+def test_export_every_steps_must_not_be_negative(setup):
+    problem = setup.set("qwen_edit.output.export_every_steps", -1).problem()
+    assert problem == "qwen_edit.output.export_every_steps: must be >= 0 (0 = only the final export)"

@@ -22,3 +22,8 @@ def test_readme_commands_match_launch_sh_and_ci():
     assert "bash launch.sh demo" in README and "bash launch.sh test" in README
     assert "\n  demo)" in launch and "\n  test)" in launch
     assert "bash launch.sh test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_readme_explains_extending_a_run():
+    """The resume note (checkpoint.schedule_note) points at this README paragraph."""
+    assert "- Extending a run: `--resume --max_steps N`" in README and "re-stretched" in README

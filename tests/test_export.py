@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +40,11 @@ FORMATS = {
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_edit, tmp_path_factory) -> Path:
-    """4 LoRA steps with ZeRO-2 on 2 processes: OUT/global_step4 (2 optimizer shards) and OUT/export."""
+    """4 LoRA steps with ZeRO-2 on 2 processes: OUT/global_step4 (2 optimizer shards), OUT/export and the
+    intermediate export of step 2 (output.export_every_steps)."""
     out = tmp_path_factory.mktemp("export_lora_run")
-    check(run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", str(STEPS))))
+    cfg = write_config(out.parent / f"{out.name}.json", **{"qwen_edit.output.export_every_steps": 2})
+    check(run_trainer(tiny_edit, out, config=cfg, num_procs=2, extra=("--max_steps", str(STEPS))))
     return out
 
 
@@ -122,6 +127,39 @@ def test_export_equals_end_of_training_export(lora_run, lora_exports):
     assert max(v.abs().max().item() for k, v in ours.items() if ".lora_B." in k) > 1e-4, "B never moved"
 
 
+def header(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_exports_carry_metadata_and_the_users_permissions(lora_run, lora_exports):
+    """Every LoRA export (end of training, every output.export_every_steps, train.export in both layouts) says in
+    its safetensors header what it is: base model, variant, rank, alpha, target modules, step, config hash; and
+    is readable as the user's umask allows (safetensors alone writes 0600)."""
+    config = json.loads((lora_run / "config.json").read_text())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    files = {4: lora_run / "export" / LORA_WEIGHT_NAME, 2: lora_run / "export" / "step_000002" / LORA_WEIGHT_NAME}
+    for step, path in [*files.items(), (4, lora_exports["diffusers"]), (4, lora_exports["comfyui"])]:
+        meta = header(path)
+        assert meta["qwen_edit.base_model"] == config["qwen_edit"]["model"]["path"], path
+        assert meta["qwen_edit.variant"] == "edit" and meta["qwen_edit.train_mode"] == "lora"
+        assert (meta["qwen_edit.lora_rank"], meta["qwen_edit.lora_alpha"]) == (str(TINY_LORA["rank"]),
+                                                                              str(float(TINY_LORA["alpha"])))
+        assert json.loads(meta["qwen_edit.target_modules"]) == TINY_LORA["target_modules"]
+        assert meta["qwen_edit.step"] == str(step) and meta["qwen_edit.config_sha256"] == digest
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask(), oct(path.stat().st_mode)
+    assert not list((lora_run / "export").glob("step_000004"))  # the last step is the final export itself
+    assert max_diff(load_file(files[2]), load_file(files[4])) > 0  # step 2 is its own weights
+
+
 @pytest.mark.slow
 def test_export_agrees_with_deepspeeds_zero_to_fp32_script(lora_run, lora_exports, tmp_path):
     """DeepSpeed's own zero_to_fp32.py (copied next to the checkpoint) consolidates to the same tensors."""
@@ -168,6 +206,10 @@ def test_full_export_loads_and_equals_consolidated_weights(full_run, tiny_edit, 
     assert max_diff(loaded, trained) <= 1e-6  # fp32 run: module weights are the masters
     base = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer").state_dict()
     assert max_diff(loaded, base) > 1e-4, "full fine-tune did not move the weights"
+    for directory in (path, full_run / "export" / "transformer"):  # metadata beside the shards, user's umask
+        info = json.loads((directory / "qwen_edit_export.json").read_text())
+        assert info["qwen_edit.train_mode"] == "full" and info["qwen_edit.step"] == str(STEPS)
+        assert {stat.S_IMODE(f.stat().st_mode) for f in directory.iterdir()} == {0o666 & ~umask()}
 
 
 def test_export_refuses_wrong_paths_and_foreign_checkpoints(tmp_path, capsys):

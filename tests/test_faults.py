@@ -126,10 +126,28 @@ def test_zero1_run_resumes_like_the_zero2_reference(tiny_edit, fault_config, ref
     out = tmp_path / "run"
     check(run_trainer(tiny_edit, out, config=config, num_procs=2, extra=("--max_steps", "4")))
     assert (out / "latest").read_text().strip() == "global_step4"
-    check(run_trainer(tiny_edit, out, config=config, num_procs=2, extra=("--max_steps", str(MAX_STEPS), "--resume")))
+    proc = run_trainer(tiny_edit, out, config=config, num_procs=2, extra=("--max_steps", str(MAX_STEPS), "--resume"))
+    check(proc)
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
     assert [r["loss"] for r in records] == pytest.approx(reference_losses, rel=1e-5)
+    # the schedule was 4 steps long and is now MAX_STEPS long: the run says so (inside the warmup, no jump here)
+    assert (f"resume: train.max_steps is {MAX_STEPS}, the checkpoint's run had 4; DeepSpeed's WarmupCosineLR is "
+            f"re-stretched over {MAX_STEPS} steps") in proc.stdout, proc.stdout[-3000:]
+
+
+def test_schedule_note_only_when_a_stretched_schedule_changes_length():
+    from train.checkpoint import schedule_note
+
+    state = {"config": {"scheduler": {"type": "WarmupCosineLR"}, "qwen_edit": {"train": {"max_steps": 100}}}}
+    note = schedule_note(state, 200, 100, 5e-5)
+    assert note.startswith("resume: train.max_steps is 200, the checkpoint's run had 100; DeepSpeed's "
+                           "WarmupCosineLR is re-stretched over 200 steps, so the learning rate at step 100 is now "
+                           "5e-05 (on the saved curve it would be at its end value)")
+    assert "README 'Extending a run'" in note
+    assert schedule_note(state, 100, 50, 1e-4) is None  # same length
+    constant = {"config": {**state["config"], "scheduler": {"type": "WarmupLR"}}}
+    assert schedule_note(constant, 200, 100, 1e-4) is None  # its rate does not depend on max_steps
 
 
 def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):

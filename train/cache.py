@@ -325,7 +325,7 @@ def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[d
            "not loaded", rank=d.rank)
     loader = data.build_loader(cached, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed, p.data.num_workers,
                                p.data.pin_memory, p.data.shuffle, collate_fn=collate, buckets=p.data.buckets,
-                               category_weights=p.data.category_weights)
+                               category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
     return loop.LoaderSource(loader, lambda raw: to_batch(raw, d.device))
 
 

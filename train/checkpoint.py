@@ -13,6 +13,7 @@ checkpoint directory inside the output directory. A file that needs anything els
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -302,6 +303,26 @@ def check_world_size(state: dict, world_size: int, tag: str) -> None:
         )
 
 
+STRETCHED_SCHEDULES = ("WarmupDecayLR", "WarmupCosineLR")  # their length is filled from train.max_steps
+
+
+def schedule_note(state: dict, max_steps: int, step: int, lr: float) -> str | None:
+    """What a resume with another train.max_steps does to the LR schedule, or None when nothing changes.
+
+    DeepSpeed's schedulers save only their position (last_batch_iteration); the length of WarmupDecayLR and
+    WarmupCosineLR comes from the config, i.e. from the new max_steps, so the rest of the curve is re-stretched
+    over the new length and the learning rate moves (up, for a longer run) from where the saved run left it.
+    """
+    saved = (state.get("config") or {}).get("qwen_edit", {}).get("train", {}).get("max_steps")
+    kind = ((state.get("config") or {}).get("scheduler") or {}).get("type")
+    if saved is None or saved == max_steps or kind not in STRETCHED_SCHEDULES:
+        return None
+    return (f"resume: train.max_steps is {max_steps}, the checkpoint's run had {saved}; DeepSpeed's {kind} is "
+            f"re-stretched over {max_steps} steps, so the learning rate at step {step} is now {lr:.3g} (on the "
+            f"saved curve it would be {'at its end value' if step >= saved else 'lower'}). To keep the saved "
+            "curve, resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
+
+
 def load(engine, out_dir: str | Path, tag: str) -> None:
     """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state; every file is read
     through safe_load (DeepSpeed's checkpoint engine is wrapped for the load)."""
@@ -325,26 +346,64 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
+def export_metadata(config: dict, variant: str, step: int) -> dict[str, str]:
+    """What an export records about itself (safetensors header entries, all text): the base model and variant,
+    the training mode, LoRA rank / alpha / target modules, the step, and a hash of the resolved config."""
+    p = config["qwen_edit"]
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return {"qwen_edit.base_model": str(p["model"]["path"]), "qwen_edit.variant": variant,
+            "qwen_edit.train_mode": p["train"]["mode"], "qwen_edit.lora_rank": str(p["lora"]["rank"]),
+            "qwen_edit.lora_alpha": str(float(p["lora"]["alpha"])),
+            "qwen_edit.target_modules": json.dumps(p["lora"]["target_modules"]), "qwen_edit.step": str(step),
+            "qwen_edit.config_sha256": digest}
+
+
+def apply_umask(path: Path) -> None:
+    """Give `path` (a file, or every file below a directory) the permissions the user's umask asks for: safetensors
+    writes its files 0600 (through a private temporary file), which hides an export from the user's group."""
+    mask = os.umask(0)
+    os.umask(mask)  # reading the umask means setting it; set it straight back
+    for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
+        f.chmod(0o666 & ~mask)
+
+
 def write_diffusers_lora(layers: dict[str, torch.Tensor], out: str | Path, alpha: float, rank: int,
-                         dtype: torch.dtype | None = None) -> Path:
+                         dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None) -> Path:
     """OUT/pytorch_lora_weights.safetensors (`transformer.X.lora_A.weight` keys) for the pipelines'
-    load_lora_weights. The diffusers layout stores no alpha, so alpha / rank is folded into lora_B."""
+    load_lora_weights, with `metadata` (see export_metadata) in its header. The diffusers layout stores no alpha,
+    so alpha / rank is folded into lora_B (the header's lora_alpha is the trained one)."""
     from diffusers import QwenImageEditPipeline
+    from safetensors.torch import save_file
+
+    def save(weights: dict, filename: str) -> None:  # diffusers' own writer, plus our header entries
+        header = {"format": "pt", **(metadata or {})}
+        if metadata:
+            header["qwen_edit.lora_b_scale_folded"] = str(alpha / rank)
+        save_file(weights, filename, metadata=header)
 
     scale = alpha / rank
     layers = {k: (v * scale if scale != 1 and ".lora_B." in k else v).to(dtype or v.dtype) for k, v in layers.items()}
     QwenImageEditPipeline.save_lora_weights(Path(out), transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
-                                            safe_serialization=True)
+                                            safe_serialization=True, save_function=save)
+    apply_umask(Path(out) / LORA_WEIGHT_NAME)
     return Path(out) / LORA_WEIGHT_NAME
 
 
-def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int) -> Path:
+def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int,
+                metadata: dict[str, str] | None = None) -> Path:
     """The end-of-training LoRA export (same layout as `python -m train.export`)."""
-    return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank)
+    return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank, metadata=metadata)
 
 
-def export_full(transformer, out_dir: str | Path) -> Path:
-    """OUT/transformer/: a diffusers QwenImageTransformer2DModel directory (config + safetensors)."""
+EXPORT_INFO = "qwen_edit_export.json"  # a full export's metadata (diffusers writes the shards' headers itself)
+
+
+def export_full(transformer, out_dir: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """OUT/transformer/: a diffusers QwenImageTransformer2DModel directory (config + safetensors), with
+    `metadata` in OUT/transformer/qwen_edit_export.json."""
     out = Path(out_dir) / "transformer"
     transformer.save_pretrained(out, safe_serialization=True)
+    if metadata:
+        (out / EXPORT_INFO).write_text(json.dumps(metadata, indent=2) + "\n")
+    apply_umask(out)
     return out

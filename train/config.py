@@ -90,6 +90,10 @@ class DataConfig:
     """Where the cache lives (on a file system every node sees); "" = OUTPUT/cache."""
     buckets: bool = True
     """Group samples by target and reference shapes so every micro-batch has one shape (micro-batch > 1)."""
+    bucket_fill: bool = False
+    """With micro-batch > 1: complete each shape bucket's remainder with repeats of its own rows, so that a row
+    alone in its shape (a panorama, a scan) is trained too; off leaves remainders out (each cycle other rows), and
+    the log names rows that are then never drawn."""
     category_weights: dict[str, float] = field(default_factory=dict)
     """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing.
     Every category in the data needs a weight ("" = rows without a category; 0 leaves a category out)."""
@@ -172,6 +176,9 @@ class OutputConfig:
     """Metrics cadence in optimizer steps (a device sync happens only then)."""
     keep_last: int = 3
     """Complete checkpoints to keep; older ones are deleted after each save (0 = keep all)."""
+    export_every_steps: int = 0
+    """Also export the weights (as the final export, with its metadata) every N optimizer steps into
+    OUTPUT/export/step_NNNNNN/; 0 = only the final export in OUTPUT/export/."""
     tensorboard: bool = True
     """Write tensorboard scalars under output/tensorboard."""
     gpu_monitor_interval_s: float = 5.0
@@ -368,6 +375,11 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
         images.background_rgb(cfg.data.alpha_background)
     except ValueError as e:
         problems.append(str(e))
+    if cfg.output.export_every_steps < 0:
+        problems.append(f"{p}.output.export_every_steps: must be >= 0 (0 = only the final export)")
+    elif cfg.output.export_every_steps and cfg.parallel.mode == "model_parallel":
+        problems.append(f"{p}.output.export_every_steps: not available in the model_parallel mode; set it to 0 and "
+                        "export checkpoints with python -m train.export --checkpoint OUTPUT/global_stepN --out DIR")
     if cfg.output.keep_last < 0:
         problems.append(f"{p}.output.keep_last: must be >= 0 (0 = keep every checkpoint)")
     if cfg.train.max_nonfinite_steps < 0:

@@ -334,11 +334,12 @@ def _die_with_parent(worker_id: int) -> None:
 
 def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
                  num_workers: int, pin_memory: bool, shuffle: bool, collate_fn=collate, buckets: bool = True,
-                 category_weights: dict[str, float] | None = None) -> DataLoader:
+                 category_weights: dict[str, float] | None = None, bucket_fill: bool = False) -> DataLoader:
     """Micro-batches of this rank's share; `collate_fn` stacks them (train.cache passes its own).
 
     The batch sampler (train/sampling.py) keeps each micro-batch inside one shape bucket (`buckets`, from
-    dataset.bucket_keys()) and draws categories by `category_weights` (dataset.categories()) when given.
+    dataset.bucket_keys()), completes bucket remainders with repeats when `bucket_fill`, and draws categories by
+    `category_weights` (dataset.categories()) when given.
     """
     if len(dataset) < micro_batch_size * world_size:
         raise BadRowsError(
@@ -349,7 +350,7 @@ def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_s
     categories = dataset.categories() if category_weights else None
     try:
         batches = sampling.BucketBatchSampler(keys, micro_batch_size, rank, world_size, seed, shuffle, categories,
-                                              category_weights)
+                                              category_weights, fill=bucket_fill)
     except sampling.SamplingError as e:
         raise BadRowsError(str(e)) from e
     return DataLoader(
@@ -357,3 +358,16 @@ def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_s
         pin_memory=pin_memory and torch.cuda.is_available(), persistent_workers=num_workers > 0,
         worker_init_fn=_die_with_parent,
     )
+
+
+def sampling_summary(sampler: sampling.BucketBatchSampler, rows: list[Row], limit: int = 10) -> str:
+    """The sampler's log line, then the rows it can never draw (each by line and target) and the fixes."""
+    never = sampler.never_drawn()
+    if not never:
+        return sampler.summary()
+    named = [f"row {rows[i].line} ({rows[i].target})" for i in never[:limit]]
+    more = f", and {len(never) - limit} more" if len(never) > limit else ""
+    return (f"{sampler.summary()}\nsampling: {len(never)} row(s) are never drawn: their shape bucket has fewer rows "
+            f"than a micro-batch of {sampler.micro_batch_size}: {', '.join(named)}{more}. To train them, set "
+            "qwen_edit.data.bucket_fill = true (remainders completed with repeats), add rows of their shape, or "
+            "lower train_micro_batch_size_per_gpu")

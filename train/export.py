@@ -20,6 +20,7 @@ lora.alpha != lora.rank the scale is folded into lora_B; the ComfyUI layout keep
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -27,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import safe_load, weights_only_consolidation, write_diffusers_lora
+from train.checkpoint import (
+    STATE_FILE,
+    apply_umask,
+    export_full,
+    export_metadata,
+    safe_load,
+    weights_only_consolidation,
+    write_diffusers_lora,
+)
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_SHARDS = "*zero_pp_rank_*_optim_states.pt"
@@ -146,7 +155,8 @@ def lora_scale(cfg: dict) -> tuple[float, int]:
     return float(lora["alpha"]), int(lora["rank"])
 
 
-def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype) -> Path:
+def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype,
+                      metadata: dict[str, str] | None = None) -> Path:
     """DIR/lora_comfyui.safetensors: `diffusion_model.X.lora_A.weight`, `.lora_B.weight` and `X.alpha`.
 
     ComfyUI's LoRA loader and diffusers' Qwen-Image converter both read this layout (and scale by alpha / rank).
@@ -158,11 +168,13 @@ def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float,
         if key.endswith(".lora_A.weight"):
             sd[f"diffusion_model.{key.removesuffix('.lora_A.weight')}.alpha"] = torch.tensor(alpha)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, out / COMFYUI_WEIGHT_NAME, metadata={"format": "pt"})
+    save_file(sd, out / COMFYUI_WEIGHT_NAME, metadata={"format": "pt", **(metadata or {})})
+    apply_umask(out / COMFYUI_WEIGHT_NAME)
     return out / COMFYUI_WEIGHT_NAME
 
 
-def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype: torch.dtype) -> Path:
+def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype: torch.dtype,
+               metadata: dict[str, str] | None = None) -> Path:
     """DIR/transformer/: config from the base model, weights from the consolidated state dict."""
     from diffusers import QwenImageTransformer2DModel
 
@@ -179,8 +191,7 @@ def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype
                          f"unexpected {unexpected[:10]}; pass --model DIR with the base model it was trained from")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     print(f"writing {len(state)} tensors to {out / 'transformer'}", flush=True)
-    model.save_pretrained(out / "transformer", safe_serialization=True)
-    return out / "transformer"
+    return export_full(model, out, metadata)
 
 
 def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtype: str = "float32",
@@ -194,13 +205,28 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtyp
                          "use --format diffusers")
     state = consolidate(ckpt, num_decoder_stages(cfg))
     torch_dtype = getattr(torch, dtype)
+    metadata = export_metadata(cfg, checkpoint_variant(ckpt, cfg), step_of(ckpt))
     if mode == "full":
-        return write_full(state, Path(model or cfg["qwen_edit"]["model"]["path"]), out, torch_dtype)
+        return write_full(state, Path(model or cfg["qwen_edit"]["model"]["path"]), out, torch_dtype, metadata)
     layers = lora_layers(state, ckpt)
     alpha, rank = lora_scale(cfg)
     if fmt == "comfyui":
-        return write_comfyui_lora(layers, out, alpha, torch_dtype)
-    return write_diffusers_lora(layers, out, alpha, rank, torch_dtype)
+        return write_comfyui_lora(layers, out, alpha, torch_dtype, metadata)
+    return write_diffusers_lora(layers, out, alpha, rank, torch_dtype, metadata)
+
+
+def checkpoint_variant(ckpt: Path, cfg: dict) -> str:
+    """The variant the run trained (trainer_state.json records the detected one; the config may say "auto")."""
+    try:
+        saved = json.loads((ckpt / STATE_FILE).read_text()).get("variant")
+    except (OSError, ValueError, AttributeError):  # no or a damaged state file: the config's setting
+        saved = None
+    return saved or cfg["qwen_edit"]["model"].get("variant", "auto")
+
+
+def step_of(ckpt: Path) -> int:
+    """The optimizer step of a checkpoint directory, from its client_state."""
+    return int(safe_load(ckpt / MODEL_STATES, map_location="cpu", mmap=True)["step"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,6 +127,12 @@ def should_save(step: int, cfg: Config) -> bool:
     return bool(every) and step % every == 0 and step != cfg.project.train.max_steps
 
 
+def should_export(step: int, cfg: Config) -> bool:
+    """An intermediate export (output.export_every_steps); the last step always gets the final export."""
+    every = cfg.project.output.export_every_steps
+    return bool(every) and step % every == 0 and step != cfg.project.train.max_steps
+
+
 def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
     """Mean over the data-parallel replicas (`group`; None = every rank)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -32,8 +32,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
                                p.data.alpha_background)
     loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
-                               category_weights=p.data.category_weights)
-    print0(f"{processor.report.summary()}\n{loader.batch_sampler.summary()}", rank=d.rank)
+                               category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
+    print0(f"{processor.report.summary()}\n{data.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
     return rows, loader
 
 
@@ -59,6 +59,15 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[da
     p = cfg.project
     encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
     return loop.online_source(loader, encoders, variant)
+
+
+def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step: int) -> Path:
+    """The trained weights as a diffusers LoRA file or transformer directory, with their metadata."""
+    p = cfg.project
+    metadata = checkpoint.export_metadata(config.to_dict(cfg), variant, step)
+    if p.train.mode == "lora":
+        return checkpoint.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
+    return checkpoint.export_full(module, out_dir, metadata)
 
 
 def write_summary(out_dir: str, summary: dict) -> None:
@@ -93,6 +102,10 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
     if tag is not None:
         checkpoint.load(eng, p.output.dir, tag)
         print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
+        note = checkpoint.schedule_note(checkpoint.resolve_tag(p.output.dir, tag)[1], p.train.max_steps, start_step,
+                                        eng.lr_scheduler.get_lr()[0] if eng.lr_scheduler else eng.get_lr()[0])
+        if note:
+            print0(note, rank=d.rank)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
     monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
@@ -100,8 +113,17 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
                else NullMetrics())
     try:
         hook = validation.build_hook(cfg, d, eng.module, getattr(source, "encoders", None), metrics, start_step)
+
+        def after_step(step: int) -> None:
+            if hook is not None:
+                hook(step)
+            if d.is_main and loop.should_export(step, cfg):  # ZeRO-1/2 keep whole weights on every rank
+                path = export_weights(cfg, eng.module, Path(p.output.dir) / "export" / f"step_{step:06d}", variant,
+                                      step)
+                metrics.message(f"exported {path}")
+
         steps = loop.train(cfg, d, eng, source, models.scheduler_config(p.model.path), metrics, trainer_state,
-                           start_step, after_step=hook)
+                           start_step, after_step=after_step)
     finally:
         metrics.close()
         gpus = monitor.stop()
@@ -112,11 +134,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
     if d.is_main:
         write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
                                      "replica_digests": digests, "gpus": gpus})
-        export_dir = Path(p.output.dir) / "export"
-        if p.train.mode == "lora":
-            path = checkpoint.export_lora(eng.module, export_dir, p.lora.alpha, p.lora.rank)
-        else:
-            path = checkpoint.export_full(eng.module, export_dir)
+        path = export_weights(cfg, eng.module, Path(p.output.dir) / "export", variant, steps)
         print0(f"exported {path}", rank=d.rank)
     engine.barrier()
 

@@ -10,7 +10,10 @@ micro-batch and all get the same number (collectives stay in lock-step). The rul
   (rows without a category form the group ""); every category in the data needs a weight (0 leaves it out).
 - Cycles: a group's samples are shuffled within each bucket and cut into micro-batches; each bucket's remainder
   (fewer than a micro-batch) is left out of that cycle, and the cycle's micro-batches are shuffled. Cycle j of
-  epoch e is seeded by (seed, group, e, j), so every cycle leaves out other samples.
+  epoch e is seeded by (seed, group, e, j), so every cycle leaves out other samples. A bucket with fewer samples
+  than a micro-batch is thus never drawn (`never_drawn` lists them). With `fill` (data.bucket_fill) each bucket's
+  remainder is completed to a full micro-batch with repeats of the same bucket's samples (taken in the cycle's
+  order), so every sample is drawn every cycle and a lone shape trains too (repeated within its micro-batch).
 - Epochs: an epoch has T micro-batches, T = the number of full micro-batches the whole dataset cuts into (as
   without balancing), rounded down to a multiple of world_size. Group g gets t_g of them, the largest-remainder
   share of T by weight (so |t_g / T - w_g / sum w| < 1 / T), and takes the first t_g micro-batches of its
@@ -59,15 +62,15 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __init__(self, bucket_keys: list[Hashable], micro_batch_size: int, rank: int, world_size: int, seed: int,
                  shuffle: bool = True, categories: list[str | None] | None = None,
-                 category_weights: dict[str, float] | None = None):
+                 category_weights: dict[str, float] | None = None, fill: bool = False):
         assert 0 <= rank < world_size and micro_batch_size >= 1
-        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.micro_batch_size, self.rank, self.world_size, self.fill = micro_batch_size, rank, world_size, fill
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self._skip = 0, 0
         self.num_samples = len(bucket_keys)
         self.num_buckets = len(set(bucket_keys))
         bucket_sizes = Counter(bucket_keys)
-        num_full = sum(n // micro_batch_size for n in bucket_sizes.values())
+        num_full = sum(self._num_batches(n) for n in bucket_sizes.values())
         self.num_batches = num_full // world_size * world_size  # T: micro-batches of all ranks per epoch
         if self.num_batches == 0:
             largest = max(bucket_sizes.values(), default=0)
@@ -88,8 +91,21 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.quota = apportion(self.num_batches, drawn)  # t_g
         self.cycle_length = {g: self._cycle_length(g) for g in drawn}
 
+    def _num_batches(self, num_samples: int) -> int:
+        """Micro-batches a bucket of `num_samples` cuts into per cycle (its remainder filled, or left out)."""
+        return -(-num_samples // self.micro_batch_size) if self.fill else num_samples // self.micro_batch_size
+
     def _cycle_length(self, group: str) -> int:
-        return sum(len(ix) // self.micro_batch_size for ix in self._groups[group].values())
+        return sum(self._num_batches(len(ix)) for ix in self._groups[group].values())
+
+    def never_drawn(self) -> list[int]:
+        """Samples no epoch ever draws: those of a drawn category whose shape bucket (within the category) has fewer
+        samples than a micro-batch; [] with `fill`. Categories of weight 0 are left out on purpose, not listed."""
+        if self.fill:
+            return []
+        drawn = [g for g, w in self.weights.items() if w > 0 and g in self._groups]
+        return sorted(i for g in drawn for ix in self._groups[g].values() if len(ix) < self.micro_batch_size
+                      for i in ix)
 
     def _check_groups(self) -> None:
         sizes = {g: sum(map(len, b.values())) for g, b in self._groups.items()}
@@ -134,6 +150,8 @@ class BucketBatchSampler(Sampler[list[int]]):
             if self.shuffle:
                 rng.shuffle(indices)
             b = self.micro_batch_size
+            if self.fill and len(indices) % b:  # complete the remainder with this bucket's first samples, cyclically
+                indices += [indices[k % len(indices)] for k in range(b - len(indices) % b)]
             batches += [indices[i:i + b] for i in range(0, len(indices) - b + 1, b)]
         if self.shuffle:
             rng.shuffle(batches)
@@ -167,9 +185,16 @@ class BucketBatchSampler(Sampler[list[int]]):
         """One line for the log: buckets, micro-batches per rank, and what balancing draws."""
         b = self.micro_batch_size
         remainder = sum(len(ix) % b for bk in self._groups.values() for ix in bk.values())
+        never = len(self.never_drawn())
+        if self.fill:
+            rest = f"{remainder} rows per cycle in bucket remainders, completed with repeats (data.bucket_fill)"
+        elif self.shuffle:
+            rest = (f"{remainder} rows per cycle in bucket remainders (other rows each cycle"
+                    + (f", except {never} that are never drawn)" if never else ")"))
+        else:
+            rest = f"{remainder} rows per cycle in bucket remainders (always the same rows)"
         text = (f"sampling: {self.num_samples} rows in {self.num_buckets} shape bucket(s), {len(self)} micro-batches "
-                f"of {b} per rank per epoch on {self.world_size} rank(s); {remainder} rows per cycle in bucket "
-                "remainders" + (" (other rows each cycle)" if self.shuffle else " (always the same rows)"))
+                f"of {b} per rank per epoch on {self.world_size} rank(s); " + rest)
         if self.weighted:
             parts = [f"{g or '<none>'}: {sum(map(len, self._groups.get(g, {}).values()))} rows, weight {w:g}, "
                      f"{self.quota.get(g, 0)} micro-batches" for g, w in sorted(self.weights.items())]
