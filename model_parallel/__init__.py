@@ -11,8 +11,8 @@ See docs/model_parallel.md.
 """
 
 
-def main(cfg, resume: str | None) -> int:
+def main(cfg, resume: str | None, overwrite: bool = False) -> int:
     """Run this process's stage of the model-parallel mode; returns the process exit code."""
     from model_parallel.runner import main as run
 
-    return run(cfg, resume)
+    return run(cfg, resume, overwrite)

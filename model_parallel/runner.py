@@ -16,7 +16,7 @@ import torch
 from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
-from train import checkpoint, config, data, engine, loop, lora_io, models
+from train import checkpoint, config, data, engine, loop, lora_io, models, outdir
 from train import main as train_main
 from train.metrics import Metrics, NullMetrics, print0
 
@@ -92,14 +92,11 @@ def build_stage(cfg: config.Config, plan: placement.Plan, me: placement.Placemen
 
 
 def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: placement.Placement,
-                links: worlds.Links, resume: str | None) -> None:
+                links: worlds.Links, resume: str | None, overwrite: bool = False) -> None:
     p = cfg.project
     world_size = len(plan.placements)
     variant = models.detect_variant(p.model.path, p.model.variant)
     tag, start_step = resume_point(cfg, world_size, resume)
-    if d.is_main:
-        config.write_resolved(cfg, p.output.dir)
-        Metrics.truncate(p.output.dir, start_step)
     try:
         batches_per_epoch = stages.receive_start(links.to_prev, 0)
     except stages.EncoderStopped as e:
@@ -112,6 +109,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     if tag is not None:
         checkpoint.load(eng, p.output.dir, tag)
         print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
+    train_main.start_writing(cfg, d, overwrite, start_step)
     trainer_state = {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],
                      "parallel": parallel_layout(cfg, world_size), "config": config.to_dict(cfg)}
@@ -192,7 +190,7 @@ def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict
     print0(f"exported {path}")
 
 
-def main(cfg: config.Config, resume: str | None) -> int:
+def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int:
     """Run this process's stage; returns the exit code (0 done, 2 bad data or resume point)."""
     engine.prepare_environment()
     plan = build_plan(cfg)
@@ -213,8 +211,11 @@ def main(cfg: config.Config, resume: str | None) -> int:
 
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # adopts it
             engine.release_shm_buffer()
-            run_decoder(cfg, d, plan, me, links, resume)
-    except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError) as e:
+            # decoder rank 0 writes the run's files, so it holds the directory (a collective of the decoders)
+            with outdir.claim(cfg.project.output.dir, resume is not None, overwrite,
+                              outdir.is_holder(cfg.deepspeed, d)):
+                run_decoder(cfg, d, plan, me, links, resume, overwrite)
+    except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
         code = 2
     engine.teardown()

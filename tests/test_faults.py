@@ -151,12 +151,20 @@ def test_schedule_note_only_when_a_stretched_schedule_changes_length():
 
 
 def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):
-    """A 2-process checkpoint resumed by 1 process stops with exit 2 and says how to proceed."""
+    """A 2-process checkpoint resumed by 1 process stops with exit 2 and says how to proceed; a fresh run into the
+    finished run's directory, and a resume with a DeepSpeed key typo, stop without changing its files."""
     out = tmp_path / "run"
     check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", "4")))
     proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "saved by 2 processes, resumed by 1" in proc.stderr and "python -m train.export" in proc.stderr
+    kept = {name: (out / name).read_bytes() for name in ("config.json", "metrics.jsonl", "latest")}
+    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8"))  # a fresh run: refused
+    assert proc.returncode == 2 and "holds another run (global_step4, latest" in proc.stderr, proc.stderr[-3000:]
+    typo = write_config(tmp_path / "typo.json", base=fault_config, zero_optimization={"stage": 2, "overlap_comn": 1})
+    proc = run_trainer(tiny_edit, out, config=typo, num_procs=2, extra=("--max_steps", "8", "--resume"))
+    assert proc.returncode != 0 and "overlap_comn" in proc.stderr, proc.stderr[-3000:]
+    assert {name: (out / name).read_bytes() for name in kept} == kept, "a failed start changed the finished run"
 
 
 def test_resume_errors(tiny_edit, fault_config, tmp_path):
@@ -205,7 +213,8 @@ def test_oom_names_the_settings_that_help(tiny_edit, tmp_path):
 
 
 def test_bf16_resume_reproduces_losses(tiny_edit, fault_config, tmp_path):
-    """DeepSpeed bf16 (on CPU here): a run resumed from step 4 repeats the uninterrupted run's losses exactly."""
+    """DeepSpeed bf16 (on CPU here): a run resumed from step 4 repeats the uninterrupted run's losses exactly (a torn
+    last line in metrics.jsonl is dropped)."""
     import shutil
 
     cfg = write_config(tmp_path / "bf16.json", base=fault_config, **{"bf16.enabled": True})
@@ -214,6 +223,8 @@ def test_bf16_resume_reproduces_losses(tiny_edit, fault_config, tmp_path):
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "global_step8")
     (cut / "latest").write_text("global_step4")
+    with open(cut / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 0.5')  # the torn last line of a run killed while writing it
     check(run_trainer(tiny_edit, cut, config=cfg, extra=("--max_steps", "8", "--resume")))
     assert json.loads((cut / "config.json").read_text())["bf16"]["enabled"]
     assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]

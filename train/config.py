@@ -584,8 +584,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help=f"overrides {PROJECT_KEY}.train.seed")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
                         help="resume from OUTPUT/latest, or from OUTPUT/TAG (e.g. global_step500)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start anew in an output directory that holds another run: its checkpoints, metrics "
+                             "and exports are deleted once every check has passed")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.overwrite and args.resume is not None:
+        parser.error("--overwrite deletes the run that --resume continues; pass one of them")
+    return args
 
 
 def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gpus: int | None = None) -> Config:

@@ -17,7 +17,21 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from train import cache, checkpoint, config, data, engine, fp8, gpumon, loop, lora_io, models, prompts, validation
+from train import (
+    cache,
+    checkpoint,
+    config,
+    data,
+    engine,
+    fp8,
+    gpumon,
+    loop,
+    lora_io,
+    models,
+    outdir,
+    prompts,
+    validation,
+)
 from train.conditioning import MODEL_NAMES
 from train.metrics import Metrics, NullMetrics, prefix_rank_output, print0
 
@@ -85,14 +99,20 @@ def resume_point(cfg: config.Config, d: engine.Dist, resume: str | None) -> tupl
     return tag, state["step"]
 
 
-def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
+def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int) -> None:
+    """Every check has passed and everything is built: the run's first writes into its output directory."""
+    if outdir.is_holder(cfg.deepspeed, d):
+        outdir.start_writing(cfg.project.output.dir, overwrite)
+    if d.is_main:
+        config.write_resolved(cfg, cfg.project.output.dir)
+        Metrics.truncate(cfg.project.output.dir, start_step)  # drop records of steps that will be trained again
+
+
+def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
     variant = models.detect_variant(p.model.path, p.model.variant)
     resolved = config.to_dict(cfg)
     tag, start_step = resume_point(cfg, d, resume)
-    if d.is_main:
-        config.write_resolved(cfg, p.output.dir)
-        Metrics.truncate(p.output.dir, start_step)  # drop records of steps that will be trained again
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
@@ -106,6 +126,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None) -> None:
                                         eng.lr_scheduler.get_lr()[0] if eng.lr_scheduler else eng.get_lr()[0])
         if note:
             print0(note, rank=d.rank)
+    start_writing(cfg, d, overwrite, start_step)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
     monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
@@ -159,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
         import model_parallel
 
-        return model_parallel.main(cfg, args.resume)
+        return model_parallel.main(cfg, args.resume, args.overwrite)
     d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
     code = 0
     try:
-        run(cfg, d, args.resume)
-    except (data.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError) as e:  # on all ranks
+        with outdir.claim(cfg.project.output.dir, args.resume is not None, args.overwrite,
+                          outdir.is_holder(cfg.deepspeed, d)):
+            run(cfg, d, args.resume, args.overwrite)
+    except (data.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
+            outdir.OutputDirError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

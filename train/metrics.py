@@ -109,11 +109,23 @@ class Metrics:
 
     @staticmethod
     def truncate(out_dir: str | Path, last_step: int) -> None:
-        """Keep only records up to `last_step` (a resumed run trains the later steps again)."""
+        """Keep only records up to `last_step` (a resumed run trains the later steps again). A line that is no
+        record (the torn last line of a run killed while writing it) is dropped and reported."""
         path = Path(out_dir) / "metrics.jsonl"
-        if path.is_file():
-            keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-            path.write_text("".join(line + "\n" for line in keep))
+        if not path.is_file():
+            return
+        keep = []
+        for n, line in enumerate(path.read_text(errors="replace").split("\n"), start=1):
+            try:
+                step = json.loads(line)["step"] if line.strip() else None
+            except (json.JSONDecodeError, TypeError, KeyError):
+                print(f"{path} line {n}: not a complete record (a write cut short); dropped", flush=True)
+                continue
+            if step is not None and step <= last_step:
+                keep.append(line)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
 
     def step(self, n: int = 1) -> None:
         if self._bar() is not None:

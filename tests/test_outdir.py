@@ -1,0 +1,121 @@
+"""One run per output directory (train/outdir.py): the lock, fresh runs in used directories, --overwrite."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from train import config, outdir
+from train.metrics import Metrics
+
+
+def test_second_claim_is_refused_until_the_first_ends(tmp_path):
+    """A directory held by a run refuses a second one, naming the holder; released, it can be claimed again."""
+    with outdir.claim(tmp_path, resume=False, overwrite=False, holder=True):
+        with pytest.raises(outdir.OutputDirError, match=f"another run is using it \\(pid {os.getpid()} on "):
+            with outdir.claim(tmp_path, resume=True, overwrite=False, holder=True):
+                pass
+    with outdir.claim(tmp_path, resume=True, overwrite=False, holder=True):
+        pass
+
+
+def test_a_killed_run_leaves_no_stale_lock(tmp_path):
+    """SIGKILL the process holding the lock (no clean-up runs): the directory is free at once."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom train import outdir\n"
+                               f"with outdir.claim({str(tmp_path)!r}, False, False, True):\n"
+                               "    print('held', flush=True)\n    time.sleep(600)\n"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(outdir.OutputDirError, match=f"pid {holder.pid} "):
+            with outdir.claim(tmp_path, resume=True, overwrite=False, holder=True):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    with outdir.claim(tmp_path, resume=True, overwrite=False, holder=True):
+        pass
+
+
+def used_dir(path):
+    """A directory as a finished run leaves it, plus a cache and a pre-flight report."""
+    for name in ("global_step4", "global_step8", "export", "cache", "tensorboard"):
+        (path / name).mkdir(parents=True)
+    (path / "global_step8" / "trainer_state.json").write_text('{"step": 8}')
+    for name, text in {"latest": "global_step8", "metrics.jsonl": '{"step": 1}\n', "config.json": "{}",
+                       "bad_rows.txt": "row 3\n", "gpu_metrics.jsonl": "{}\n"}.items():
+        (path / name).write_text(text)
+    return path
+
+
+def test_fresh_run_refuses_a_used_directory(tmp_path):
+    """Without --resume a directory holding another run is refused, listing what is there, and nothing changes;
+    one holding only a cache or a pre-flight report is fresh."""
+    out = used_dir(tmp_path / "run")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(outdir.OutputDirError, match="holds another run \\(global_step4, global_step8, latest, "
+                                                    "config.json, metrics.jsonl, export and 1 more\\); continue it "
+                                                    "with --resume, choose a new --output_dir, or pass --overwrite"):
+        with outdir.claim(out, resume=False, overwrite=False, holder=True):
+            pass
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != outdir.LOCK_FILE} == before
+    with outdir.claim(out, resume=True, overwrite=False, holder=True):
+        pass
+    fresh = tmp_path / "fresh"
+    (fresh / "cache").mkdir(parents=True)
+    (fresh / "bad_rows.txt").write_text("row 1\n")
+    with outdir.claim(fresh, resume=False, overwrite=False, holder=True):
+        pass
+    with outdir.claim(tmp_path / "new" / "dir", resume=False, overwrite=False, holder=True):
+        assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_overwrite_deletes_the_earlier_run_but_not_the_cache(tmp_path):
+    """--overwrite passes the check; once every check has passed, the earlier run's files go, the cache stays."""
+    out = used_dir(tmp_path / "run")
+    with outdir.claim(out, resume=False, overwrite=True, holder=True):
+        outdir.start_writing(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "bad_rows.txt", "cache"]
+
+
+def test_overwrite_and_resume_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        config.parse_args(["--ds_config", "x.json", "--resume", "--overwrite"])
+    assert "--overwrite deletes the run that --resume continues" in capsys.readouterr().err
+
+
+def test_metrics_truncate_drops_a_torn_last_line(tmp_path, capsys):
+    """A run killed while writing a record leaves half a line: resume keeps the complete records up to its step."""
+    records = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(records) + '\n{"step": 4, "lo')
+    Metrics.truncate(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == records[0] + "\n" + records[1] + "\n"
+    assert "line 4: not a complete record" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_directory(tiny_edit, tmp_path):
+    """While a run trains, a second one on its directory (even with --resume) exits 2 naming the first."""
+    from conftest import write_config
+    from test_faults import wait_for_step
+
+    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1})
+    args = [sys.executable, str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model",
+            str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "run")]
+    first = subprocess.Popen([*args, "--max_steps", "100000"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_step(tmp_path / "run", 1, first)
+        second = subprocess.run([*args, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert first.poll() is None, "the first run ended before the second was refused"
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"another run is using it (pid {first.pid} on " in second.stderr, second.stderr[-3000:]
