@@ -39,6 +39,14 @@ def tiny_2511(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_2511"), "edit_plus_2511", num_samples=16)
 
 
+@pytest.fixture(scope="session")
+def tiny_t2i(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image (text-to-image, QwenImagePipeline, no processor/); its rows have no edit_image."""
+    from train.make_tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), "t2i", num_samples=16)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

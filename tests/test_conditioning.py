@@ -10,12 +10,13 @@ the same batches, so the comparisons are exact (torch.equal), not approximate.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline
+from diffusers import DiffusionPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
@@ -104,8 +105,9 @@ def trainer_inputs(pipe, samples: list[list[Image.Image]], prompts: list[str], v
     per_sample = [C.reference_inputs(images, variant, area=AREA, condition_area=CONDITION_AREA) for images in samples]
     vl_images = [vl for vl, _ in per_sample]
     slots = [torch.stack([pixels[i] for _, pixels in per_sample]) for i in range(len(samples[0]))]
-    embeds, mask = C.encode_prompts(pipe.text_encoder, pipe.processor, prompts, vl_images, variant)
-    tokens, shapes = C.encode_references(pipe.vae, slots)
+    processor = getattr(pipe, "processor", pipe.tokenizer)  # text-to-image pipelines have a tokenizer only
+    embeds, mask = C.encode_prompts(pipe.text_encoder, processor, prompts, vl_images, variant)
+    tokens, shapes = C.encode_references(pipe.vae, slots, len(prompts))
     return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask, "reference_tokens": tokens,
             "img_shapes": C.img_shapes(target_hw, shapes, len(prompts))}
 
@@ -116,7 +118,7 @@ def assert_same(name: str, ours, theirs) -> None:
         return
     assert ours.shape == theirs.shape, f"{name}: shape {tuple(ours.shape)} vs pipeline {tuple(theirs.shape)}"
     assert ours.dtype == theirs.dtype, f"{name}: dtype {ours.dtype} vs pipeline {theirs.dtype}"
-    diff = (ours.double() - theirs.double()).abs().max().item()
+    diff = (ours.double() - theirs.double()).abs().max().item() if ours.numel() else 0.0
     assert torch.equal(ours, theirs), f"{name}: not bit-equal to the pipeline's (max abs diff {diff:.3g})"
 
 
@@ -217,6 +219,57 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
         plain_2509 = edit_plus_pipe.transformer(**kwargs)[0]
     assert_same("2511 prediction", prediction, recorded["output"])
     assert (prediction - plain_2509).abs().max().item() > 1e-3, "zero_cond_t changed nothing"
+
+
+@pytest.fixture(scope="module")
+def tiny_t2i(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), variant="t2i", num_samples=4, size=64)
+
+
+def text_to_image_pipeline(name: str, request):
+    """QwenImagePipeline of the tiny Qwen-Image, or one built from the tiny edit model's components (how a
+    no-reference sample of an edit model is encoded and sampled)."""
+    if name == "t2i":
+        return load_pipeline(request.getfixturevalue("tiny_t2i"))
+    edit = request.getfixturevalue("edit_pipe")
+    pipe = QwenImagePipeline(scheduler=edit.scheduler, vae=edit.vae, text_encoder=edit.text_encoder,
+                             tokenizer=edit.tokenizer, transformer=edit.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("model, variant", [("t2i", "t2i"), ("edit", "edit")], ids=["qwen_image", "edit_model"])
+def test_text_to_image_batch_matches_qwen_image_pipeline(model, variant, request):
+    """Rows without a reference (Qwen-Image's own rows, or no-reference rows trained on an edit model): a batch of two
+    prompts of different lengths gives QwenImagePipeline's padded embeds, 0/1 mask, img_shapes (the target alone)
+    and a sequence of target tokens only; its encode_prompt gives the same embeds and mask."""
+    pipe = text_to_image_pipeline(model, request)
+    prompts = ["a red circle on grey", "a green square on grey, small, in the top left corner of the picture"]
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append({k: kwargs.get(k) for k in RECORDED}), with_kwargs=True)
+    try:
+        pipe(prompt=prompts, height=64, width=96, true_cfg_scale=1.0, num_inference_steps=2, output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    hw = (64 // C.PIXELS_PER_LATENT, 96 // C.PIXELS_PER_LATENT)
+    ours = trainer_inputs(pipe, [[], []], prompts, variant, hw)
+    assert ours["reference_tokens"].shape == (2, 0, 64) and ours["img_shapes"] == [[(1, 4, 6)]] * 2
+    mask = ours["encoder_hidden_states_mask"]
+    assert mask is not None and not bool(mask.all()), f"padding not exercised: {mask}"
+    assert_matches_pipeline(ours, calls[0], hw)
+    embeds, pipe_mask = pipe.encode_prompt(prompts, device=torch.device("cpu"), max_sequence_length=512)
+    assert_same("encode_prompt embeds", ours["encoder_hidden_states"], embeds)
+    assert_same("encode_prompt mask", mask, pipe_mask)
+
+
+def test_text_to_image_template_and_limits_are_qwen_image_pipelines(tiny_t2i):
+    pipe = load_pipeline(tiny_t2i)
+    assert isinstance(pipe, QwenImagePipeline)
+    assert C.T2I_TEMPLATE == pipe.prompt_template_encode and C.T2I_DROP_IDX == pipe.prompt_template_encode_start_idx
+    assert C.T2I_TOKENIZER_MAX_LENGTH == pipe.tokenizer_max_length
+    assert C.T2I_MAX_SEQUENCE_LENGTH == inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
 
 
 def _tiny_train_config():

@@ -784,12 +784,12 @@ def test_validation_file_rows_checked(setup, tmp_path):
     """Each bad row is named by its line: invalid JSON, no edit_image, empty prompt, a missing image."""
     (tmp_path / "ok.png").write_bytes(b"png")
     path = tmp_path / "val.jsonl"
-    path.write_text('{"edit_image": "ok.png", "prompt": "fine"}\n{oops\n{"prompt": "x"}\n\n'
+    path.write_text('{"edit_image": "ok.png", "prompt": "fine"}\n{oops\n{"edit_image": 5, "prompt": "x"}\n\n'
                     '{"edit_image": ["ok.png"], "prompt": " "}\n{"edit_image": "gone.png", "prompt": "x"}\n')
     setup.set(q("validation.file"), str(path))
     problems = setup.problems()
     assert [p.split(": ", 2)[1].rsplit(" line ", 1)[1] for p in problems] == ["2", "3", "5", "6"], problems
-    assert "not valid JSON" in problems[0] and "needs 'edit_image'" in problems[1]
+    assert "not valid JSON" in problems[0] and "for an edit, 'edit_image'" in problems[1]
     assert "empty or missing 'prompt'" in problems[2] and "'gone.png' not found" in problems[3]
 
 

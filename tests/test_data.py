@@ -109,7 +109,8 @@ def test_too_many_references(tmp_path, variant, refs, limit):
     assert f"keep at most {limit} in 'edit_image'" in msg
 
 
-@pytest.mark.parametrize("variant, refs", [("edit", 1), ("edit_plus", 1), ("edit_plus", 3)])
+@pytest.mark.parametrize("variant, refs", [("edit", 1), ("edit_plus", 1), ("edit_plus", 3), ("edit_plus_2511", 3),
+                                           ("t2i", 0), ("edit", 0), ("edit_plus", 0)])
 def test_allowed_reference_counts_pass(tmp_path, variant, refs):
     """Up to the variant's limit of references is fine; a clean dataset returns every row and writes no report."""
     report = tmp_path / "out" / "bad_rows.txt"
@@ -117,14 +118,31 @@ def test_allowed_reference_counts_pass(tmp_path, variant, refs):
     assert [(r.line, len(r.references)) for r in rows] == [(1, refs)] and not report.exists()
 
 
+@pytest.mark.parametrize("edit_image", [None, "", []], ids=["absent", "empty", "empty_list"])
+def test_row_without_edit_image_is_text_to_image(tmp_path, edit_image):
+    """No edit_image (absent, "" or []): a row with no reference; its sample has no reference pixels or VL images,
+    and such samples collate into a micro-batch without reference slots."""
+    rows = [{**good(tmp_path, i, refs=0), **({} if edit_image is None else {"edit_image": edit_image})}
+            for i in (1, 2)]
+    got = preflight(write_jsonl(tmp_path, rows), "edit", "stop")
+    assert [r.references for r in got] == [[], []]
+    ds = dataset(tmp_path, "edit", rows)
+    batch = collate([ds[0], ds[1]])
+    assert batch["reference_pixels"] == [] and batch["vl_images"] == [[], []]
+    assert batch["target"].shape[0] == 2 and ds.bucket_keys()[0] == ((8, 8),)
+
+
+def test_text_to_image_variant_refuses_references(tmp_path):
+    msg = stop_message(write_jsonl(tmp_path, [good(tmp_path, 1, refs=0), good(tmp_path, 2)]), "t2i")
+    assert "row 2 (t2.png): has edit_image but the t2i variant (text-to-image) takes no reference" in msg
+
+
 PARSE_CASES = {
     "malformed_json": ('{"image": "t.png", ', ["not valid JSON", "write one JSON object per line"]),
     "not_an_object": ("[1, 2, 3]", [f"expected a JSON object with keys {FIELDS}"]),
     "string_line": ('"just text"', [f"expected a JSON object with keys {FIELDS}"]),
-    "missing_image": ({"edit_image": "r.png", "prompt": "p"}, ["missing image", f"every row needs {FIELDS}"]),
-    "missing_edit_image": ({"image": "t.png", "prompt": "p"}, ["missing edit_image", f"every row needs {FIELDS}"]),
-    "empty_edit_list": ({"image": "t.png", "edit_image": [], "prompt": "p"}, ["missing edit_image"]),
-    "missing_both": ({"prompt": "p"}, ["missing image, edit_image;"]),
+    "missing_image": ({"edit_image": "r.png", "prompt": "p"}, ["missing image", "every row needs image and prompt"]),
+    "missing_both": ({"edit_image": "r.png"}, ["missing image, prompt;"]),
 }
 
 

@@ -19,28 +19,32 @@ from train.engine import Dist
 from train.metrics import NullMetrics
 
 
-def edits_file(tiny: Path, path: Path, num_edits: int = 3) -> Path:
-    """Validation rows on the references of the tiny dataset's first rows (two per edit for 2509)."""
+def edits_file(tiny: Path, path: Path, num_edits: int = 3, references: bool = True) -> Path:
+    """Validation rows on the references of the tiny dataset's first rows (two per edit for 2509; none for the
+    text-to-image model, or without `references`)."""
     data = tiny / "data"
     rows = [json.loads(line) for line in (data / "metadata.jsonl").read_text().splitlines()[:num_edits]]
-    rows = [{"edit_image": [str(data / r) for r in row["edit_image"]] if isinstance(row["edit_image"], list)
-             else str(data / row["edit_image"]), "prompt": f"{row['prompt']} ({i})"} for i, row in enumerate(rows)]
+    rows = [{"prompt": f"{row['prompt']} ({i})", **({"edit_image": [str(data / r) for r in row["edit_image"]]
+             if isinstance(row["edit_image"], list) else str(data / row["edit_image"])}
+             if references and "edit_image" in row else {})} for i, row in enumerate(rows)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-@pytest.mark.parametrize("variant", ["edit", "edit_plus"])
-def test_replayed_conditioning_renders_what_the_encoders_render(variant, tiny_edit, tiny_plus, tmp_path):
+@pytest.mark.parametrize("variant, num_refs", [("edit", 1), ("edit_plus", 2), ("t2i", 0), ("edit", 0)],
+                         ids=["edit", "edit_plus", "t2i", "edit_without_reference"])
+def test_replayed_conditioning_renders_what_the_encoders_render(variant, num_refs, request, tmp_path):
     """One process: encode_requests with the encoders, through the transport message, then a Validator with only
     a VAE replays it: every image equals the one the Validator renders with the encoders (guidance on: the
-    negative prompt is recorded too; 2509: two references per edit)."""
+    negative prompt is recorded too; 2509: two references per edit; text-to-image rows, of Qwen-Image or of an
+    edit model: QwenImagePipeline, prompts only)."""
     from model_parallel import validation as mp_validation
 
-    tiny = tiny_edit if variant == "edit" else tiny_plus
+    tiny = request.getfixturevalue({"edit": "tiny_edit", "edit_plus": "tiny_plus", "t2i": "tiny_t2i"}[variant])
     cfg = Config(ProjectConfig(), deepspeed={})
     p = cfg.project
     p.model.path, p.output.dir = str(tiny / "model"), str(tmp_path / "out")
-    p.validation.file = str(edits_file(tiny, tmp_path / "val.jsonl", 2))
+    p.validation.file = str(edits_file(tiny, tmp_path / "val.jsonl", 2, references=num_refs > 0))
     p.inference = config.InferenceConfig(**{**TINY_INFERENCE, "true_cfg_scale": 2.0})
     d = Dist(0, 1, 0, torch.device("cpu"))
     torch.manual_seed(0)
@@ -48,8 +52,7 @@ def test_replayed_conditioning_renders_what_the_encoders_render(variant, tiny_ed
     encoders = models.load_encoders(p.model.path, torch.float32, d.device)
 
     recorded = validation.encode_requests(cfg, encoders, 0, 1)
-    assert [name for name, _ in recorded[0]] == ["encode_prompt", "encode_prompt"] + ["_encode_vae_image"] * (
-        2 if variant == "edit_plus" else 1)
+    assert [name for name, _ in recorded[0]] == ["encode_prompt", "encode_prompt"] + ["_encode_vae_image"] * num_refs
     received = mp_validation.message_conditioning(*mp_validation.conditioning_message(recorded))
     direct = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()
     vae_only = models.Encoders(None, None, models.load_vae(cfg.project.model.path, torch.float32, d.device))

@@ -148,6 +148,53 @@ def test_edit_plus_trains_with_two_references(tiny_plus, tmp_path):
     assert (out / "export" / "pytorch_lora_weights.safetensors").is_file()
 
 
+def _without_references(tiny: Path, to: Path) -> Path:
+    """The tiny edit dataset with edit_image left out of every other row (the model linked)."""
+    import shutil
+
+    shutil.copytree(tiny / "data", to / "data")
+    (to / "model").symlink_to(tiny / "model")
+    meta = to / "data" / "metadata.jsonl"
+    rows = [json.loads(line) for line in meta.read_text().splitlines()][:8]
+    rows = [{k: v for k, v in row.items() if k != "edit_image" or i % 2} for i, row in enumerate(rows)]
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return to
+
+
+@pytest.mark.parametrize("kind", ["t2i", "edit_without_references"])
+def test_text_to_image_rows_train(kind, request, tmp_path):
+    """Qwen-Image (t2i: rows of image + prompt) and an edit model on rows half of which have no edit_image train
+    through the same entry point; the log, metrics and summary name the variant; the exported LoRA loads into
+    QwenImagePipeline (built from the model's components) and changes its output."""
+    from diffusers import DiffusionPipeline, QwenImagePipeline
+
+    tiny = request.getfixturevalue("tiny_t2i") if kind == "t2i" else _without_references(
+        request.getfixturevalue("tiny_edit"), tmp_path / "tiny")
+    variant = "t2i" if kind == "t2i" else "edit"
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1})
+    proc = run_trainer(tiny, out, config=cfg, extra=("--max_steps", "4"))
+    check(proc)
+    assert f"variant {variant} (" in proc.stdout
+    if kind != "t2i":
+        assert "4 of 8 rows have no edit_image: trained as text-to-image samples" in proc.stdout
+    assert json.loads((out / "summary.json").read_text())["variant"] == variant
+    records = metrics(out)
+    assert len(records) == 4 and all(r["variant"] == variant for r in records)
+    loaded = DiffusionPipeline.from_pretrained(tiny / "model", local_files_only=True)
+    pipe = loaded if kind == "t2i" else QwenImagePipeline(**{k: v for k, v in loaded.components.items()
+                                                             if k != "processor"})
+    pipe.set_progress_bar_config(disable=True)
+
+    def sample():
+        return pipe(prompt="a red circle on grey", height=64, width=64, num_inference_steps=2, true_cfg_scale=1.0,
+                    output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    before = sample()
+    pipe.load_lora_weights(out / "export", weight_name="pytorch_lora_weights.safetensors")
+    assert (sample() - before).abs().max().item() > 1e-4
+
+
 def test_bad_config_is_reported_before_anything_loads(tiny_edit, tmp_path):
     """A config error exits 2, names every key, and writes nothing into the output directory."""
     cfg = write_config(tmp_path / "bad.json", **{"qwen_edit.lora.rank": 0, "qwen_edit.train.mod": "lora"})

@@ -157,26 +157,29 @@ def test_2511_training_paths_equal_diffusers_forward(options, tol):
         assert (grads - ref_grads).abs().max().item() <= tol * ref_grads.abs().max().item()
 
 
-def test_2511_cache_trains_like_online_encoding(tiny_2511, tmp_path):
-    """data.cache with 2511: the cached micro-batch equals the online one, and so does the flow-matching loss of the
-    zero_cond_t transformer on it (loop.forward_loss, the same noise)."""
+@pytest.mark.parametrize("tiny_name, variant, num_refs", [("tiny_2511", "edit_plus_2511", 2), ("tiny_t2i", "t2i", 0)])
+def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request, tmp_path):
+    """data.cache with 2511 and with Qwen-Image (no references: an empty reference sequence is cached): the cached
+    micro-batch equals the online one, and so does the flow-matching loss of the transformer on it
+    (loop.forward_loss, the same noise; 2511: the zero_cond_t transformer)."""
     from test_cache import WORLD_OF_ONE, copy_tiny, data_of, load_cfg
 
     from train import cache, data, loop
 
-    cfg = load_cfg(copy_tiny(tiny_2511, tmp_path, num_rows=3), tmp_path)
-    variant, rows, dataset = data_of(cfg)
-    assert variant == "edit_plus_2511"
+    cfg = load_cfg(copy_tiny(request.getfixturevalue(tiny_name), tmp_path, num_rows=3), tmp_path)
+    assert data_of(cfg)[0] == variant
+    _, rows, dataset = data_of(cfg)
     index = cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
-    assert index["variant"] == "edit_plus_2511"
+    assert index["variant"] == variant
     encoders = models.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     transformer = models.load_transformer(cfg.project.model, torch.float32)
-    assert transformer.config.zero_cond_t
+    assert transformer.config.zero_cond_t == (variant == "edit_plus_2511")
     scheduler = models.scheduler_config(cfg.project.model.path)
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
     online = loop.encode_batch(data.collate([dataset[0]]), encoders, variant)
     got = cache.to_batch(cache.collate([cached[0]]), torch.device("cpu"))
-    assert len(got.cond.reference_shapes) == 2
+    assert len(got.cond.reference_shapes) == num_refs
+    assert got.cond.reference_tokens.shape[1] == sum(h * w for _, h, w in got.cond.reference_shapes)
     losses = [loop.forward_loss(transformer, b, cfg, torch.Generator().manual_seed(5), scheduler, torch.float32)
               for b in (online, got)]
     assert torch.equal(losses[0], losses[1])
@@ -244,3 +247,29 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
     for want, got_validation, got_infer in zip(expected, rendered, inferred, strict=True):
         assert np.array_equal(np.asarray(got_validation), want)
         assert np.array_equal(np.asarray(got_infer), want)
+
+
+@pytest.mark.parametrize("tiny_name", ["tiny_t2i", "tiny_edit"])
+def test_infer_without_references_renders_qwen_image_pipeline(tiny_name, request):
+    """train.infer's path for a row without edit_image (inference.edit with no images): QwenImagePipeline, the model's
+    own (Qwen-Image) or around an edit model's modules, square at inference.area; the same image as calling that
+    pipeline directly."""
+    from test_validation import TINY_INFERENCE
+
+    from train import config
+
+    tiny = request.getfixturevalue(tiny_name)
+    inf = config.InferenceConfig(**{**TINY_INFERENCE, "true_cfg_scale": 2.0})
+    pipe = inference.load_pipeline(tiny / "model", torch.float32)
+    variant = models.detect_variant(tiny / "model")
+    got = inference.edit(pipe, variant, [], "a red circle on grey", 5, inf)
+    assert got.size == (128, 128)
+    loaded = diffusers.DiffusionPipeline.from_pretrained(tiny / "model", dtype=torch.float32)
+    direct = loaded if tiny_name == "tiny_t2i" else diffusers.QwenImagePipeline(
+        **{k: v for k, v in loaded.components.items() if k != "processor"})
+    direct.set_progress_bar_config(disable=True)
+    want = direct(prompt="a red circle on grey", negative_prompt=inf.negative_prompt, true_cfg_scale=2.0, height=128,
+                  width=128, num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(5)).images[0]
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    assert inference.check_request(inference.EditRequest(0, 1, [Path("a.png")], "p", 0, "x"), "t2i").startswith(
+        "has edit_image but the t2i variant")

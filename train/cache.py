@@ -110,7 +110,8 @@ def dependencies(cfg: config.Config, variant: str, rows: list[data.Row], dtype: 
     import transformers
 
     d = cfg.project.data
-    templates = json.dumps([conditioning.PROMPT_TEMPLATES, conditioning.DROP_IDX], sort_keys=True)
+    templates = json.dumps([conditioning.PROMPT_TEMPLATES, conditioning.DROP_IDX, conditioning.T2I_TEMPLATE,
+                            conditioning.T2I_DROP_IDX, conditioning.T2I_MAX_SEQUENCE_LENGTH], sort_keys=True)
     processing = json.dumps({"normalize_prompts": d.normalize_prompts, "prompt_mapping": _file_sha(d.prompt_mapping),
                              "blocked_terms": _file_sha(d.blocked_terms), "blocked_policy": d.blocked_policy})
     return {

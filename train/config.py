@@ -456,10 +456,11 @@ def _validation_file_problems(path: Path, limit: int = 5) -> list[str]:
         except json.JSONDecodeError as e:
             problems.append(f"{path} line {n}: not valid JSON ({e.msg})")
             continue
-        refs = row.get("edit_image") if isinstance(row, dict) else None
+        refs = row.get("edit_image", []) if isinstance(row, dict) else None  # none: a text-to-image row
         refs = [refs] if isinstance(refs, str) else refs
-        if not refs or not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
-            problems.append(f"{path} line {n}: needs 'edit_image' (a path or a list of paths) and 'prompt'")
+        if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+            problems.append(f"{path} line {n}: needs 'prompt' and, for an edit, 'edit_image' (a path or a list of "
+                            "paths)")
         elif not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             problems.append(f"{path} line {n}: empty or missing 'prompt'")
         else:

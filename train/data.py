@@ -1,8 +1,9 @@
 """Edit pairs from a folder: metadata.jsonl (or .csv) + images; pre-flight row checks; loader.
 
-A row has `image` (the target), `edit_image` (one path, or a list of 1-3 for 2509; in CSV several paths are
-separated by ';') and `prompt`. Paths are relative to the data folder. Every row is checked before training
-(each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
+A row has `image` (the target), `edit_image` (one path, or a list of 1-3 for 2509/2511; in CSV several paths are
+separated by ';') and `prompt`; a row without `edit_image` is a text-to-image sample (the t2i variant's only kind;
+an edit model trains on it without a reference). Paths are relative to the data folder. Every row is checked before
+training (each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
 each row and file, or are skipped and counted when data.bad_rows = "skip". Nothing is dropped silently.
 
 Before the checks, prompts are processed (train/prompts.py: normalised, mapped, blocked rows dropped or kept)
@@ -29,6 +30,7 @@ from train import conditioning, engine, images, prompts, sampling
 from train.metrics import print0
 
 COLUMNS = ("image", "edit_image", "prompt")
+REQUIRED = ("image", "prompt")  # edit_image is left out by text-to-image rows
 
 
 class BadRowsError(ValueError):
@@ -84,16 +86,18 @@ def read_rows(data_dir: str | Path) -> tuple[list[Row], list[str]]:
     records, problems = _raw_records(meta)
     rows = []
     for n, rec in records:
-        missing = [c for c in COLUMNS if rec.get(c) in (None, "", [])]
+        missing = [c for c in REQUIRED if rec.get(c) in (None, "", [])]
         if missing and missing != ["prompt"]:  # an empty prompt is reported by check_row with the row's file
-            problems.append(f"{meta.name} line {n}: missing {', '.join(missing)}; every row needs {', '.join(COLUMNS)}")
+            problems.append(f"{meta.name} line {n}: missing {', '.join(missing)}; every row needs image and prompt "
+                            "(and edit_image for an edit)")
             continue
         category = rec.get("category")
         if category is not None and not isinstance(category, str):
             problems.append(f"{meta.name} line {n}: category {json.dumps(category)} is not text; write it as a "
                             "string (or leave it empty)")
             continue
-        refs = rec["edit_image"] if isinstance(rec["edit_image"], list) else [rec["edit_image"]]
+        refs = rec.get("edit_image") or []
+        refs = refs if isinstance(refs, list) else [refs]
         prompt = rec.get("prompt")
         rows.append(Row(n, str(rec["image"]), [str(r) for r in refs], prompt if isinstance(prompt, str) else "",
                         (category or "").strip() or None))
@@ -148,7 +152,10 @@ def check_row(row: Row, data_dir: Path, variant: str) -> list[str]:
     if not row.prompt.strip():
         problems.append(f"{where} ({row.target}): empty or non-text prompt; write the edit instruction in 'prompt'")
     limit = conditioning.MAX_REFERENCES[variant]
-    if len(row.references) > limit:
+    if row.references and not limit:
+        problems.append(f"{where} ({row.target}): has edit_image but the {variant} variant (text-to-image) takes no "
+                        "reference; remove 'edit_image' or train an edit model")
+    elif len(row.references) > limit:
         problems.append(f"{where} ({row.target}): {len(row.references)} edit images but the {variant} variant takes "
                         f"at most {limit}; keep at most {limit} in 'edit_image' or remove the row")
     for name in [row.target, *row.references]:

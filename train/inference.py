@@ -65,10 +65,11 @@ def read_requests(path: str | Path, base_seed: int = 0) -> tuple[list[EditReques
 def _parse_row(row, index: int, line: int, folder: Path, base_seed: int) -> EditRequest:
     if not isinstance(row, dict):
         raise ValueError("expected a JSON object with keys edit_image, prompt (optional: seed, output)")
-    refs = row.get("edit_image")
+    refs = row.get("edit_image", [])  # none: a text-to-image row
     refs = [refs] if isinstance(refs, str) else refs
-    if not refs or not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
-        raise ValueError("'edit_image' must be a path or a list of paths (relative to the jsonl's folder)")
+    if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+        raise ValueError("'edit_image' must be a path or a list of paths (relative to the jsonl's folder); leave it "
+                         "out for text-to-image")
     prompt = row.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("empty or missing 'prompt'; write the edit instruction")
@@ -87,6 +88,8 @@ def _parse_row(row, index: int, line: int, folder: Path, base_seed: int) -> Edit
 def check_request(request: EditRequest, variant: str) -> str | None:
     """Why the request cannot be rendered (a missing or undecodable image, too many references), or None."""
     limit = conditioning.MAX_REFERENCES[variant]
+    if request.references and not limit:
+        return f"has edit_image but the {variant} variant (text-to-image) takes none; remove 'edit_image'"
     if len(request.references) > limit:
         return f"{len(request.references)} edit images but the {variant} variant takes at most {limit}"
     for ref in request.references:
@@ -135,8 +138,9 @@ def pipeline_from_components(model_dir: str | Path, variant: str, transformer, e
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler",
                                                                 local_files_only=True)
     tokenizer = Qwen2Tokenizer.from_pretrained(Path(model_dir) / "tokenizer", local_files_only=True)
+    processor = {} if variant == "t2i" else {"processor": encoders.processor}  # QwenImagePipeline takes none
     pipe = _pipeline_class(variant)(scheduler=scheduler, vae=encoders.vae, text_encoder=encoders.text_encoder,
-                                    tokenizer=tokenizer, processor=encoders.processor, transformer=transformer)
+                                    tokenizer=tokenizer, transformer=transformer, **processor)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -218,10 +222,34 @@ def bridge(module: torch.nn.Module, device, dtype, out_device, out_dtype) -> lis
             module.register_forward_hook(after, with_kwargs=True)]
 
 
+def text_to_image_pipeline(pipe):
+    """`pipe` itself when it is a QwenImagePipeline, else one around an edit pipeline's modules (shared, not copied;
+    LoRAs loaded into the edit pipeline's transformer apply): how a request without references is sampled, with the
+    prompt encoding the trainer uses for rows without references."""
+    from diffusers import QwenImagePipeline
+
+    if isinstance(pipe, QwenImagePipeline):
+        return pipe
+    if getattr(pipe, "_text_to_image", None) is None:
+        t2i = QwenImagePipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                                tokenizer=pipe.tokenizer, transformer=pipe.transformer)
+        t2i.set_progress_bar_config(disable=True)
+        pipe._text_to_image = t2i
+    return pipe._text_to_image
+
+
 def edit(pipe, variant: str, images: list[Image.Image], prompt: str, seed: int, inference: InferenceConfig,
          ) -> Image.Image:
-    """One edit with the sampler settings of `inference`, sized to inference.area (not the pipelines' fixed 1 MP)."""
+    """One edit with the sampler settings of `inference`, sized to inference.area (not the pipelines' fixed 1 MP);
+    without images a text-to-image sample (QwenImagePipeline), square, of inference.area."""
     guided = inference.true_cfg_scale > 1
+    if not images:
+        width, height = conditioning.dimensions(inference.area, Image.new("RGB", (1, 1)))
+        return text_to_image_pipeline(pipe)(
+            prompt=prompt, negative_prompt=inference.negative_prompt if guided else None,
+            true_cfg_scale=inference.true_cfg_scale, height=height, width=width,
+            num_inference_steps=inference.num_inference_steps, generator=torch.Generator("cpu").manual_seed(seed),
+        ).images[0]
     with conditioning.pipeline_areas(inference.area, inference.condition_area):
         return pipe(
             image=images[0] if variant == "edit" else images,

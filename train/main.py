@@ -48,6 +48,10 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
     print0(f"{processor.report.summary()}\n{data.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
+    without = sum(not r.references for r in rows)
+    if without and variant != "t2i":
+        print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
+               "reference; QwenImagePipeline's prompt template)", rank=d.rank)
     return rows, loader
 
 

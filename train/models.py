@@ -93,7 +93,7 @@ class Encoders:
     """The frozen conditioning models; they stay outside the DeepSpeed engine."""
 
     text_encoder: torch.nn.Module
-    processor: object
+    processor: object  # Qwen2VLProcessor; the tokenizer alone for a text-to-image model (which ships no processor)
     vae: torch.nn.Module
 
 
@@ -136,10 +136,13 @@ def _random_init_scope(what: str, dtype: torch.dtype):
 
 
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Encoders:
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
-    processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
+    if (model_dir / "processor").is_dir():
+        processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
+    else:  # Qwen-Image / 2512 (text-to-image): its prompts are tokenized without images
+        processor = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer", local_files_only=True)
     if random_init():
         with _random_init_scope("text encoder", dtype):
             text_encoder = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir / "text_encoder"))

@@ -67,7 +67,8 @@ def preserved_training_state(module: torch.nn.Module, vae, vae_tiling: bool, vae
 
 # --- conditioning computed by another process ---------------------------------------------------------------------
 
-ENCODER_CALLS = ("encode_prompt", "_encode_vae_image")  # the edit pipelines' methods that run the frozen encoders
+# the pipelines' methods that run the frozen encoders (QwenImagePipeline has the first only)
+ENCODER_CALLS = ("encode_prompt", "_encode_vae_image")
 Recorded = list  # [(method name, what it returned)] in call order: (embeds, mask or None) or a latents tensor
 
 
@@ -96,11 +97,21 @@ def _shape_only_transformer(model_dir: str):
             QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
 
 
+def _sampling_pipeline(pipe, request: inference.EditRequest):
+    """The pipeline that samples `request`: a request without references goes to the text-to-image one."""
+    return pipe if request.references else inference.text_to_image_pipeline(pipe)
+
+
+def _encoder_calls(pipe) -> list[str]:
+    return [name for name in ENCODER_CALLS if hasattr(pipe, name)]  # QwenImagePipeline encodes no image
+
+
 def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf,
                         background: str = images.DEFAULT_BACKGROUND) -> Recorded:
     """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline
     (its references opened over the alpha `background`)."""
     calls: Recorded = []
+    pipe = _sampling_pipeline(pipe, request)
 
     def recording(name: str):
         original = getattr(pipe, name)
@@ -117,7 +128,7 @@ def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf,
         prepare_latents(*args, **kwargs)
         raise _Encoded
 
-    with _patched(pipe, {**{name: recording(name) for name in ENCODER_CALLS}, "prepare_latents": stop}):
+    with _patched(pipe, {**{name: recording(name) for name in _encoder_calls(pipe)}, "prepare_latents": stop}):
         try:
             references = inference.open_references(request, background)
             inference.edit(pipe, variant, references, request.prompt, request.seed, inf)
@@ -141,7 +152,7 @@ def replayed_conditioning(pipe, calls: Recorded, device: torch.device):
 
         return call
 
-    with _patched(pipe, {name: replaying(name) for name in ENCODER_CALLS}):
+    with _patched(pipe, {name: replaying(name) for name in _encoder_calls(pipe)}):
         yield
     assert not pending, f"{len(pending)} recorded encoder calls were not replayed"
 
@@ -274,7 +285,8 @@ class Validator:
         """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
         if self.conditioning is None:
             return contextlib.nullcontext()
-        return replayed_conditioning(pipe, self.conditioning[request.index], self.encoders.vae.device)
+        return replayed_conditioning(_sampling_pipeline(pipe, request), self.conditioning[request.index],
+                                     self.encoders.vae.device)
 
     def _fingerprint(self) -> str:
         """What produced the 'before' images: the base model (its transformer files), the variant, the LoRA it
