@@ -1,18 +1,5 @@
 #!/usr/bin/env bash
-# One entry point with sane defaults.
-#   bash launch.sh demo [--max_steps N] [--variant edit|edit_plus]
-#        set up ./.venv if needed, then run the embedded tiny demo (train.demo)
-#   bash launch.sh test [pytest args]
-#        set up ./.venv if needed, then run the test suite
-#   bash launch.sh [deepspeed launcher args] train/main.py --ds_config ds_configs/zero2.json ...
-#        set environment defaults, then hand everything to the deepspeed launcher, e.g.
-#        bash launch.sh --num_gpus 8 train/main.py ...                                  one node
-#        bash launch.sh --hostfile hosts train/main.py ...                              many nodes over ssh (pdsh)
-#        bash launch.sh --hostfile hosts --no_ssh --node_rank R --master_addr H ...     once per node, no ssh
-#        bash launch.sh --num_gpus 2 train/main.py --ds_config ds_configs/model_parallel.json ...
-#        The defaults below also reach other nodes: they are written to a DS_ENV_FILE (DeepSpeed's
-#        .deepspeed_env mechanism), after the entries of ./.deepspeed_env or ~/.deepspeed_env if present.
-# QWEN_EDIT_VENV=path picks another virtual environment; QWEN_EDIT_TORCH overrides the torch pin.
+# One entry point with sane defaults; `bash launch.sh --help` prints the usage (usage() below).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VENV=${QWEN_EDIT_VENV:-$ROOT/.venv}
@@ -52,6 +39,35 @@ env_defaults() {
   fi
 }
 
+usage() {
+  cat <<'EOF'
+Usage:
+  bash launch.sh demo [--max_steps N] [--variant edit|edit_plus] [--workdir DIR]
+      set up ./.venv if needed, then run the embedded tiny demo (python -m train.demo)
+  bash launch.sh test [pytest args]
+      set up ./.venv if needed, then run ruff and the test suite
+  bash launch.sh [deepspeed launcher args] train/main.py --ds_config ds_configs/zero2.json ...
+      set environment defaults, then hand everything to the deepspeed launcher, e.g.
+      bash launch.sh --num_gpus 8 train/main.py ...                                one node
+      bash launch.sh --num_gpus 8 --master_port 29600 train/main.py ...            a second run on the same node
+      bash launch.sh --hostfile hosts train/main.py ...                            many nodes over ssh (pdsh)
+      bash launch.sh --hostfile hosts --no_ssh --node_rank R --master_addr H ...   once per node, no ssh
+      bash launch.sh --num_gpus 2 train/main.py --ds_config ds_configs/model_parallel.json ...
+  bash launch.sh -h | --help
+      this text
+
+The environment: training uses the active Python environment when it already has deepspeed, diffusers and
+peft (e.g. a cluster's own CUDA build); otherwise ./.venv, created on first use. To run the README's python
+commands yourself, `source .venv/bin/activate` first (after one `bash launch.sh demo` or `bash launch.sh test`).
+The defaults set here (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, NCCL_NVLS_ENABLE=0, DS_ACCELERATOR=cpu without
+a GPU) also reach other nodes: they are written to a DS_ENV_FILE (DeepSpeed's .deepspeed_env mechanism), after
+the entries of ./.deepspeed_env or ~/.deepspeed_env if present.
+QWEN_EDIT_VENV=path picks another virtual environment; QWEN_EDIT_TORCH overrides the torch pin, e.g. a CPU build
+where the PyTorch index is reachable (README "Set-up without a GPU"):
+  QWEN_EDIT_TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cpu"
+EOF
+}
+
 PY=$VENV/bin/python
 DS=$VENV/bin/deepspeed
 use_active_env() {
@@ -81,7 +97,7 @@ case "$cmd" in
     if [ "$rc" = 5 ]; then echo "pytest collected no tests: treating as a failure" >&2; exit 1; fi
     exit "$rc" ;;
   -h|--help|"")
-    sed -n '2,17p' "$0"; exit 0 ;;
+    usage; exit 0 ;;
   *)
     use_active_env; env_defaults
     exec "$DS" "$@" ;;

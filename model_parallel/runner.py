@@ -18,7 +18,7 @@ from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
 from train import checkpoint, config, data, engine, loop, lora_io, models, outdir
 from train import main as train_main
-from train.metrics import Metrics, NullMetrics, print0
+from train.metrics import Metrics, NullMetrics, plot_loss, print0
 
 
 def num_blocks(model_dir: str) -> int:
@@ -137,6 +137,9 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
         wall = time.perf_counter() - t0
     finally:
         metrics.close()
+    if d.is_main:
+        curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
+        print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged")
     upstream_stats = source.close()
     if sender is not None:
         sender.send(upstream_stats)  # the encoder's closing statistics travel on to the last stage

@@ -27,3 +27,19 @@ def test_readme_commands_match_launch_sh_and_ci():
 def test_readme_explains_extending_a_run():
     """The resume note (checkpoint.schedule_note) points at this README paragraph."""
     assert "- Extending a run: `--resume --max_steps N`" in README and "re-stretched" in README
+
+
+def test_launch_sh_help_prints_usage_not_script_lines():
+    import subprocess
+
+    out = subprocess.run(["bash", str(REPO / "launch.sh"), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("Usage:\n  bash launch.sh demo")
+    assert not any(line.startswith("#") for line in out.stdout.splitlines()) and "set -euo" not in out.stdout
+
+
+def test_readme_tells_a_newcomer_the_basics():
+    """Issue 19's first hour: how the commands find Python, make_tiny's required --out, how relative paths in
+    the JSON resolve, --master_port, F2P in words, and why no CPU torch build is installed by default."""
+    assert "source .venv/bin/activate" in README and "python -m train.make_tiny --out DIR" in README
+    assert "relative to the directory you start the command" in README and "--master_port" in README
+    assert 'F2P, "face to photo"' in README and "download.pytorch.org/whl/cpu" in README

@@ -59,3 +59,28 @@ def test_multi_tensor_grad_checks_equal_deepspeeds(monkeypatch, poison):
         assert reference.item() == pytest.approx(torch.cat(grads).double().norm().item(), rel=1e-6)
     else:
         assert norm.item() == reference.item() == -1.0  # DeepSpeed's mark of an invalid norm
+
+
+def test_taken_master_port_is_one_line_naming_the_fix(tiny_edit, tmp_path, monkeypatch, capsys):
+    """A rendezvous port that another process holds ends train/main.py with exit 2 and one line naming
+    --master_port, not a c10d traceback."""
+    import socket
+
+    from conftest import TINY_CONFIG
+
+    from train import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # as the launcher sets them (monkeypatch restores them: init_distributed fills them in otherwise)
+        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port)).items():
+            monkeypatch.setenv(name, value)
+        code = main.main(["--ds_config", str(TINY_CONFIG), "--model", str(tiny_edit / "model"),
+                          "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith(f"error: port {port} (the launcher's --master_port, default 29500) is already in use")
+    assert "deepspeed --master_port" in err[-1] and "Traceback" not in "\n".join(err)

@@ -46,3 +46,22 @@ def test_terminal_bar_starts_with_the_first_step(tmp_path, capsys):
     assert metrics.bar is not None and metrics.bar.n == 3 and metrics.bar.total == 5
     metrics.close()
     assert capsys.readouterr().out.startswith("before the bar\n")
+
+
+def test_loss_curve_png_falls_with_the_loss(tmp_path):
+    """OUT/loss.png: the curve is drawn (blue) from high on the left to low on the right for a falling loss."""
+    import numpy as np
+    from PIL import Image
+
+    from train.metrics import plot_loss
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 21)))
+    out = plot_loss(path, tmp_path / "loss.png")
+    assert out == tmp_path / "loss.png"
+    pixels = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    ys, xs = np.nonzero((pixels[..., 2] > 150) & (pixels[..., 0] < 100))
+    assert len(xs) > 100
+    assert ys[xs == xs.min()].mean() < ys[xs == xs.max()].mean() - 100  # left end far higher than the right end
+    (tmp_path / "empty.jsonl").write_text("")
+    assert plot_loss(tmp_path / "empty.jsonl", tmp_path / "none.png") is None

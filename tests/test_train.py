@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import metrics, run_trainer, write_config
+from PIL import Image
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -25,8 +26,10 @@ def zero2_run(tiny_edit, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("zero2_run")
     port = free_port()
-    check(run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", "60"), port=port))
+    proc = run_trainer(tiny_edit, out, num_procs=2, extra=("--max_steps", "60"), port=port)
+    check(proc)
     (out / "master_port").write_text(str(port))
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -70,6 +73,10 @@ def test_zero2_outputs(zero2_run):
     lora = load_file(zero2_run / "export" / "pytorch_lora_weights.safetensors")
     assert lora and all(k.startswith("transformer.") for k in lora), list(lora)[:4]
     assert (zero2_run / "tensorboard").is_dir()
+    stdout = (zero2_run / "stdout.txt").read_text()  # a pipe, not a terminal: plain progress lines, no bar
+    assert "\r" not in stdout and "step 60/60 | epoch " in stdout and " | ETA 0s" in stdout, stdout[-2000:]
+    assert f"loss curve: {zero2_run / 'loss.png'}" in stdout
+    assert Image.open(zero2_run / "loss.png").size == (640, 360)
 
 
 def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_edit):

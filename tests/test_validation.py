@@ -47,10 +47,11 @@ def check_validated_run(tiny: Path, tmp_path: Path, edits: Path, **common) -> No
     assert sorted(p.name for p in (out / "before").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
     before = Image.open(out / "before" / "000000.png")
     grids = {s: np.asarray(Image.open(out / f"step_00000{s}.png").convert("RGB")) for s in (2, 4)}
-    w, h = before.size
-    assert grids[4].shape == (16 + 3 * h, 3 * w, 3)  # header + 3 edits; reference | before | now
-    first_before = grids[4][16:16 + h, w:2 * w]
+    w, h, c = before.size + (validation.CAPTION,)
+    assert grids[4].shape == (16 + 3 * (c + h), 3 * w, 3)  # header + 3 edits under their prompts; ref | before | now
+    first_before = grids[4][16 + c:16 + c + h, w:2 * w]
     assert np.array_equal(first_before, np.asarray(before.convert("RGB")))
+    assert (grids[4][16:16 + c] < 128).any(), "no prompt text above the first edit"
     assert not np.array_equal(grids[2][16:, 2 * w:], grids[4][16:, 2 * w:]), "the 'now' column did not change"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -115,6 +116,11 @@ def test_make_grid_layout():
     assert grid.getpixel((32 + 16, 16 + 8)) == (255, 255, 255)  # edit 1 has no second reference
     assert grid.getpixel((2 * 32 + 16, 16 + 8)) == (255, 255, 255)  # nor a 'before' image
     assert grid.getpixel((3 * 32 + 16, 16 + 16 + 8)) == (255, 0, 0)
+    captioned = validation.make_grid([[red], [red, blue]], {"now": [blue, red]}, ["make it red", "make it blue"])
+    c = validation.CAPTION
+    assert captioned.size == (3 * 32, 16 + 2 * (c + 16))
+    text_rows = np.asarray(captioned.convert("L"))[16:16 + c]
+    assert (text_rows < 128).any() and captioned.getpixel((16, 16 + c + 8)) == (255, 0, 0)
 
 
 def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):

@@ -26,49 +26,70 @@ def launch_training(workdir: Path, max_steps: int, num_procs: int) -> None:
         str(REPO / "train" / "main.py"), "--ds_config", str(REPO / "ds_configs" / "tiny_cpu.json"),
         "--model", str(workdir / "model"), "--data", str(workdir / "data"),
         "--output_dir", str(workdir / "run"), "--max_steps", str(max_steps),
+        "--overwrite",  # every demo is a fresh run: an earlier demo's run/ is replaced, not refused
     ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
 
 
-def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> Path:
-    """Edit the first dataset rows with the base pipeline and with the exported LoRA; save a PNG grid."""
+def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dict[str, float]]:
+    """Edit the first dataset rows with the base pipeline and with the exported LoRA; save a labelled PNG grid
+    (reference | target | base model | base + exported LoRA, each row under its prompt). Returns the grid's path
+    and each column's mean absolute pixel distance to the targets (0-255), the picture's claim in numbers."""
+    import numpy as np
     import torch
     from diffusers import DiffusionPipeline
-    from PIL import Image
 
     from train.conditioning import pipeline_areas
     from train.config import PROJECT_KEY
+    from train.images import open_rgb
+    from train.validation import make_grid
 
     cfg = json.loads((workdir / "run" / "config.json").read_text())[PROJECT_KEY]
     rows = [json.loads(line) for line in (workdir / "data" / "metadata.jsonl").read_text().splitlines()][:num_rows]
+    references = [[open_rgb(workdir / "data" / r) for r in ([row["edit_image"]] if isinstance(row["edit_image"], str)
+                                                           else row["edit_image"])] for row in rows]
+    targets = [open_rgb(workdir / "data" / row["image"]) for row in rows]
     pipe = DiffusionPipeline.from_pretrained(workdir / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
 
-    def edit_all() -> list[Image.Image]:
+    def edit_all() -> list:
         outs = []
-        for row in rows:
-            refs = row["edit_image"] if isinstance(row["edit_image"], list) else [row["edit_image"]]
-            images = [Image.open(workdir / "data" / r).convert("RGB") for r in refs]
+        for row, images in zip(rows, references, strict=True):
             with pipeline_areas(cfg["data"]["area"], cfg["data"]["condition_area"]):
                 outs.append(pipe(image=images if len(images) > 1 else images[0], prompt=row["prompt"],
                                  num_inference_steps=steps, true_cfg_scale=1.0,
                                  generator=torch.Generator().manual_seed(0)).images[0])
         return outs
 
-    before = edit_all()
+    columns = {"target": targets, "base model": edit_all()}
     pipe.load_lora_weights(workdir / "run" / "export", weight_name="pytorch_lora_weights.safetensors")
-    after = edit_all()
-    size = before[0].size
-    grid = Image.new("RGB", (size[0] * 4, size[1] * len(rows)), "white")
-    for i, row in enumerate(rows):
-        ref = row["edit_image"] if isinstance(row["edit_image"], str) else row["edit_image"][0]
-        cells = [Image.open(workdir / "data" / ref), Image.open(workdir / "data" / row["image"]), before[i], after[i]]
-        for j, cell in enumerate(cells):
-            grid.paste(cell.convert("RGB").resize(size), (j * size[0], i * size[1]))
+    columns["base + exported LoRA"] = edit_all()
+
+    def distance(images: list) -> float:
+        return float(np.mean([np.abs(np.asarray(im.resize(t.size), dtype=np.float64) - np.asarray(t, np.float64)).mean()
+                              for im, t in zip(images, targets, strict=True)]))
+
     out = workdir / "before_after.png"
-    grid.save(out)
-    return out
+    make_grid(references, columns, [row["prompt"] for row in rows]).save(out)
+    return out, {name: distance(columns[name]) for name in ("base model", "base + exported LoRA")}
+
+
+def prepare_workdir(workdir: Path, variant: str) -> None:
+    """Keep a tiny model built before only when it is of the asked variant; otherwise clear model/, data/ and run/
+    (saying so), so that `--variant edit_plus` never trains a v1 model left by an earlier demo."""
+    import shutil
+
+    from train.models import detect_variant
+
+    if not (workdir / "model" / "model_index.json").is_file():
+        return
+    built = detect_variant(workdir / "model", "auto")
+    if built != variant:
+        print(f"{workdir / 'model'} holds a tiny {built!r} model, not {variant!r}: rebuilding {workdir}/model, data "
+              "and run", flush=True)
+        for name in ("model", "data", "run"):
+            shutil.rmtree(workdir / name, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,12 +103,15 @@ def main(argv: list[str] | None = None) -> None:
     from train.make_tiny import make_tiny
 
     workdir = Path(args.workdir).resolve()
+    prepare_workdir(workdir, args.variant)
     if not (workdir / "model" / "model_index.json").is_file():
         make_tiny(workdir, args.variant)
     num_gpus = torch.cuda.device_count()
     launch_training(workdir, args.max_steps, num_procs=min(2, num_gpus) if num_gpus else 2)
-    out = render(workdir)
-    print(f"wrote {out} (columns: reference | target | base model | base + exported LoRA)")
+    out, distances = render(workdir)
+    print(f"wrote {out} (columns: reference | target | base model | base + exported LoRA; each row under its "
+          f"prompt) and {workdir / 'run' / 'loss.png'} (the loss curve)")
+    print("mean absolute distance to the targets (0-255): " + ", ".join(f"{k} {v:.1f}" for k, v in distances.items()))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ class Dist:
         return self.rank == 0
 
 
+class PortInUseError(RuntimeError):
+    """The rendezvous port is taken; the message names the flag that picks another."""
+
+
 def init_distributed(timeout_s: int = 600) -> Dist:
     """Set the device, then the process group; a plain `python train/main.py` becomes a world of one."""
     prepare_environment()
@@ -82,8 +86,16 @@ def init_distributed(timeout_s: int = 600) -> Dist:
     from deepspeed.accelerator import get_accelerator
 
     # The timeout bounds how long survivors wait in a collective for a rank that died (e.g. on another node).
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False,
-                               timeout=timedelta(seconds=timeout_s))
+    try:
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False,
+                                   timeout=timedelta(seconds=timeout_s))
+    except torch.distributed.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise PortInUseError(
+            f"port {os.environ['MASTER_PORT']} (the launcher's --master_port, default 29500) is already in use, "
+            "likely by another training run; pass another one, e.g. deepspeed --master_port "
+            f"{_free_port()} ... (or bash launch.sh --master_port N ...)") from e
     release_shm_buffer()
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 

@@ -33,7 +33,7 @@ from train import (
     validation,
 )
 from train.conditioning import MODEL_NAMES
-from train.metrics import Metrics, NullMetrics, prefix_rank_output, print0
+from train.metrics import Metrics, NullMetrics, plot_loss, prefix_rank_output, print0
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
@@ -152,6 +152,9 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     finally:
         metrics.close()
         gpus = monitor.stop()
+    if d.is_main:
+        curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
+        print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged", rank=d.rank)
     gpus = gpumon.gather_summaries(gpus)
     digests = loop.replica_digests(eng.module)
     if len(set(digests)) != 1:
@@ -185,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         import model_parallel
 
         return model_parallel.main(cfg, args.resume, args.overwrite)
-    d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
+    try:
+        d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
+    except engine.PortInUseError as e:
+        print0(f"error: {e}", rank=rank, file=sys.stderr)
+        return 2
     code = 0
     try:
         with outdir.claim(cfg.project.output.dir, args.resume is not None, args.overwrite,

@@ -168,6 +168,44 @@ class Metrics:
             self.writer.close()
 
 
+def plot_loss(metrics_path: str | Path, out_path: str | Path, size: tuple[int, int] = (640, 360)) -> Path | None:
+    """OUT/loss.png from metrics.jsonl: loss against step, with the axes' ranges written on them; None when no
+    step was logged. Drawn with Pillow (no plotting library is a dependency)."""
+    from PIL import Image, ImageDraw
+
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    points = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    if not points:
+        return None
+    width, height = size
+    left, right, top, bottom = 64, 16, 28, 36
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    (s0, s1), (l0, l1) = ((min(v), max(v)) for v in zip(*points, strict=True))
+    s1, l1 = max(s1, s0 + 1), l1 if l1 > l0 else l0 + 1e-12
+
+    def xy(step: float, loss: float) -> tuple[float, float]:
+        return (left + (step - s0) / (s1 - s0) * (width - left - right),
+                height - bottom - (loss - l0) / (l1 - l0) * (height - top - bottom))
+
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    if len(points) > 1:
+        draw.line([xy(*p) for p in points], fill=(40, 80, 220), width=2)
+    else:
+        x, y = xy(*points[0])
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(40, 80, 220))
+    first, last = points[0][1], points[-1][1]
+    draw.text((left, 8), f"training loss: {first:.4g} at step {points[0][0]} -> {last:.4g} at step {points[-1][0]}",
+              fill="black")
+    draw.text((4, top), f"{l1:.3g}", fill="black")
+    draw.text((4, height - bottom - 10), f"{l0:.3g}", fill="black")
+    draw.text((left, height - bottom + 6), f"step {s0}", fill="black")
+    draw.text((width - right - 70, height - bottom + 6), f"step {s1}", fill="black")
+    out_path = Path(out_path)
+    image.save(out_path)
+    return out_path
+
+
 class NullMetrics:
     def step(self, n: int = 1) -> None: ...
     def log(self, record: dict) -> None: ...

@@ -201,23 +201,32 @@ def _from_rank0(value):
     return value
 
 
-def make_grid(references: list[list[Image.Image]], columns: dict[str, list[Image.Image | None]]) -> Image.Image:
-    """One row per edit: its references, then one cell per named column (None = an empty cell); a header line."""
+CAPTION = 14  # px of the prompt line above each row of a grid
+
+
+def make_grid(references: list[list[Image.Image]], columns: dict[str, list[Image.Image | None]],
+              prompts: list[str] | None = None) -> Image.Image:
+    """One row per edit: its references, then one cell per named column (None = an empty cell); a header line
+    naming the columns, and with `prompts` each row's prompt on a line above it."""
     cells = [im for col in columns.values() for im in col if im is not None]
     cell_w, cell_h = max(im.width for im in cells), max(im.height for im in cells)
     num_refs, header = max(len(r) for r in references), 16
+    caption = CAPTION if prompts else 0
     names = [f"reference {i + 1}" for i in range(num_refs)] + list(columns)
-    grid = Image.new("RGB", (cell_w * len(names), header + cell_h * len(references)), "white")
+    grid = Image.new("RGB", (cell_w * len(names), header + (caption + cell_h) * len(references)), "white")
     draw = ImageDraw.Draw(grid)
     for j, name in enumerate(names):
         draw.text((j * cell_w + 2, 2), name, fill="black")
     for i, refs in enumerate(references):
+        top = header + i * (caption + cell_h)
+        if prompts:
+            draw.text((2, top + 1), prompts[i], fill=(60, 60, 60))
         row = list(refs) + [None] * (num_refs - len(refs)) + [col[i] for col in columns.values()]
         for j, im in enumerate(row):
             if im is not None:
                 fitted = im.copy()
                 fitted.thumbnail((cell_w, cell_h))
-                grid.paste(fitted, (j * cell_w + (cell_w - fitted.width) // 2, header + i * cell_h))
+                grid.paste(fitted, (j * cell_w + (cell_w - fitted.width) // 2, top + caption))
     return grid
 
 
@@ -344,7 +353,8 @@ class Validator:
         images = self.render()
         if self.d.is_main:
             references = [self._references(q) for q in self.requests]
-            grid = make_grid(references, {"before": self.before, f"step {step}": images})
+            grid = make_grid(references, {"before": self.before, f"step {step}": images},
+                             [q.prompt for q in self.requests])
             path = self.out / f"step_{step:06d}.png"
             inference.save_png_atomic(grid, path)
             self.metrics.image("validation", grid, step)

@@ -1,0 +1,60 @@
+"""The embedded demo (train/demo.py) without its training run: the work directory it reuses."""
+
+from __future__ import annotations
+
+import shutil
+
+from train import demo
+
+
+def test_demo_rebuilds_a_model_of_another_variant(tiny_edit, tmp_path, capsys):
+    """`demo --variant edit_plus` over a v1 demo_out clears model/, data/ and run/ (so make_tiny builds a 2509 model)
+    and says so; the same variant keeps them."""
+    work = tmp_path / "demo_out"
+    shutil.copytree(tiny_edit / "model", work / "model")
+    for name in ("data", "run"):
+        (work / name).mkdir()
+        (work / name / "kept.txt").write_text("x")
+    demo.prepare_workdir(work, "edit")
+    assert all((work / name).exists() for name in ("model", "data", "run")) and capsys.readouterr().out == ""
+    demo.prepare_workdir(work, "edit_plus")
+    assert not any((work / name).exists() for name in ("model", "data", "run"))
+    assert f"{work / 'model'} holds a tiny 'edit' model, not 'edit_plus': rebuilding" in capsys.readouterr().out
+
+
+def test_demo_grid_is_labelled_and_measured(tiny_edit, tmp_path):
+    """render(): reference | target | base model | base + LoRA under a header, each row under its prompt, and each
+    model column's distance to the targets (a LoRA that changes the model changes it)."""
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from train import checkpoint, models, validation
+    from train.config import LoraConfig, ModelConfig
+
+    work = tmp_path / "demo_out"
+    work.mkdir()
+    for name in ("model", "data"):
+        (work / name).symlink_to(tiny_edit / name)
+    (work / "run").mkdir(parents=True)
+    (work / "run" / "config.json").write_text(json.dumps({"qwen_edit": {"data": {"area": 128 * 128,
+                                                                                  "condition_area": 64 * 64}}}))
+    transformer = models.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
+    models.add_lora(transformer, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0"]))
+    torch.manual_seed(0)
+    for name, p in transformer.named_parameters():
+        if ".lora_B." in name:
+            p.data.normal_(0, 0.5)  # a LoRA that moves the output (a fresh one is zero)
+    checkpoint.export_lora(transformer, work / "run" / "export", 4.0, 4)
+    out, distances = demo.render(work, num_rows=2, steps=2)
+    grid = Image.open(out)
+    cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]
+    assert grid.size == (4 * cell, 16 + 2 * (validation.CAPTION + cell))
+    header = np.asarray(grid.convert("L"))[:16]
+    assert all((header[:, j * cell:(j + 1) * cell] < 128).any() for j in range(4)), "a column has no label"
+    caption = np.asarray(grid.convert("L"))[16:16 + validation.CAPTION]
+    assert (caption < 128).any(), "no prompt above the first row"
+    assert set(distances) == {"base model", "base + exported LoRA"}
+    assert all(0 < d < 255 for d in distances.values()) and distances["base model"] != distances["base + exported LoRA"]
