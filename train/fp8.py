@@ -18,6 +18,8 @@ loss curve next to the speed and memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -39,6 +41,12 @@ def scaled_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out
     """a (M, K) high precision @ b_t^T where b_t (N, K) is e4m3 with per-row scales b_scale (N,)."""
     a8, a_scale = quantize_rows(a)
     return torch._scaled_mm(a8, b_t.t(), scale_a=a_scale, scale_b=b_scale.view(1, -1), out_dtype=out_dtype)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen weight (N, K) -> (e4m3 (N, K), fp32 scale (N,)), absmax per output row."""
+    scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / E4M3_MAX
+    return (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -66,15 +74,15 @@ class _Float8Matmul(torch.autograd.Function):
 class Float8FrozenLinear(torch.nn.Module):
     """A frozen nn.Linear kept in e4m3 with per-output-row scales (see the module docstring for `kind`)."""
 
-    def __init__(self, linear: torch.nn.Linear, kind: str, keep_transposed: bool = False):
+    def __init__(self, linear: torch.nn.Linear, kind: str, keep_transposed: bool = False,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         if kind not in ("token", "vector"):
             raise ValueError(f"kind must be 'token' or 'vector', got {kind!r}")
-        w = linear.weight.detach()
-        scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / E4M3_MAX
+        # quantized: (e4m3 weight, scale) made by the streaming loader; linear.weight is then a placeholder.
+        weight_fp8, scale = quantize_weight(linear.weight.detach()) if quantized is None else quantized
         # Non-persistent: checkpoints hold trainable weights only, and exports never see these.
-        self.register_buffer("weight_fp8", (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3),
-                             persistent=False)
+        self.register_buffer("weight_fp8", weight_fp8, persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
         # The backward's operand layout, stored once (token kind only): the same bytes again, no pass per step.
         transposed = self.weight_fp8.t().contiguous() if keep_transposed and kind == "token" else None
@@ -106,24 +114,29 @@ def _kind(name: str) -> str | None:
     return None
 
 
-def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool = False) -> int:
+def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool | Callable[[str], bool] = False,
+                           quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
     """Swap the blocks' frozen linears (peft's base_layer where LoRA wraps one) for Float8FrozenLinear in place;
     returns how many were converted. Call after LoRA is added. keep_transposed: also store each token linear's
-    weight transposed for the backward (train.fp8_transposed: twice the fp8 weight memory, no transpose per step)."""
+    weight transposed for the backward (train.fp8_transposed: twice the fp8 weight memory, no transpose per step);
+    a function of the linear's name decides per linear. quantized: {linear name: (e4m3 weight, scale)} already
+    made (by train.streaming), for linears whose weight is only a placeholder."""
+    quantized = quantized or {}
+    transposed = keep_transposed if callable(keep_transposed) else (lambda name: keep_transposed)
     targets = []
     for name, module in transformer.named_modules():
         base = getattr(module, "base_layer", None)
         if isinstance(base, torch.nn.Linear) and not isinstance(module, torch.nn.Linear):
             kind = _kind(name)  # a peft LoRA layer: keep the adapter, swap what it wraps
             if kind:
-                targets.append((module, "base_layer", base, kind))
+                targets.append((name, module, "base_layer", base, kind))
         elif type(module) is torch.nn.Linear and ".lora_" not in name and not name.endswith(".base_layer"):
             kind = _kind(name)
             if kind:
                 parent_name, _, attr = name.rpartition(".")
-                targets.append((transformer.get_submodule(parent_name), attr, module, kind))
-    for parent, attr, linear, kind in targets:
+                targets.append((name, transformer.get_submodule(parent_name), attr, module, kind))
+    for name, parent, attr, linear, kind in targets:
         if linear.weight.requires_grad:
             raise ValueError("fp8 base weights need a frozen base (train.mode = 'lora')")
-        setattr(parent, attr, Float8FrozenLinear(linear, kind, keep_transposed))
+        setattr(parent, attr, Float8FrozenLinear(linear, kind, transposed(name), quantized.pop(name, None)))
     return len(targets)

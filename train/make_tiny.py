@@ -124,12 +124,12 @@ def build_vae():
     ).eval()
 
 
-def build_transformer(zero_cond_t: bool = False):
+def build_transformer(zero_cond_t: bool = False, num_layers: int = 2):
     """The tiny transformer; zero_cond_t=True is Qwen-Image-Edit-2511's config (references modulated at t=0)."""
     from diffusers import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+        patch_size=2, in_channels=64, out_channels=16, num_layers=num_layers, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=TEXT_DIM, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
         zero_cond_t=zero_cond_t,
     )

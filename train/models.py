@@ -200,17 +200,29 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
-                         fp8_transposed: bool = False, real_rope: bool = True) -> None:
-    """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then activation checkpointing
-    and compiled blocks. real_rope: rotary embedding as real pairs (train/rope.py; the same rotation, which
-    compiled blocks fuse)."""
+                         fp8_transposed: bool = False, real_rope: bool = True,
+                         quantized: dict | None = None, offload: set[int] | None = None):
+    """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
+    activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/rope.py; the
+    same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
+    offload: indices of blocks whose frozen weights live in pinned host memory (train/offload.py); they must be
+    among the checkpointed ones. Returns the BlockOffloader, or None."""
+    offload = offload or set()
     if mode == "lora":
         add_lora(transformer, lora)
         if fp8_base:
             check_fp8_device()
-            fp8.convert_frozen_linears(transformer, keep_transposed=fp8_transposed)
+            # Offloaded blocks keep no transposed copy: it would double what crosses the bus every use.
+            fp8.convert_frozen_linears(transformer, lambda name: fp8_transposed and _block_of(name) not in offload,
+                                       quantized)
     else:
         transformer.requires_grad_(True)
+    offloader = None
+    if offload:
+        from train.offload import BlockOffloader
+
+        blocks = transformer.transformer_blocks
+        offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer))
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks))
     if real_rope:
@@ -218,6 +230,35 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     if compile_blocks:
         for block in transformer.transformer_blocks:
             block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
+    return offloader
+
+
+def _block_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "transformer_blocks" else None
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    """The training device: where the non-block weights are (they are never offloaded)."""
+    return module.proj_out.weight.device
+
+
+def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
+                      lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
+                      checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0):
+    """(transformer, offloader or None) streamed from `model_dir` straight into its training form
+    (train/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
+    host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded."""
+    from train import streaming
+
+    placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)))
+    if fp8_base:
+        check_fp8_device()
+    transformer, quantized = streaming.load(model_dir, placement, frozen=mode == "lora", random=random_init())
+    offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
+                                     checkpoint_blocks, fp8_transposed, quantized=quantized,
+                                     offload=placement.offload)
+    return transformer, offloader
 
 
 def checkpoint_first(blocks, count: int):

@@ -1,0 +1,128 @@
+"""Block offloading (train/offload.py) and the streaming loader (train/streaming.py) on the tiny model, fp32 CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import transformer_inputs
+
+from train import fp8, models, streaming
+from train.config import LoraConfig, ModelConfig
+from train.make_tiny import build_transformer
+
+LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0", "img_mlp.net.2"])
+
+
+def _prepared(num_layers: int, offload: set[int], checkpoint_blocks: int = 0):
+    torch.manual_seed(0)
+    model = build_transformer(num_layers=num_layers)
+    offloader = models.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+                                            offload=offload)
+    return model.train(), offloader
+
+
+def _loss_and_grads(model, steps: int = 2):
+    grads = []
+    for step in range(steps):
+        inputs = transformer_inputs(model, generator=torch.Generator().manual_seed(step))
+        loss = model(**inputs)[0].square().mean()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        model.zero_grad()
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("offload, checkpoint_blocks", [({0, 1, 2, 3}, 0), ({0, 1}, 3)])
+def test_offloaded_blocks_train_exactly_like_resident_ones(offload, checkpoint_blocks):
+    resident, _ = _prepared(4, set(), checkpoint_blocks)
+    offloaded, offloader = _prepared(4, offload, checkpoint_blocks)
+    loss_a, grads_a = _loss_and_grads(resident)
+    loss_b, grads_b = _loss_and_grads(offloaded)
+    assert torch.equal(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    # Every block use but the first was prefetched. A step copies each block twice (forward, recomputation) except
+    # where a pass turns: the two blocks last used in the forward start the backward still in their slots, and
+    # the two last used in the backward start the next forward: 2n - 2 copies in the first step, 2n - 4 after.
+    assert offloader.waited == 1
+    n = len(offload)
+    assert offloader.copies == (2 * n - 2) + (2 * n - 4) if n > 2 else offloader.copies == 2
+
+
+def test_offloaded_weights_leave_the_module():
+    model, offloader = _prepared(3, {0, 1, 2})
+    for i in range(3):
+        frozen = [p for p in model.transformer_blocks[i].parameters() if not p.requires_grad and p.dim() == 2]
+        assert frozen and all(p.untyped_storage().nbytes() == 4 for p in frozen)  # one-element placeholders
+        assert all(p.isnan().all() for p in frozen)  # a read outside fetch() would show as NaN
+    assert offloader.host_bytes > 2 * offloader.device_bytes / 2  # three blocks on the host, two slots on device
+    # no_grad forward (validation renders) binds the weights too
+    with torch.no_grad():
+        out = model(**transformer_inputs(model, generator=torch.Generator().manual_seed(0)))[0]
+    assert torch.isfinite(out).all()
+
+
+def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
+    model_dir = tiny_edit / "model"
+    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    streamed, quantized = streaming.load(model_dir, streaming.Placement(torch.device("cpu"), torch.float32),
+                                         frozen=True)
+    assert not quantized
+    ref_state, got_state = reference.state_dict(), streamed.state_dict()
+    assert ref_state.keys() == got_state.keys()
+    for name, t in ref_state.items():
+        assert torch.equal(t, got_state[name]) and got_state[name].dtype == t.dtype, name
+    # bf16 as from_pretrained(torch_dtype=bfloat16) casts
+    ref16 = models.load_transformer(ModelConfig(path=str(model_dir)), torch.bfloat16).state_dict()
+    got16, _ = streaming.load(model_dir, streaming.Placement(torch.device("cpu"), torch.bfloat16), frozen=True)
+    assert all(torch.equal(t, got16.state_dict()[n]) for n, t in ref16.items())
+
+
+def test_streamed_fp8_and_offloaded_placement(tiny_edit):
+    model_dir = tiny_edit / "model"
+    placement = streaming.Placement(torch.device("cpu"), torch.float32, fp8=True, offload={1})
+    streamed, quantized = streaming.load(model_dir, placement, frozen=True)
+    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    names = [n for n, m in reference.named_modules() if fp8._kind(n)]
+    assert sorted(quantized) == sorted(names)
+    for name in names:
+        q, scale = fp8.quantize_weight(reference.get_submodule(name).weight.detach())
+        assert torch.equal(quantized[name][0].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(quantized[name][1], scale)
+        # the nn.Linear left in the model holds a one-element placeholder until the fp8 swap
+        assert streamed.get_submodule(name).weight.untyped_storage().nbytes() == 4
+
+
+def test_load_for_training_matches_the_from_pretrained_path(tiny_edit):
+    """The trainer's streamed build (fp8 base, block 1 offloaded) gives the same LoRA init, loss and LoRA gradients
+    as from_pretrained + prepare_for_training without offloading."""
+    model_dir = tiny_edit / "model"
+    torch.manual_seed(3)
+    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    models.prepare_for_training(reference, "lora", LORA, True, False, fp8_base=True)
+    torch.manual_seed(3)
+    streamed, offloader = models.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
+                                                   True, False, fp8_base=True, offload_blocks=1)
+    assert offloader is not None and sorted(offloader.blocks) == [0]
+    for (na, a), (nb, b) in zip(reference.named_parameters(), streamed.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert na == nb and torch.equal(a, b), na
+    loss_a, grads_a = _loss_and_grads(reference.train(), steps=1)
+    loss_b, grads_b = _loss_and_grads(streamed.train(), steps=1)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[0][n], grads_b[0][n]) for n in grads_a[0])
+
+
+def test_sharded_checkpoint_and_damaged_files(tmp_path):
+    torch.manual_seed(0)
+    model = build_transformer()
+    model.save_pretrained(tmp_path / "m" / "transformer", max_shard_size="100KB")
+    files = streaming.shard_files(tmp_path / "m" / "transformer")
+    assert len(files) > 1
+    loaded, _ = streaming.load(tmp_path / "m", streaming.Placement(torch.device("cpu"), torch.float32), frozen=True)
+    assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in model.state_dict().items())
+    files[-1].unlink()
+    with pytest.raises(streaming.WeightsError, match="not in"):
+        streaming.shard_files(tmp_path / "m" / "transformer")

@@ -1,0 +1,184 @@
+"""Frozen transformer blocks kept in pinned host memory and copied to the GPU ahead of use (train.offload_blocks).
+
+Why not diffusers' group offloading (`apply_group_offloading`): it is built for inference. It prefetches in the
+order of the first forward only, so the backward's recomputation (which walks the blocks in reverse) would load
+every block synchronously, and it moves whole modules, including the LoRA adapters whose parameters DeepSpeed
+owns and has flattened into its own buffers. Here only the frozen tensors of a block move, and the prefetch
+order follows the direction of the pass.
+
+Scheme. Each offloaded block's frozen tensors (its linears' weights, fp8 or not, and their scales) live in one
+pinned host buffer. The GPU holds `num_slots` (2) buffers of the size of the largest block. A forward pre-hook
+on the block binds its tensors to views of the slot that holds it (copying it there first if no prefetch did),
+then starts copying the block that runs next into the other slot on a side stream: the next block in a forward,
+the previous one inside the backward (where the blocks are recomputed in reverse). The copy waits for an event
+recorded on the compute stream at that moment, so it never overwrites a slot before the kernels already issued
+for the block that used it have run; the block's own kernels wait for its copy's event.
+
+Why this is safe for the backward: offloaded blocks are always activation-checkpointed (config check), so their
+forward saves no weight for the backward; the recomputation inside the backward does, and the block's views stay
+valid until its slot is reused, which is when the block two places earlier is prefetched. By then every kernel
+that reads the block's weights (the input-gradient path, which the earlier block's gradient depends on) has been
+issued. An evicted block's tensors are rebound to NaN placeholders, so a read that broke this rule would show as
+a NaN loss instead of silently wrong numbers; tests/test_offload.py checks gradients against resident blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGN = 256  # byte alignment of each tensor inside a slot (what CUDA kernels assume of an allocation)
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `shape` that owns one element (a NaN where the dtype has one): stands in for weights that are
+    not on the device, with the right shape, dtype and device for anything that only reads those (peft)."""
+    fill = float("nan") if dtype.is_floating_point else 0
+    return torch.full((1,), fill, dtype=dtype, device=device).expand(shape)
+
+
+def moves(t: torch.Tensor) -> bool:
+    """Whether an offloaded block's frozen tensor lives on the host: the matrices do; vectors (biases, norm
+    scales, fp8 row scales) are a fraction of a percent of the bytes and stay on the device."""
+    return t.dim() >= 2
+
+
+def _frozen_tensors(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool]]:
+    """(owner module, attribute name, is_parameter) of each frozen tensor of `block` worth moving."""
+    found = []
+    for module in block.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad and moves(p):
+                found.append((module, name, True))
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and moves(b):
+                found.append((module, name, False))
+    return found
+
+
+def _get(owner: torch.nn.Module, name: str, is_param: bool) -> torch.Tensor:
+    return owner._parameters[name] if is_param else owner._buffers[name]
+
+
+def _bind(owner: torch.nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
+    if is_param:
+        owner._parameters[name].data = tensor  # the same Parameter object: optimizer and peft keep their handles
+    else:
+        owner._buffers[name] = tensor
+
+
+class _Layout:
+    """Where each frozen tensor of one block sits in a flat byte buffer."""
+
+    def __init__(self, tensors: list[tuple[torch.nn.Module, str, bool]]):
+        self.entries, offset = [], 0
+        for owner, name, is_param in tensors:
+            t = _get(owner, name, is_param)
+            nbytes = t.numel() * t.element_size()
+            self.entries.append((owner, name, is_param, offset, t.shape, t.dtype))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        self.nbytes = offset
+
+    def views(self, flat: torch.Tensor):
+        for owner, name, is_param, offset, shape, dtype in self.entries:
+            nbytes = shape.numel() * dtype.itemsize
+            yield owner, name, is_param, flat[offset:offset + nbytes].view(dtype).view(shape)
+
+
+class BlockOffloader:
+    """Keeps the frozen tensors of `blocks` (index -> module) in pinned host memory; see the module docstring.
+
+    The blocks' tensors may be anywhere when this is built: block by block they are copied into the pinned buffers
+    and replaced by placeholders, so host memory peaks one block above the final footprint (the streaming loader
+    leaves them in ordinary host memory, so a block never exists on the GPU whole).
+    """
+
+    def __init__(self, blocks: dict[int, torch.nn.Module], device: torch.device, num_slots: int = 2):
+        if num_slots < 2:
+            raise ValueError("an offloader needs at least 2 slots (one computing, one being filled)")
+        self.device, self.order = torch.device(device), sorted(blocks)
+        self.blocks = blocks
+        self.layouts = {i: _Layout(_frozen_tensors(b)) for i, b in blocks.items()}
+        pin = self.device.type == "cuda"
+        self.host = {}
+        for i, layout in self.layouts.items():
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+            for owner, name, is_param, view in layout.views(flat):
+                view.copy_(_get(owner, name, is_param).detach())
+                _bind(owner, name, is_param, placeholder(view.shape, view.dtype, self.device))
+            self.host[i] = flat
+        slot_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+        self.resident: list[int | None] = [None] * num_slots  # block index held by each slot
+        self.last_used = [0] * num_slots  # fetch counter at each slot's last use (the older one is refilled)
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.ready = [torch.cuda.Event() if cuda else None for _ in range(num_slots)]
+        self.copies = self.fetches = self.waited = 0  # block copies, block uses, uses not prefetched, so far
+        self.handles = [b.register_forward_pre_hook(self._pre_hook(i)) for i, b in blocks.items()]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(flat.numel() for flat in self.host.values())
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(s.numel() for s in self.slots)
+
+    def _pre_hook(self, index: int):
+        @torch.compiler.disable  # stream and binding work stays outside compiled block graphs
+        def hook(module, args):
+            self.fetch(index)
+
+        return hook
+
+    def _next(self, index: int) -> int:
+        """The offloaded block that runs after `index`: the next one in a forward; inside the backward the
+        previous one (checkpointed blocks are recomputed in reverse). At either end the same block runs again
+        (the backward starts where the forward ended), so nothing new is needed."""
+        k = self.order.index(index)
+        in_backward = torch._C._current_graph_task_id() != -1
+        k = max(k - 1, 0) if in_backward else min(k + 1, len(self.order) - 1)
+        return self.order[k]
+
+    def _load(self, index: int, avoid: int | None) -> int:
+        """Start copying block `index` into a slot other than `avoid`; returns the slot."""
+        candidates = [s for s in range(len(self.slots)) if s != avoid]
+        empty = [s for s in candidates if self.resident[s] is None]
+        slot = empty[0] if empty else min(candidates, key=lambda s: self.last_used[s])
+        evicted = self.resident[slot]
+        if evicted is not None:
+            for owner, name, is_param, view in self.layouts[evicted].views(self.slots[slot]):
+                _bind(owner, name, is_param, placeholder(view.shape, view.dtype, self.device))
+        dst, src = self.slots[slot][: self.layouts[index].nbytes], self.host[index]
+        if self.stream is None:
+            dst.copy_(src)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # kernels that read this slot first
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+                self.ready[slot].record(self.stream)
+        self.resident[slot] = index
+        self.copies += 1
+        return slot
+
+    def fetch(self, index: int) -> None:
+        """Make block `index`'s tensors point at a slot holding its weights, then prefetch the block after it."""
+        if index in self.resident:
+            slot = self.resident.index(index)
+        else:  # not prefetched: only the very first use, or after a pass that ran the blocks out of order
+            slot = self._load(index, avoid=None)
+            self.waited += 1
+        self.fetches += 1
+        self.last_used[slot] = self.fetches
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+        for owner, name, is_param, view in self.layouts[index].views(self.slots[slot]):
+            _bind(owner, name, is_param, view)
+        nxt = self._next(index)
+        if nxt not in self.resident:
+            self._load(nxt, avoid=slot)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
