@@ -162,6 +162,10 @@ class TrainConfig:
     fp8_transposed: bool = False
     """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
+    offload_blocks: int = 0
+    """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
+    of use on a side stream (train/offload.py); they must be checkpointed (gradient_checkpointing, and
+    checkpoint_blocks 0 or >= N). Saves the GPU memory of their weights; costs host memory and PCIe bandwidth."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
 
@@ -236,6 +240,19 @@ class ValidationConfig:
 
 
 @dataclass
+class MemoryConfig:
+    plan: str = field(default="auto", metadata=choice("auto", "off"))
+    """auto: on a GPU, before loading, choose what the config leaves unset among train.fp8_base, fp8_transposed,
+    compile, gradient_checkpointing, checkpoint_blocks, offload_blocks and data.cache, so that the run fits
+    budget_gb and is as fast as it can be there (printed with its predicted peak); off: run the keys as written."""
+    budget_gb: float = 0.0
+    """GPU memory this process may use, in GB; 0 = what the device has free at the start. A lower value caps the
+    process there (torch's per-process memory fraction), e.g. to leave room or to simulate a smaller card."""
+    margin_gb: float = 0.0
+    """Memory the plan keeps free for NCCL, checkpoint saving and fragmentation; 0 = 1.5 GB + 5% of the budget."""
+
+
+@dataclass
 class ProjectConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -245,6 +262,7 @@ class ProjectConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 @dataclass
@@ -253,6 +271,8 @@ class Config:
     deepspeed: dict
     """DeepSpeed's own keys, resolved for this world size and machine; passed to deepspeed.initialize."""
     world_size: int = 1
+    explicit: frozenset[str] = frozenset()
+    """Dotted keys under qwen_edit that the JSON or the command line set (the memory plan leaves them alone)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -412,6 +432,7 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
                         "fp8_transposed to false")
     if cfg.train.fp8_base and cfg.train.mode != "lora":
         problems.append(f"{p}.train.fp8_base: needs a frozen base; set train.mode to \"lora\" or fp8_base to false")
+    _check_offload(cfg, problems)
     if cfg.train.shift < 0:
         problems.append(f"{p}.train.shift: must be >= 0 (0 = the scheduler's dynamic shift)")
     if cfg.train.logit_std <= 0:
@@ -419,6 +440,26 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     _check_inference(cfg, problems)
     _check_cache(cfg, problems)
     _check_sampling(cfg, problems)
+
+
+def _check_offload(cfg: ProjectConfig, problems: list[str]) -> None:
+    """Block offloading and the memory plan's numbers."""
+    p, t, m = PROJECT_KEY, cfg.train, cfg.memory
+    for key, value in {"budget_gb": m.budget_gb, "margin_gb": m.margin_gb}.items():
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"{p}.memory.{key}: must be a number >= 0 (0 = automatic), got {value}")
+    if t.offload_blocks < 0:
+        problems.append(f"{p}.train.offload_blocks: must be >= 0 (0 = every block on the GPU), got {t.offload_blocks}")
+    elif t.offload_blocks:
+        if t.mode != "lora":
+            problems.append(f"{p}.train.offload_blocks: needs a frozen base (train.mode \"lora\"); full fine-tuning "
+                            "offloads with DeepSpeed's zero_optimization.offload_optimizer instead")
+        if not t.gradient_checkpointing or 0 < t.checkpoint_blocks < t.offload_blocks:
+            problems.append(f"{p}.train.offload_blocks: {t.offload_blocks} offloaded blocks must be checkpointed; set "
+                            "train.gradient_checkpointing true and checkpoint_blocks 0 (all) or >= offload_blocks")
+        if cfg.parallel.mode != "zero2":
+            problems.append(f"{p}.train.offload_blocks: not in the model-parallel mode (its decoder cut spreads the "
+                            "blocks over GPUs instead); set it to 0")
 
 
 def _check_inference(cfg: ProjectConfig, problems: list[str]) -> None:
@@ -622,8 +663,10 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     _check_deepspeed(raw, world_size, project.train.max_steps, problems)
     if problems:
         raise ConfigError(problems)
+    explicit = {f"{section}.{key}" for section, body in raw.get(PROJECT_KEY, {}).items() if isinstance(body, dict)
+                for key in body} | {dotted for dotted, value in overrides.items() if value is not None}
     return Config(project=project, deepspeed=resolve_deepspeed(raw, project.train.max_steps, has_gpu),
-                  world_size=world_size)
+                  world_size=world_size, explicit=frozenset(explicit))
 
 
 def to_dict(config: Config) -> dict:

@@ -27,9 +27,11 @@ from train import (
     gpumon,
     loop,
     lora_io,
+    memory,
     models,
     outdir,
     prompts,
+    streaming,
     validation,
 )
 from train.conditioning import MODEL_NAMES
@@ -55,12 +57,19 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     return rows, loader
 
 
-def build_transformer(cfg: config.Config):
+def build_transformer(cfg: config.Config, device: torch.device | None = None):
+    """The transformer in its training form, streamed from the checkpoint onto `device` (None = the CPU, from
+    where DeepSpeed or the model-parallel split places it); offloaded blocks' weights stay in host memory."""
     p = cfg.project
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
-    transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
-    models.prepare_for_training(transformer, p.train.mode, p.lora, p.train.gradient_checkpointing, p.train.compile,
-                                p.train.fp8_base, p.train.checkpoint_blocks, p.train.fp8_transposed)
+    t = p.train
+    transformer, offloader = models.load_for_training(
+        p.model.path, getattr(torch, cfg.precision), device or torch.device("cpu"), t.mode, p.lora,
+        t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks)
+    if offloader is not None:
+        print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
+               f"({offloader.host_bytes / 1e9:.1f} GB pinned), {offloader.device_bytes / 1e9:.2f} GB of device slots",
+               rank=int(os.environ.get("RANK", "0")))
     if p.train.fp8_base:
         count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
         print0(f"fp8 base: {count} frozen linears kept in float8 e4m3", rank=int(os.environ.get("RANK", "0")))
@@ -115,13 +124,14 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
     variant = models.detect_variant(p.model.path, p.model.variant)
-    resolved = config.to_dict(cfg)
     tag, start_step = resume_point(cfg, d, resume)
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
+    planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
+    resolved = config.to_dict(cfg)
     source = build_source(cfg, d, variant, rows, loader)
-    transformer = build_transformer(cfg)
+    transformer = build_transformer(cfg, d.device)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
         checkpoint.load(eng, p.output.dir, tag)
@@ -161,7 +171,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
         raise RuntimeError(f"trainable weights differ between ranks after training: {digests}")
     if d.is_main:
         write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
-                                     "replica_digests": digests, "gpus": gpus})
+                                     "replica_digests": digests, "gpus": gpus, "memory_plan": planned})
         path = export_weights(cfg, eng.module, Path(p.output.dir) / "export", variant, steps)
         print0(f"exported {path}", rank=d.rank)
     engine.barrier()
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                           outdir.is_holder(cfg.deepspeed, d)):
             run(cfg, d, args.resume, args.overwrite)
     except (data.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
-            outdir.OutputDirError) as e:  # on all ranks
+            outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

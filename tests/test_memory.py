@@ -1,0 +1,110 @@
+"""The memory plan (train/memory.py): counted sizes, the planner's decisions over budgets and workloads, the
+config keys it respects. The measurement itself needs a GPU; these use figures of its shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from train import memory
+from train.config import LoraConfig
+from train.make_tiny import make_tiny, write_full_size_configs
+
+GB = memory.GB
+
+
+@pytest.fixture(scope="module")
+def full_sizes(tmp_path_factory):
+    """Sizes of the released transformer (counted on the meta device) with the default LoRA r64."""
+    out = make_tiny(tmp_path_factory.mktemp("full"), "edit_plus", num_samples=2, size=64)
+    write_full_size_configs(out / "model")
+    return memory.count_sizes(out / "model", LoraConfig().target_modules, 64)
+
+
+def measured(tokens: int) -> memory.Measured:
+    """Block figures of the shape the GPU measurement gives, scaled linearly with the micro-batch's tokens
+    (at 12.5k tokens: 1.5 GB kept per plain block, its two input streams per checkpointed one)."""
+    scale = tokens / 12_500
+    return memory.Measured(act_bytes=1.5 * GB * scale, ckpt_bytes=tokens * 3072 * 2 * 2, transient_bytes=5 * GB * scale,
+                           fwd_s=0.0075 * scale, fwd_bwd_s=0.0235 * scale, h2d_bytes_per_s=25e9)
+
+
+def test_counted_sizes_are_the_released_model(full_sizes):
+    s = full_sizes
+    total = s.num_blocks * s.block_params + s.other_params
+    assert s.num_blocks == 60 and abs(total - 20.43e9) < 0.01e9  # DESIGN.md: 20.43 B parameters
+    assert s.block_fp8_params / s.block_params > 0.99  # the converted linears are nearly all of a block
+    assert s.block_token_params / s.block_fp8_params == pytest.approx(2 / 3, abs=0.01)  # mod linears are 1/3
+    # LoRA r64 on the 12 default projections: r * (in + out) per linear per block
+    per_block = 64 * (8 * (3072 + 3072) + 2 * (3072 + 12288) + 2 * (12288 + 3072))
+    assert s.lora_params == 60 * per_block
+
+
+@pytest.mark.parametrize("tokens, budgets", [(8_448, (141, 80, 48, 24)), (12_544, (141, 80, 48))])
+def test_plan_over_budgets(full_sizes, tokens, budgets):
+    """Fits each budget; less memory never buys a faster step; the biggest card keeps every block plain and
+    resident, 24 GB offloads. (With these figures 12.5k tokens need 23.5 GB at the least: the LoRA's optimizer
+    state, 8.5 GB at r64, stays on the GPU.)"""
+    m = measured(tokens)
+    previous = None
+    for budget in budgets:
+        margin = memory.margin_bytes(0, budget * GB)
+        c, p = memory.choose(full_sizes, m, budget * GB, margin, {}, fp8_ok=True, online=False)
+        assert p.peak_bytes <= budget * GB - margin
+        assert c.fp8_base and c.offloaded <= c.checkpointed
+        if previous is not None:
+            assert p.step_s >= previous[1].step_s
+            assert c.checkpointed >= previous[0].checkpointed
+        previous = (c, p)
+        if budget == 141:
+            assert c.offloaded == 0 and c.checkpointed < 20
+        if budget <= 24:
+            assert c.offloaded > 0 and c.checkpointed == 60
+    # the prediction is the formula: a plain resident block costs A, a checkpointed one S
+    base = memory.Choice(True, False, 0, 0, True)
+    one = memory.Choice(True, False, 1, 0, True)
+    a, b = memory.predict(full_sizes, m, base), memory.predict(full_sizes, m, one)
+    assert a.peak_bytes - b.peak_bytes == pytest.approx(m.act_bytes - m.ckpt_bytes)
+    assert b.step_s - a.step_s == pytest.approx(m.fwd_s)
+
+
+def test_explicit_keys_win_and_online_encoders_count(full_sizes):
+    m = memory.Measured(**{**measured(12_544).__dict__, "encode_bytes": 4 * GB})
+    fixed = {"train.fp8_base": False, "train.gradient_checkpointing": True}
+    c, _ = memory.choose(full_sizes, m, 141 * GB, 0, fixed, fp8_ok=True, online=False)
+    assert not c.fp8_base and c.checkpointed >= 1
+    # online: the 16.6 GB VL model shares the GPU; the plan prefers it while it fits, else trains from the cache
+    sizes = memory.Sizes(**{**full_sizes.__dict__, "encoder_bytes": int(16.6 * GB)})
+    c141, _ = memory.choose(sizes, m, 141 * GB, 8 * GB, {}, fp8_ok=True, online=True)
+    assert not c141.cached
+    c48, _ = memory.choose(sizes, m, 48 * GB, 3.9 * GB, {}, fp8_ok=True, online=True)
+    assert c48.cached
+    pinned, _ = memory.choose(sizes, m, 48 * GB, 3.9 * GB, {"data.cache": "off"}, fp8_ok=True, online=True)
+    assert not pinned.cached and pinned.offloaded > 0  # data.cache set to "off" in the config: offload instead
+    with pytest.raises(memory.PlanError, match="nothing fits"):
+        memory.choose(sizes, m, 24 * GB, 2.7 * GB, {"data.cache": "off"}, fp8_ok=True, online=True)
+
+
+def test_budget_below_the_minimum_names_the_numbers(full_sizes):
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(full_sizes, measured(12_544), 6 * GB, 1.8 * GB, {}, fp8_ok=True, online=False)
+    text = str(e.value)
+    assert "6.0 GB" in text and "needs" in text and "qwen_edit.data.area" in text
+    # without fp8 matmuls (an older GPU) the smallest plan is bf16 and offloaded
+    c, _ = memory.choose(full_sizes, measured(8_448), 24 * GB, 2.7 * GB, {}, fp8_ok=False, online=False)
+    assert not c.fp8_base and c.offloaded > 0
+
+
+def test_settings_realise_the_choice():
+    assert memory.settings(memory.Choice(True, True, 60, 10, True), 60) == {
+        "train.fp8_base": True, "train.fp8_transposed": True, "train.gradient_checkpointing": True,
+        "train.checkpoint_blocks": 0, "train.offload_blocks": 10}
+    assert memory.settings(memory.Choice(False, False, 0, 0, False), 60)["train.gradient_checkpointing"] is False
+    assert memory.settings(memory.Choice(True, False, 24, 0, False), 60)["train.checkpoint_blocks"] == 24
+
+
+def test_largest_bucket_and_text_bound():
+    keys = [((128, 128), (128, 128)), ((128, 128), (128, 128), (128, 128)), ((64, 64), (64, 64))]
+    w = memory.largest_bucket(keys, 2, 700)
+    assert w.image_tokens == 3 * 64 * 64 and w.target_hw == (128, 128) and w.batch == 2
+    assert memory.text_tokens_bound("edit_plus", 2, 1024 * 1024, 384 * 384) == 320 + 2 * 188
+    assert memory.text_tokens_bound("edit", 1, 1024 * 1024, 384 * 384) == 320 + 1337

@@ -1,0 +1,482 @@
+"""The memory plan (qwen_edit.memory): fit the run to the GPU it meets, as fast as it can be within it.
+
+Before any model loads, the plan predicts the step's peak GPU memory for each candidate setting and picks the
+fastest candidate that fits `budget - margin`:
+
+    peak = resident weights + LoRA/optimizer state + encoders (online) + offload slots
+           + (blocks - checkpointed) x A + checkpointed x S + T
+    A = activations a plain block keeps for its backward, S = what a checkpointed block keeps (its inputs),
+    T = the transient of the pass (a block's backward or recomputation, the head, the loss)
+
+Weights and optimizer bytes are counted from the transformer's config (the model built on the meta device).
+A, S, T and the block's forward and backward times are measured: a one- and a two-block transformer of the real
+width, prepared exactly as training prepares it (LoRA, fp8, compiled), run forward and backward at the largest
+shape bucket of the dataset; the difference between the two is one block, the rest is the head. Time per step is
+predicted as blocks x (forward + backward) + checkpointed x forward + the copies of offloaded blocks that a
+block's compute does not hide.
+
+The knobs it chooses, in the order that costs speed least: the fp8 base (faster and smaller; its transposed copy
+when it fits), activation checkpointing of the first N blocks, offloading the frozen weights of the first K <= N
+blocks to pinned host memory (train/offload.py), and for online encoding, training from the cache instead (the
+encoders then never share the GPU with training). A key set in the config is never changed. Without a GPU there
+is nothing to plan: the config runs as written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GB = 1e9
+# Per trainable parameter on one GPU, bf16 mixed precision with DeepSpeed's Adam: LoRA adds its bf16 weight 2,
+# grad 2, fp32 master 4, Adam moments 8, fp32 gradient partition 4; a full fine-tune's weights are counted with
+# the model's, so 18 more.
+LORA_STATE_BYTES = 20
+FULL_STATE_BYTES = 18
+ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
+PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
+             "train.checkpoint_blocks", "train.offload_blocks", "data.cache")
+
+
+class PlanError(ValueError):
+    """Nothing fits the budget: the message has the numbers and what to change."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Counted parameters of the transformer (and bytes of the encoders when they share the GPU)."""
+
+    num_blocks: int
+    block_params: int  # every parameter of one block (all frozen under LoRA)
+    block_matrix_params: int  # the matrices among them (what offloading moves)
+    block_fp8_params: int  # the linears train.fp8_base stores in e4m3
+    block_token_params: int  # the token linears among those (train.fp8_transposed stores them twice)
+    other_params: int  # outside the blocks (embeddings, norm_out, proj_out)
+    lora_params: int  # trainable LoRA parameters of the whole model
+    encoder_bytes: int = 0  # Qwen2.5-VL + VAE in their dtype
+    full: bool = False  # every weight trains (train.mode = "full"): optimizer state for all of them
+
+    @property
+    def state_bytes(self) -> float:
+        if self.full:
+            return (self.num_blocks * self.block_params + self.other_params) * FULL_STATE_BYTES
+        return self.lora_params * LORA_STATE_BYTES
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One short measurement at the largest bucket (see the module docstring), bytes and seconds."""
+
+    act_bytes: float  # A
+    ckpt_bytes: float  # S
+    transient_bytes: float  # T
+    fwd_s: float  # one block's forward
+    fwd_bwd_s: float  # one block's forward and backward
+    h2d_bytes_per_s: float = 25e9  # pinned host -> device copies
+    encode_bytes: float = 0.0  # the encoders' activations while encoding (online)
+
+
+@dataclass(frozen=True)
+class Choice:
+    fp8_base: bool
+    fp8_transposed: bool
+    checkpointed: int  # the first N blocks recompute (0 = none)
+    offloaded: int  # the first K blocks' frozen weights live on the host (K <= N)
+    cached: bool  # train from the cache (no encoder on the GPU while training)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: float
+    step_s: float
+
+
+def _block_bytes(s: Sizes, c: Choice, dtype_bytes: int) -> float:
+    if not c.fp8_base:
+        return s.block_params * dtype_bytes
+    return (s.block_params - s.block_fp8_params) * dtype_bytes + s.block_fp8_params  # + row scales, ~0.1%
+
+
+def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Prediction:
+    """Peak GPU bytes and seconds per micro-step of candidate `c` (the formula of the module docstring)."""
+    block = _block_bytes(s, c, dtype_bytes)
+    offloaded_block = block - s.block_matrix_params * (1 if c.fp8_base else dtype_bytes)  # what stays: vectors
+    transposed = s.block_token_params if c.fp8_base and c.fp8_transposed else 0
+    resident = s.num_blocks - c.offloaded
+    weights = s.other_params * dtype_bytes + resident * (block + transposed) + c.offloaded * max(offloaded_block, 0)
+    slots = 2 * block if c.offloaded else 0
+    states = s.state_bytes
+    encoders = 0 if c.cached else s.encoder_bytes
+    acts = (s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + m.transient_bytes
+    encode_peak = 0 if c.cached else m.encode_bytes
+    peak = weights + slots + states + encoders + max(acts, encode_peak)
+    copy_s = (block - max(offloaded_block, 0)) / m.h2d_bytes_per_s
+    bwd_s = m.fwd_bwd_s - m.fwd_s
+    stall = c.offloaded * (max(0.0, copy_s - m.fwd_s) + max(0.0, copy_s - bwd_s))
+    # Without the transposed copy the backward transposes each fp8 token weight: one read and write of it.
+    transpose_s = 0.0 if not c.fp8_base or c.fp8_transposed else resident * 2 * s.block_token_params / 2e12
+    step = s.num_blocks * m.fwd_bwd_s + c.checkpointed * m.fwd_s + stall + transpose_s
+    return Prediction(peak, step)
+
+
+def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
+    """Every Choice the config's explicit keys (`fixed`, dotted key -> value) allow."""
+    fp8s = [fixed["train.fp8_base"]] if "train.fp8_base" in fixed else [True, False]
+    fp8_ok = fp8_ok and not s.full
+    n = s.num_blocks
+    if "train.gradient_checkpointing" in fixed and not fixed["train.gradient_checkpointing"]:
+        ckpts = [0]
+    elif "train.checkpoint_blocks" in fixed:
+        ckpts = [fixed["train.checkpoint_blocks"] or n]
+    elif fixed.get("train.gradient_checkpointing"):
+        ckpts = list(range(1, n + 1))
+    else:
+        ckpts = list(range(0, n + 1))
+    cached = [fixed["data.cache"] != "off"] if "data.cache" in fixed else ([False, True] if online else [True])
+    if not online:
+        cached = [True]
+    for fp8_base in fp8s:
+        if fp8_base and not fp8_ok:
+            continue
+        transposed = [fixed["train.fp8_transposed"]] if "train.fp8_transposed" in fixed else [True, False]
+        for fp8_t in transposed if fp8_base else [False]:
+            for ck in ckpts:
+                offs = [fixed["train.offload_blocks"]] if "train.offload_blocks" in fixed else range(0, ck + 1)
+                offs = [0] if s.full else offs  # full fine-tuning offloads with ZeRO, not this
+                for off in offs:
+                    if off <= ck:
+                        for cache in cached:
+                            yield Choice(fp8_base, fp8_t, ck, off, cache)
+
+
+def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixed: dict, fp8_ok: bool,
+           online: bool) -> tuple[Choice, Prediction]:
+    """The fastest candidate whose predicted peak fits budget - margin (ties: the smaller peak). Online encoding,
+    when that is the config's, is kept while its best step is within ONLINE_SLACK of the best cached one (the
+    cache costs a pass over the data and disk space). PlanError with the smallest peak found when nothing fits."""
+    allowed = list(candidates(s, fixed, fp8_ok, online))
+    if not allowed:
+        raise PlanError("the config's explicit settings leave no candidate to plan (see qwen_edit.memory)")
+    scored = [(c, predict(s, m, c)) for c in allowed]
+    fits = [(c, p) for c, p in scored if p.peak_bytes <= budget_bytes - margin_bytes]
+    best = {cached: min((x for x in fits if x[0].cached == cached), key=lambda x: (x[1].step_s, x[1].peak_bytes),
+                        default=None) for cached in (False, True)}
+    if best[False] and (not best[True] or best[False][1].step_s <= ONLINE_SLACK * best[True][1].step_s):
+        return best[False]
+    if best[True]:
+        return best[True]
+    c, p = min(scored, key=lambda x: x[1].peak_bytes)
+    raise PlanError(
+        f"nothing fits the memory budget: {budget_bytes / GB:.1f} GB with a {margin_bytes / GB:.1f} GB margin; "
+        f"the smallest setting allowed ({describe(c, s.num_blocks)}) needs {p.peak_bytes / GB:.1f} GB. Lower "
+        "qwen_edit.data.area or the micro-batch, a lower qwen_edit.lora.rank, remove settings that pin the "
+        "plan (train.fp8_base false, train.gradient_checkpointing false, data.cache off), or use a bigger GPU "
+        "or the model-parallel mode"
+    )
+
+
+def describe(c: Choice, num_blocks: int) -> str:
+    transposed = c.fp8_transposed and c.offloaded < num_blocks  # offloaded blocks keep no transposed copy
+    fp8 = ("fp8 base + transposed copy" if transposed else "fp8 base") if c.fp8_base else "bf16 base"
+    ck = "no checkpointing" if not c.checkpointed else (
+        "all blocks checkpointed" if c.checkpointed >= num_blocks else f"first {c.checkpointed} blocks checkpointed")
+    off = f", first {c.offloaded} blocks offloaded to host memory" if c.offloaded else ""
+    enc = "from the cache" if c.cached else "online encoding"
+    return f"{fp8}, {ck}{off}, {enc}"
+
+
+def settings(c: Choice, num_blocks: int) -> dict:
+    """The config keys (dotted, under qwen_edit) that realise `c`."""
+    return {"train.fp8_base": c.fp8_base, "train.fp8_transposed": c.fp8_transposed,
+            "train.gradient_checkpointing": c.checkpointed > 0,
+            "train.checkpoint_blocks": 0 if c.checkpointed in (0, num_blocks) else c.checkpointed,
+            "train.offload_blocks": c.offloaded}
+
+
+# ---------------------------------------------------------------- counting
+
+
+def count_sizes(model_dir: str | Path, target_modules: list[str], rank: int, encoder_bytes: int = 0,
+                full: bool = False) -> Sizes:
+    """Sizes of the transformer of `model_dir`, counted on the meta device (nothing is allocated)."""
+    from train import fp8, streaming
+
+    model = streaming.empty_transformer(Path(model_dir) / "transformer")
+    block = model.transformer_blocks[0]
+    block_params = sum(p.numel() for p in block.parameters())
+    matrices = sum(p.numel() for p in block.parameters() if p.dim() >= 2)
+    fp8_params = token = 0
+    for name, module in block.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            kind = fp8._kind(f"transformer_blocks.0.{name}")
+            fp8_params += module.weight.numel() if kind else 0
+            token += module.weight.numel() if kind == "token" else 0
+    lora = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in target_modules):
+            lora += rank * (module.in_features + module.out_features)
+    total = sum(p.numel() for p in model.parameters())
+    n = len(model.transformer_blocks)
+    return Sizes(n, block_params, matrices, fp8_params, token, total - n * block_params, 0 if full else lora,
+                 encoder_bytes, full)
+
+
+def encoder_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
+    """Bytes of Qwen2.5-VL and the VAE in a 2-byte dtype, from their safetensors headers (no weights read)."""
+    total = 0
+    for sub in ("text_encoder", "vae"):
+        for path in sorted((Path(model_dir) / sub).glob("*.safetensors")):
+            total += _numel_in_header(path) * dtype_bytes
+        if not any((Path(model_dir) / sub).glob("*.safetensors")):
+            total += _numel_from_config(Path(model_dir) / sub) * dtype_bytes
+    return total
+
+
+def _numel_in_header(path: Path) -> int:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+def _numel_from_config(sub: Path) -> int:
+    """Parameter count of a component that has only its config (QWEN_EDIT_RANDOM_INIT directories)."""
+    from accelerate import init_empty_weights
+
+    if sub.name == "vae":
+        from diffusers import AutoencoderKLQwenImage
+
+        with init_empty_weights():
+            m = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(sub))
+    else:
+        from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+        with init_empty_weights():
+            m = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(sub))
+    return sum(p.numel() for p in m.parameters())
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The largest micro-batch of the run, in tokens."""
+
+    batch: int
+    image_tokens: int  # target + references, packed 2x2 latent patches
+    target_hw: tuple[int, int]  # latent h, w of the target (the rest of image_tokens are references)
+    text_tokens: int
+
+
+def largest_bucket(bucket_keys: list[tuple[tuple[int, int], ...]], micro_batch: int, text_tokens: int) -> Workload:
+    """The bucket with the most image tokens (latent (h, w) per image, as the datasets' bucket_keys give them)."""
+    key = max(bucket_keys, key=lambda k: sum(h * w for h, w in k))
+    tokens = sum((h // 2) * (w // 2) for h, w in key)
+    return Workload(micro_batch, tokens, key[0], text_tokens)
+
+
+def text_tokens_bound(variant: str, num_references: int, area: int, condition_area: int) -> int:
+    """Prompt embeddings per sample, bounded: the template and prompt text (at most ~320 tokens after the dropped
+    prefix) plus the VL image tokens of each reference (28 x 28 px each; v1 shows the VL its VAE-size copy)."""
+    vl_area = area if variant == "edit" else condition_area
+    return 320 + num_references * vl_area // (28 * 28)
+
+
+def _mini_transformer(model_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device):
+    from diffusers import QwenImageTransformer2DModel
+
+    config = dict(QwenImageTransformer2DModel.load_config(model_dir / "transformer"))
+    config["num_layers"] = num_layers
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return QwenImageTransformer2DModel.from_config(config)
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _inputs(model, w: Workload, dtype: torch.dtype, device: torch.device) -> dict:
+    h, wd = w.target_hw
+    target = (h // 2) * (wd // 2)
+    refs = w.image_tokens - target
+    ref_h = max(1, int(round(math.sqrt(refs)))) if refs else 0
+    ref_w = refs // ref_h if refs else 0
+    shapes = [(1, h // 2, wd // 2)] + ([(1, ref_h, ref_w)] if refs else [])
+    tokens = target + ref_h * ref_w
+    g = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(w.batch, tokens, model.config.in_channels, generator=g, device=device, dtype=dtype)
+    text = torch.randn(w.batch, w.text_tokens, model.config.joint_attention_dim, generator=g, device=device,
+                       dtype=dtype)
+    return dict(hidden_states=hidden, timestep=torch.full((w.batch,), 0.5, device=device, dtype=dtype),
+                encoder_hidden_states=text, encoder_hidden_states_mask=None, img_shapes=[shapes] * w.batch,
+                return_dict=False)
+
+
+def _run(model, inputs: dict, device: torch.device, repeats: int = 3) -> tuple[float, float, float, float]:
+    """(kept after forward, peak above that in the backward, forward s, forward+backward s) of the last repeat."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    kept = transient = fwd = both = 0.0
+    for _ in range(repeats):  # the first compiles
+        sync()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        loss = model(**inputs)[0].float().square().mean()
+        sync()
+        t1 = time.perf_counter()
+        after_fwd = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        kept, transient = after_fwd - base, torch.cuda.max_memory_allocated(device) - after_fwd
+        fwd, both = t1 - t0, t2 - t0
+        del loss
+        model.zero_grad(set_to_none=True)
+    return kept, transient, fwd, both
+
+
+def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
+            fp8_base: bool, compile_blocks: bool) -> Measured:
+    """A, S, T and block times at workload `w` (see the module docstring); a few seconds, plus compilation."""
+    from train import models
+
+    model_dir = Path(model_dir)
+    runs = {}
+    for layers in (1, 2):
+        for checkpointed in (False, True):
+            model = _mini_transformer(model_dir, layers, dtype, device)
+            models.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base)
+            model.train()
+            runs[layers, checkpointed] = _run(model, _inputs(model, w, dtype, device), device)
+            del model
+            torch.cuda.empty_cache()
+    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1, False], runs[2, False]
+    (k1c, _, _, _), (k2c, t2c, _, _) = runs[1, True], runs[2, True]
+    act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c, 0.0)
+    head = max(k1 - act, 0.0)
+    transient = head + max(t1, t2, t2c)
+    return Measured(act, ckpt, transient, max(f2 - f1, 1e-6), max(b2 - b1, 1e-6), _h2d_rate(device))
+
+
+def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return nbytes / max(time.perf_counter() - t0, 1e-9)
+
+
+def budget_bytes(budget_gb: float, device: torch.device) -> float:
+    """The memory the run may use: budget_gb, or (0) the device's free memory now; a budget_gb below the device
+    caps the process there (torch's per-process fraction), so a smaller card is simulated faithfully."""
+    free, total = torch.cuda.mem_get_info(device)
+    if budget_gb <= 0:
+        return float(free)
+    if budget_gb * GB > total:
+        raise PlanError(f"qwen_edit.memory.budget_gb: {budget_gb} GB is more than {torch.cuda.get_device_name(device)} "
+                        f"has ({total / GB:.1f} GB); lower it or set 0 (the free memory)")
+    torch.cuda.set_per_process_memory_fraction(budget_gb * GB / total, device)
+    return budget_gb * GB
+
+
+def margin_bytes(margin_gb: float, budget: float) -> float:
+    """The headroom kept free: margin_gb, or (0) 1.5 GB + 5% of the budget (NCCL, the checkpoint writer, the
+    allocator's fragmentation)."""
+    return margin_gb * GB if margin_gb > 0 else 1.5 * GB + 0.05 * budget
+
+
+def fixed_settings(cfg, explicit: set[str]) -> dict:
+    """{dotted key: value} of the plan's knobs that the config sets itself."""
+    p = cfg.project
+    return {k: getattr(getattr(p, k.split(".")[0]), k.split(".")[1]) for k in PLAN_KEYS if k in explicit}
+
+
+def apply(cfg, c: Choice, num_blocks: int) -> None:
+    """Write the plan's choice into the config's free knobs (explicit ones are already equal or untouched)."""
+    p = cfg.project
+    values = settings(c, num_blocks)
+    if c.cached and p.data.cache == "off":
+        values["data.cache"] = "auto"
+    for dotted, value in values.items():
+        if dotted in cfg.explicit:
+            continue
+        section, name = dotted.split(".")
+        setattr(getattr(p, section), name, value)
+    if "train.compile" not in cfg.explicit:
+        p.train.compile = True
+
+
+# ---------------------------------------------------------------- the run's plan
+
+
+def plan_run(cfg, d, variant: str, dataset) -> dict | None:
+    """Plan the run's memory (see the module docstring) and write the choice into `cfg`; prints the plan and its
+    predicted peak, and returns them for summary.json. None when there is nothing to plan (memory.plan off, no
+    GPU, the model-parallel mode); a budget_gb still caps the process then."""
+    from train.metrics import print0
+
+    p = cfg.project
+    if d.device.type != "cuda":
+        return None
+    budget = budget_bytes(p.memory.budget_gb, d.device)
+    if p.memory.plan == "off" or p.parallel.mode != "zero2":
+        return None
+    t0 = time.perf_counter()
+    margin = margin_bytes(p.memory.margin_gb, budget)
+    fixed = fixed_settings(cfg, cfg.explicit)
+    online = p.data.cache == "off"
+    keys = dataset.bucket_keys()
+    refs = max(len(k) - 1 for k in keys)
+    work = largest_bucket(keys, cfg.micro_batch_size, text_tokens_bound(variant, refs, p.data.area,
+                                                                          p.data.condition_area))
+    dtype = getattr(torch, cfg.precision)
+    sizes = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank,
+                        encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
+    fp8_ok = p.train.mode == "lora" and torch.cuda.get_device_capability(d.device) >= (8, 9)
+    compile_blocks = fixed.get("train.compile", True)
+    measured = measure(p.model.path, work, dtype, d.device, p.train.mode, p.lora,
+                       fixed.get("train.fp8_base", fp8_ok), compile_blocks)
+    if online:
+        measured = _with_encode_bytes(measured, p, d.device, work)
+    choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online)
+    apply(cfg, choice, sizes.num_blocks)
+    tokens = work.batch * (work.image_tokens + work.text_tokens)
+    print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
+           f"largest micro-batch {tokens} tokens -> {describe(choice, sizes.num_blocks)}"
+           f"{', compiled blocks' if p.train.compile else ''}; predicted peak {pred.peak_bytes / GB:.1f} GB, "
+           f"~{pred.step_s:.2f} s per micro-batch in the blocks. Keys set in the config are kept; "
+           "qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
+    return {"budget_gb": budget / GB, "margin_gb": margin / GB, "tokens": tokens,
+            "choice": describe(choice, sizes.num_blocks), "predicted_peak_gb": pred.peak_bytes / GB,
+            "measured": dict(measured.__dict__)}
+
+
+def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> Measured:
+    """Add the encoders' transient while encoding online: the VAE encoding the largest target at its size (the
+    peak of the two; the VL model's activations for a few thousand tokens without gradients are far smaller)."""
+    from train import models
+
+    vae = models.load_vae(p.model.path, torch.bfloat16, device)
+    h, w = work.target_hw
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        vae.encode(torch.zeros(work.batch, 3, 1, h * 8, w * 8, device=device, dtype=torch.bfloat16))
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del vae
+    torch.cuda.empty_cache()
+    return Measured(m.act_bytes, m.ckpt_bytes, m.transient_bytes, m.fwd_s, m.fwd_bwd_s, m.h2d_bytes_per_s,
+                    float(peak) + 1 * GB)
