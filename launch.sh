@@ -42,7 +42,7 @@ env_defaults() {
 usage() {
   cat <<'EOF'
 Usage:
-  bash launch.sh demo [--max_steps N] [--variant edit|edit_plus] [--workdir DIR]
+  bash launch.sh demo [--max_steps N] [--variant edit|edit_plus|edit_plus_2511|t2i] [--workdir DIR]
       set up ./.venv if needed, then run the embedded tiny demo (python -m train.demo)
   bash launch.sh test [pytest args]
       set up ./.venv if needed, then run ruff and the test suite

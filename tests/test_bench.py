@@ -110,6 +110,18 @@ def test_tiny_flops_follow_the_module():
     assert bench.step_flops(tiny, image, text, "lora") == pytest.approx(2 * linear + 3 * attention)
 
 
+def test_zero_cond_t_builds_the_2511_transformer():
+    """--zero_cond_t: the benchmarked transformer (tiny, and full size on meta) has 2511's config; FLOPs unchanged."""
+    tiny = bench.build_model(bench.parse_args(["--tiny", "--zero_cond_t"]), torch.device("cpu"), torch.float32)
+    assert tiny.config.zero_cond_t and all(b.zero_cond_t for b in tiny.transformer_blocks)
+    assert not bench.build_model(bench.parse_args(["--tiny"]), torch.device("cpu"), torch.float32).config.zero_cond_t
+    full = bench.build_full_transformer(2, "meta", torch.bfloat16, zero_cond_t=True)
+    assert full.config.zero_cond_t
+    plain = bench.build_full_transformer(2, "meta", torch.bfloat16)
+    assert bench.step_flops(full, IMAGE_TOKENS, TEXT_TOKENS, "lora") == bench.step_flops(plain, IMAGE_TOKENS,
+                                                                                         TEXT_TOKENS, "lora")
+
+
 def test_workload_and_option_checks():
     """The issue's workload is 4096 + 4096 image tokens + 256 text; impossible combinations are refused."""
     w = bench.make_workload(1024 * 1024, refs=1, text_tokens=256, micro_batch=1)

@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint_blocks", type=int, default=0,
                    help="with --checkpointing full: recompute only the first N blocks (default 0 = all)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--zero_cond_t", action="store_true",
+                   help="Qwen-Image-Edit-2511's transformer config: reference tokens modulated at timestep 0")
     p.add_argument("--fp8_base", action="store_true",
                    help="the project's step with the frozen block weights in fp8 (train.fp8_base; the baseline "
                         "stays bf16, so --baseline compares the curves)")
@@ -209,12 +211,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def build_full_transformer(num_layers: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
-    """The Qwen-Image-Edit transformer at random init, created directly on `device` (also "meta") in `dtype`."""
+def build_full_transformer(num_layers: int, device: torch.device | str, dtype: torch.dtype,
+                           zero_cond_t: bool = False) -> torch.nn.Module:
+    """The Qwen-Image-Edit transformer at random init, created directly on `device` (also "meta") in `dtype`
+    (zero_cond_t: 2511's)."""
     from diffusers import QwenImageTransformer2DModel
 
     with torch.device(device), default_dtype(dtype):
-        return QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": num_layers})
+        return QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": num_layers, "zero_cond_t": zero_cond_t})
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -223,8 +227,8 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     if args.tiny:
         from train.make_tiny import build_transformer
 
-        return build_transformer().to(device)  # fp32 as built (dtype is float32 for --tiny)
-    return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype)
+        return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
+    return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)
 
 
 def lora_targets(kind: str) -> list[str]:
@@ -589,6 +593,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "tokens_per_sample": w.tokens_per_sample, "micro_batch": w.micro_batch, **model_info,
         "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
+        "zero_cond_t": args.zero_cond_t,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
@@ -624,7 +629,8 @@ def format_report(r: dict) -> str:
         f"{r['deepspeed_version']}, diffusers {r['diffusers_version']}, {r['date']}",
         f"workload    {r['width']}x{r['height']} target + {r['refs']} reference(s) of the same size + "
         f"{r['text_tokens']} text tokens = {r['tokens_per_sample']} tokens/sample, micro-batch {r['micro_batch']}",
-        f"model       {r['model']}, {r['num_layers']} blocks, {r['precision']}, {lora}: "
+        f"model       {r['model']}{' (2511: zero_cond_t)' if r['zero_cond_t'] else ''}, {r['num_layers']} blocks, "
+        f"{r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} (transposed copy {r['fp8_transposed']}), "

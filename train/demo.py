@@ -1,10 +1,11 @@
 """The embedded default: tiny model + synthetic edits -> ZeRO-2 LoRA training -> export -> before/after PNG.
 
-    python -m train.demo [--workdir demo_out] [--max_steps 200]
+    python -m train.demo [--workdir demo_out] [--max_steps 200] [--variant edit|edit_plus|edit_plus_2511|t2i]
 
 Builds the tiny checkpoint and dataset (train.make_tiny), trains with the deepspeed launcher on 2
 processes (GPUs when present, else CPU processes), and renders reference | target | base model | with
-the exported LoRA through diffusers' own edit pipeline.
+the exported LoRA through diffusers' own pipeline (the edit pipelines; QwenImagePipeline for t2i, whose rows are
+prompts without a reference: that column is left out).
 """
 
 from __future__ import annotations
@@ -47,15 +48,20 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
 
     cfg = json.loads((workdir / "run" / "config.json").read_text())[PROJECT_KEY]
     rows = [json.loads(line) for line in (workdir / "data" / "metadata.jsonl").read_text().splitlines()][:num_rows]
-    references = [[open_rgb(workdir / "data" / r) for r in ([row["edit_image"]] if isinstance(row["edit_image"], str)
-                                                           else row["edit_image"])] for row in rows]
+    names = [row.get("edit_image") or [] for row in rows]  # none: a text-to-image row
+    references = [[open_rgb(workdir / "data" / r) for r in ([n] if isinstance(n, str) else n)] for n in names]
     targets = [open_rgb(workdir / "data" / row["image"]) for row in rows]
     pipe = DiffusionPipeline.from_pretrained(workdir / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
 
     def edit_all() -> list:
         outs = []
-        for row, images in zip(rows, references, strict=True):
+        for row, images, target in zip(rows, references, targets, strict=True):
+            if not images:  # text-to-image (QwenImagePipeline), at the target's size
+                outs.append(pipe(prompt=row["prompt"], height=target.height, width=target.width,
+                                 num_inference_steps=steps, true_cfg_scale=1.0,
+                                 generator=torch.Generator().manual_seed(0)).images[0])
+                continue
             with pipeline_areas(cfg["data"]["area"], cfg["data"]["condition_area"]):
                 outs.append(pipe(image=images if len(images) > 1 else images[0], prompt=row["prompt"],
                                  num_inference_steps=steps, true_cfg_scale=1.0,
@@ -96,11 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default=str(REPO / "demo_out"))
     parser.add_argument("--max_steps", type=int, default=200)
-    parser.add_argument("--variant", default="edit", choices=["edit", "edit_plus"])
+    from train.make_tiny import VARIANTS, make_tiny
+
+    parser.add_argument("--variant", default="edit", choices=VARIANTS)
     args = parser.parse_args(argv)
     import torch
-
-    from train.make_tiny import make_tiny
 
     workdir = Path(args.workdir).resolve()
     prepare_workdir(workdir, args.variant)

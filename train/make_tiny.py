@@ -250,7 +250,8 @@ def write_full_size_configs(model_dir: str | Path) -> None:
         for f in (model_dir / sub).glob("*.safetensors*"):
             f.unlink()
     with torch.device("meta"):
-        QwenImageTransformer2DModel(**FULL_ARCH).save_config(model_dir / "transformer")
+        zero_cond_t = QwenImageTransformer2DModel.load_config(model_dir / "transformer").get("zero_cond_t", False)
+        QwenImageTransformer2DModel(**FULL_ARCH, zero_cond_t=zero_cond_t).save_config(model_dir / "transformer")
         AutoencoderKLQwenImage().save_config(model_dir / "vae")
     tokenizer = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
