@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from train import demo
 
 
@@ -22,9 +24,11 @@ def test_demo_rebuilds_a_model_of_another_variant(tiny_edit, tmp_path, capsys):
     assert f"{work / 'model'} holds a tiny 'edit' model, not 'edit_plus': rebuilding" in capsys.readouterr().out
 
 
-def test_demo_grid_is_labelled_and_measured(tiny_edit, tmp_path):
+@pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i"])
+def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     """render(): reference | target | base model | base + LoRA under a header, each row under its prompt, and each
-    model column's distance to the targets (a LoRA that changes the model changes it)."""
+    model column's distance to the targets (a LoRA that changes the model changes it); text-to-image (t2i, through
+    QwenImagePipeline): no reference column."""
     import json
 
     import numpy as np
@@ -34,6 +38,8 @@ def test_demo_grid_is_labelled_and_measured(tiny_edit, tmp_path):
     from train import checkpoint, models, validation
     from train.config import LoraConfig, ModelConfig
 
+    tiny_edit = request.getfixturevalue(tiny_name)
+    num_columns = 3 if tiny_name == "tiny_t2i" else 4
     work = tmp_path / "demo_out"
     work.mkdir()
     for name in ("model", "data"):
@@ -51,9 +57,9 @@ def test_demo_grid_is_labelled_and_measured(tiny_edit, tmp_path):
     out, distances = demo.render(work, num_rows=2, steps=2)
     grid = Image.open(out)
     cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]
-    assert grid.size == (4 * cell, 16 + 2 * (validation.CAPTION + cell))
+    assert grid.size == (num_columns * cell, 16 + 2 * (validation.CAPTION + cell))
     header = np.asarray(grid.convert("L"))[:16]
-    assert all((header[:, j * cell:(j + 1) * cell] < 128).any() for j in range(4)), "a column has no label"
+    assert all((header[:, j * cell:(j + 1) * cell] < 128).any() for j in range(num_columns)), "a column has no label"
     caption = np.asarray(grid.convert("L"))[16:16 + validation.CAPTION]
     assert (caption < 128).any(), "no prompt above the first row"
     assert set(distances) == {"base model", "base + exported LoRA"}
