@@ -59,12 +59,12 @@ def test_plan_over_budgets(full_sizes, tokens, budgets):
             assert c.offloaded == 0 and c.checkpointed < 20
         if budget <= 24:
             assert c.offloaded > 0 and c.checkpointed == 60
-    # the prediction is the formula: a plain resident block costs A, a checkpointed one S
-    base = memory.Choice(True, False, 0, 0, True)
-    one = memory.Choice(True, False, 1, 0, True)
-    a, b = memory.predict(full_sizes, m, base), memory.predict(full_sizes, m, one)
-    assert a.peak_bytes - b.peak_bytes == pytest.approx(m.act_bytes - m.ckpt_bytes)
-    assert b.step_s - a.step_s == pytest.approx(m.fwd_s)
+    # the prediction is the formula: a plain resident block costs A, a checkpointed one S, and checkpointing at
+    # all costs one block's recomputation A
+    none, one, two = (memory.predict(full_sizes, m, memory.Choice(True, False, n, 0, True)) for n in (0, 1, 2))
+    assert one.peak_bytes - none.peak_bytes == pytest.approx(m.ckpt_bytes)
+    assert one.peak_bytes - two.peak_bytes == pytest.approx(m.act_bytes - m.ckpt_bytes)
+    assert two.step_s - one.step_s == pytest.approx(m.fwd_s)
 
 
 def test_explicit_keys_win_and_online_encoders_count(full_sizes):

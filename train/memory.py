@@ -6,12 +6,14 @@ fastest candidate that fits `budget - margin`:
     peak = resident weights + LoRA/optimizer state + encoders (online) + offload slots
            + (blocks - checkpointed) x A + checkpointed x S + T
     A = activations a plain block keeps for its backward, S = what a checkpointed block keeps (its inputs),
-    T = the transient of the pass (a block's backward or recomputation, the head, the loss)
+    T = the transient of the pass (a block's backward, the head, the loss), plus A once when any block is
+    checkpointed (its recomputation holds a block's activations again)
 
 Weights and optimizer bytes are counted from the transformer's config (the model built on the meta device).
 A, S, T and the block's forward and backward times are measured: a one- and a two-block transformer of the real
 width, prepared exactly as training prepares it (LoRA, fp8, compiled), run forward and backward at the largest
-shape bucket of the dataset; the difference between the two is one block, the rest is the head. Time per step is
+shape bucket of the dataset; the difference between the two is one block, the rest is the head. S is counted
+(the block's two input streams). Time per step is
 predicted as blocks x (forward + backward) + checkpointed x forward + the copies of offloaded blocks that a
 block's compute does not hide.
 
@@ -112,7 +114,10 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     slots = 2 * block if c.offloaded else 0
     states = s.state_bytes
     encoders = 0 if c.cached else s.encoder_bytes
-    acts = (s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + m.transient_bytes
+    # A checkpointed block's recomputation holds its whole activations again while it runs its backward.
+    recompute = m.act_bytes if c.checkpointed else 0.0
+    acts = ((s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + m.transient_bytes
+            + recompute)
     encode_peak = 0 if c.cached else m.encode_bytes
     peak = weights + slots + states + encoders + max(acts, encode_peak)
     copy_s = (block - max(offloaded_block, 0)) / m.h2d_bytes_per_s
@@ -346,25 +351,24 @@ def _run(model, inputs: dict, device: torch.device, repeats: int = 3) -> tuple[f
 
 def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
             fp8_base: bool, compile_blocks: bool) -> Measured:
-    """A, S, T and block times at workload `w` (see the module docstring); a few seconds, plus compilation."""
+    """A, T and block times at workload `w` from a one- and a two-block transformer (see the module docstring);
+    S is counted: the two streams a checkpointed block keeps as its inputs. Seconds, plus compilation."""
     from train import models
 
     model_dir = Path(model_dir)
     runs = {}
     for layers in (1, 2):
-        for checkpointed in (False, True):
-            model = _mini_transformer(model_dir, layers, dtype, device)
-            models.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base)
-            model.train()
-            runs[layers, checkpointed] = _run(model, _inputs(model, w, dtype, device), device)
-            del model
-            torch.cuda.empty_cache()
-    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1, False], runs[2, False]
-    (k1c, _, _, _), (k2c, t2c, _, _) = runs[1, True], runs[2, True]
-    act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c, 0.0)
+        model = _mini_transformer(model_dir, layers, dtype, device)
+        models.prepare_for_training(model, mode, lora, False, compile_blocks, fp8_base)
+        model.train()
+        runs[layers] = _run(model, _inputs(model, w, dtype, device), device)
+        del model
+        torch.cuda.empty_cache()
+    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1], runs[2]
+    act = max(k2 - k1, 0.0)
     head = max(k1 - act, 0.0)
-    transient = head + max(t1, t2, t2c)
-    return Measured(act, ckpt, transient, max(f2 - f1, 1e-6), max(b2 - b1, 1e-6), _h2d_rate(device))
+    ckpt = w.batch * (w.image_tokens + w.text_tokens) * 3072 * torch.finfo(dtype).bits // 8
+    return Measured(act, float(ckpt), head + max(t1, t2), max(f2 - f1, 1e-6), max(b2 - b1, 1e-6), _h2d_rate(device))
 
 
 def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
@@ -452,6 +456,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
         measured = _with_encode_bytes(measured, p, d.device, work)
     choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online)
     apply(cfg, choice, sizes.num_blocks)
+    torch.cuda.reset_peak_memory_stats(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
            f"largest micro-batch {tokens} tokens -> {describe(choice, sizes.num_blocks)}"

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Memory benchmark of the real entry point: the shipped default config with only qwen_edit.memory.budget_gb
+# changed, on full-size architectures at random init (no weights needed), one GPU. For each budget it records the
+# memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl) and the
+# median step time after the first two steps. docs/performance.md "Memory" has the figures and the command.
+# Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
+#   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24" STEPS=8 bash tests/gpu_memory.sh
+set -euo pipefail
+out=${OUT:-/tmp/gpu_memory}
+variant=${VARIANT:-edit_plus}
+steps=${STEPS:-8}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 QWEN_EDIT_RANDOM_INIT=1
+data=${DATA:-/tmp/gpu_memory_data_$variant}
+if [ ! -f "$data/model/model_index.json" ]; then
+  python -m train.make_tiny --out "$data" --variant "$variant" --size 1024 --num_samples 24 --full_size_configs \
+    > "$out/make_tiny_$variant.log" 2>&1
+fi
+for cache in ${CACHE:-auto}; do
+  for budget in ${BUDGETS:-141 80 48 24}; do
+    name=${variant}_${cache}_${budget}
+    cfg=$out/$name.json
+    python - "$cfg" "$budget" "$cache" "$steps" "$data" <<'PY'
+import json, sys
+path, budget, cache, steps, data = sys.argv[1:]
+c = json.load(open("ds_configs/zero2.json"))
+q = c["qwen_edit"]
+q["memory"] = {"budget_gb": float(budget)}
+q["data"].update(cache=cache, cache_dir=f"{data}/cache", num_workers=2)  # one cache for every budget
+q["train"]["max_steps"] = int(steps)
+q["output"].update(save_every_steps=0, log_every_steps=1, tensorboard=False, gpu_monitor_interval_s=0)
+json.dump(c, open(path, "w"), indent=1)
+PY
+    run=/tmp/gpu_memory_run_$name
+    rm -rf "$run"
+    start=$(date +%s)
+    rc=0
+    timeout "${RUN_TIMEOUT:-420}" python train/main.py --ds_config "$cfg" --model "$data/model" --data "$data/data" \
+      --output_dir "$run" > "$out/$name.log" 2>&1 || rc=$?
+    python - "$run" "$name" "$rc" "$(( $(date +%s) - start ))" >> "$out/memory.jsonl" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+run, name, rc, wall = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rec = {"run": name, "rc": rc, "wall_s": wall}
+m = run / "metrics.jsonl"
+if m.is_file():
+    rows = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+    rec["measured_peak_gb"] = max((r.get("peak_memory_gb", 0) for r in rows), default=None)
+    times = [r["step_time_s"] for r in rows if r["step"] > 2]
+    rec["median_step_s"] = statistics.median(times) if times else None
+s = run / "summary.json"
+if s.is_file():
+    plan = json.loads(s.read_text()).get("memory_plan") or {}
+    rec.update({k: plan.get(k) for k in ("choice", "predicted_peak_gb", "budget_gb", "tokens")})
+print(json.dumps(rec))
+PY
+    tail -n 1 "$out/memory.jsonl"
+    grep -E "memory plan|error|Error" "$out/$name.log" | head -5 || true
+    rm -rf "$run"
+  done
+done
