@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -13,15 +14,24 @@ def test_demo_rebuilds_a_model_of_another_variant(tiny_edit, tmp_path, capsys):
     """`demo --variant edit_plus` over a v1 demo_out clears model/, data/ and run/ (so make_tiny builds a 2509 model)
     and says so; the same variant keeps them."""
     work = tmp_path / "demo_out"
-    shutil.copytree(tiny_edit / "model", work / "model")
-    for name in ("data", "run"):
-        (work / name).mkdir()
-        (work / name / "kept.txt").write_text("x")
+
+    def fill(vae: str) -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(tiny_edit / "model", work / "model")
+        (work / "model" / "tiny.json").write_text(json.dumps({"variant": "edit", "vae": vae}))
+        for name in ("data", "run"):
+            (work / name).mkdir()
+            (work / name / "kept.txt").write_text("x")
+
+    fill("pooling")
     demo.prepare_workdir(work, "edit")
     assert all((work / name).exists() for name in ("model", "data", "run")) and capsys.readouterr().out == ""
     demo.prepare_workdir(work, "edit_plus")
     assert not any((work / name).exists() for name in ("model", "data", "run"))
     assert f"{work / 'model'} holds a tiny 'edit' model, not 'edit_plus': rebuilding" in capsys.readouterr().out
+    fill("random")  # a demo_out from before the demo's VAE averaged: rebuilt too
+    demo.prepare_workdir(work, "edit")
+    assert not (work / "model").exists() and "holds a 'random' tiny VAE: rebuilding" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i"])
@@ -29,8 +39,6 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     """render(): reference | target | base model | base + LoRA under a header, each row under its prompt, and each
     model column's distance to the targets (a LoRA that changes the model changes it); text-to-image (t2i, through
     QwenImagePipeline): no reference column."""
-    import json
-
     import numpy as np
     import torch
     from PIL import Image
@@ -64,3 +72,22 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     assert (caption < 128).any(), "no prompt above the first row"
     assert set(distances) == {"base model", "base + exported LoRA"}
     assert all(0 < d < 255 for d in distances.values()) and distances["base model"] != distances["base + exported LoRA"]
+
+
+def test_pooling_vae_decodes_what_it_encoded():
+    """make_tiny's "pooling" VAE (the demo's): encoding gives the 8x8 block means in latent channels 0-2 (the rest
+    zero, posterior variance ~0) and decoding upsamples them back, through the released AutoencoderKLQwenImage."""
+    import torch
+    import torch.nn.functional as F
+
+    from train.make_tiny import build_vae
+
+    x = torch.rand(2, 3, 1, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    vae = build_vae("pooling")
+    with torch.no_grad():
+        posterior = vae.encode(x).latent_dist
+        decoded = vae.decode(posterior.mode()).sample
+    means = F.avg_pool2d(x[:, :, 0], 8)
+    assert (posterior.mode()[:, :3, 0] - means).abs().max() < 2e-3 and posterior.mode()[:, 3:].abs().max() == 0
+    assert posterior.std.max() < 1e-4
+    assert (decoded[:, :, 0] - F.interpolate(means, scale_factor=8, mode="nearest")).abs().max() < 5e-3

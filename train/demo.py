@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+DEMO_VAE = "pooling"  # train.make_tiny's averaging autoencoder: the decoded images show what the model learnt
+TINY_INFO = "tiny.json"  # train.make_tiny.TINY_INFO (not imported here: make_tiny pulls in torch)
 
 
 def launch_training(workdir: Path, max_steps: int, num_procs: int) -> None:
@@ -91,9 +93,11 @@ def prepare_workdir(workdir: Path, variant: str) -> None:
     if not (workdir / "model" / "model_index.json").is_file():
         return
     built = detect_variant(workdir / "model", "auto")
-    if built != variant:
-        print(f"{workdir / 'model'} holds a tiny {built!r} model, not {variant!r}: rebuilding {workdir}/model, data "
-              "and run", flush=True)
+    info = workdir / "model" / TINY_INFO
+    vae = json.loads(info.read_text()).get("vae") if info.is_file() else "random"
+    if built != variant or vae != DEMO_VAE:
+        what = f"a tiny {built!r} model, not {variant!r}" if built != variant else f"a {vae!r} tiny VAE"
+        print(f"{workdir / 'model'} holds {what}: rebuilding {workdir}/model, data and run", flush=True)
         for name in ("model", "data", "run"):
             shutil.rmtree(workdir / name, ignore_errors=True)
 
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(args.workdir).resolve()
     prepare_workdir(workdir, args.variant)
     if not (workdir / "model" / "model_index.json").is_file():
-        make_tiny(workdir, args.variant)
+        make_tiny(workdir, args.variant, vae=DEMO_VAE)
     num_gpus = torch.cuda.device_count()
     launch_training(workdir, args.max_steps, num_procs=min(2, num_gpus) if num_gpus else 2)
     out, distances = render(workdir)

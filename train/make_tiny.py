@@ -114,14 +114,79 @@ def build_text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_vae():
+VAE_KINDS = ("random", "pooling")
+TINY_INFO = "tiny.json"  # OUT/model/tiny.json: {"variant": ..., "vae": ...}, what make_tiny built (pipelines ignore it)
+
+
+def build_vae(kind: str = "random"):
+    """The tiny VAE: random weights, or ("pooling") weights set so that it is an 8x8 average-pooling autoencoder
+    (see pooling_weights), whose decoded images show what the latents hold."""
     from diffusers import AutoencoderKLQwenImage
 
     # 8x spatial downsampling and 16 latent channels, as in the released VAE, at a small width.
-    return AutoencoderKLQwenImage(
+    vae = AutoencoderKLQwenImage(
         base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
         temperal_downsample=[False, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
     ).eval()
+    if kind == "pooling":
+        pooling_weights(vae)
+    return vae
+
+
+_LIFT, _SIGNAL = 100.0, 0.02  # a constant channel's value; the size of the signal entering each SiLU
+
+
+def _copy_channels(conv, num_channels: int, scale: float = 1.0) -> None:
+    """Make `conv` copy input channel k to output channel k (k < num_channels) through its current-frame centre
+    tap (a causal conv's current frame is its last time tap), times `scale`; everything else zero."""
+    import torch.nn as nn
+
+    nn.init.zeros_(conv.weight)
+    nn.init.zeros_(conv.bias)
+    w = conv.weight
+    tap = tuple(size - 1 if w.dim() == 5 and i == 0 else size // 2 for i, size in enumerate(w.shape[2:]))
+    for k in range(min(num_channels, w.shape[0], w.shape[1])):
+        w[(k, k, *tap)] = scale
+
+
+@torch.no_grad()
+def pooling_weights(vae) -> None:
+    """Set the tiny AutoencoderKLQwenImage's weights so that it encodes an image into its 8x8 block means (RGB in
+    latent channels 0-2, the other 13 zero, posterior variance ~0) and decodes by nearest upsampling, errors
+    ~1e-3: a stand-in whose decoded images mean something, built in the released class and layout without any
+    training. Every residual branch and attention output is zeroed (the blocks become their shortcuts, which copy
+    channels), downsampling convs average 2x2, upsampling convs copy. The two RMS-norm + SiLU heads are made
+    near-linear: a constant channel of value _LIFT makes the norm ~constant, and the norm's gain shrinks the signal
+    to ~_SIGNAL, where silu(y) ~ y / 2; the following conv scales it back."""
+    import torch.nn as nn
+    from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qvae
+
+    for m in vae.modules():
+        if isinstance(m, qvae.QwenImageResidualBlock):
+            nn.init.zeros_(m.conv2.weight)
+            nn.init.zeros_(m.conv2.bias)
+            if not isinstance(m.conv_shortcut, nn.Identity):
+                _copy_channels(m.conv_shortcut, 4)
+        elif isinstance(m, qvae.QwenImageAttentionBlock):
+            nn.init.zeros_(m.proj.weight)
+            nn.init.zeros_(m.proj.bias)
+        elif isinstance(m, qvae.QwenImageResample) and m.mode.startswith("down"):
+            conv = m.resample[1]  # after a (0, 1, 0, 1) zero pad, stride 2: taps (0..1, 0..1) are one 2x2 block
+            nn.init.zeros_(conv.weight)
+            nn.init.zeros_(conv.bias)
+            for k in range(4):
+                conv.weight[k, k, :2, :2] = 0.25
+        elif isinstance(m, qvae.QwenImageResample) and m.mode.startswith("up"):
+            _copy_channels(m.resample[1], 4)  # after the nearest upsampling
+    z_dim = vae.config.z_dim
+    for coder in (vae.encoder, vae.decoder):
+        _copy_channels(coder.conv_in, 3)
+        coder.conv_in.bias[3] = _LIFT
+        coder.norm_out.gamma.fill_(_SIGNAL * _LIFT / coder.norm_out.gamma.shape[0] ** 0.5)
+        _copy_channels(coder.conv_out, 3, scale=2.0 / _SIGNAL)
+    vae.encoder.conv_out.bias[z_dim:] = -20.0  # log-variance: the posterior is its mean
+    _copy_channels(vae.quant_conv, 2 * z_dim)
+    _copy_channels(vae.post_quant_conv, z_dim)
 
 
 def build_transformer(zero_cond_t: bool = False, num_layers: int = 2):
@@ -199,8 +264,9 @@ def make_dataset(out: Path, variant: str, num_samples: int, size: int, seed: int
 VARIANTS = ("edit", "edit_plus", "edit_plus_2511", "t2i")
 
 
-def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, size: int = 128, seed: int = 0) -> Path:
-    """Write OUT/model and OUT/data; returns OUT."""
+def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, size: int = 128, seed: int = 0,
+              vae: str = "random") -> Path:
+    """Write OUT/model and OUT/data; returns OUT. `vae`: see build_vae (the demo uses "pooling")."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -208,6 +274,8 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
 
     if variant not in VARIANTS:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if vae not in VAE_KINDS:
+        raise ValueError(f"--vae must be one of {', '.join(VAE_KINDS)}, got {vae!r}")
     out = Path(out)
     images = make_dataset(out / "data", variant, num_samples, size, seed)
     template_words = ("Describe the key features of the input image (color, shape, size, texture, objects, "
@@ -221,15 +289,16 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
                      "relationships of the objects and background: system user assistant on grey")
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(corpus * 4)
-    vae = build_vae()
-    set_latent_statistics(vae, images[:16])
-    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
+    autoencoder = build_vae(vae)
+    set_latent_statistics(autoencoder, images[:16])
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=autoencoder,
                       text_encoder=build_text_encoder(tokenizer), tokenizer=tokenizer,
                       transformer=build_transformer(zero_cond_t=variant == "edit_plus_2511"))
     if variant != "t2i":  # Qwen-Image (text-to-image) ships no processor
         components["processor"] = build_processor(tokenizer)
     pipeline = getattr(diffusers, PIPELINE_CLASSES[variant])(**components)
     pipeline.save_pretrained(out / "model")
+    (out / "model" / TINY_INFO).write_text(json.dumps({"variant": variant, "vae": vae}) + "\n")
     return out
 
 
@@ -270,11 +339,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_samples", type=int, default=32)
     parser.add_argument("--size", type=int, default=128, help="side of the square synthetic images, px")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae", default="random", choices=VAE_KINDS,
+                        help="random weights, or pooling: an 8x8 average-pooling autoencoder whose decoded images "
+                             "show the latents (the demo's)")
     parser.add_argument("--full_size_configs", action="store_true",
                         help="write the released architectures' configs and no weights (load with "
                              "QWEN_EDIT_RANDOM_INIT=1; for GPU measurements)")
     args = parser.parse_args(argv)
-    out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed)
+    out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.vae)
     if args.full_size_configs:
         write_full_size_configs(out / "model")
     print(f"wrote {out / 'model'} and {out / 'data'}")
