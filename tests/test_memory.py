@@ -42,7 +42,7 @@ def test_counted_sizes_are_the_released_model(full_sizes):
 @pytest.mark.parametrize("tokens, budgets", [(8_448, (141, 80, 48, 24)), (12_544, (141, 80, 48))])
 def test_plan_over_budgets(full_sizes, tokens, budgets):
     """Fits each budget; less memory never buys a faster step; the biggest card keeps every block plain and
-    resident, 24 GB offloads. (With these figures 12.5k tokens need 23.5 GB at the least: the LoRA's optimizer
+    resident, 24 GB offloads. (With these figures 12.5k tokens need 23.5 GB at the least: the LoRA optimizer
     state, 8.5 GB at r64, stays on the GPU.)"""
     m = measured(tokens)
     previous = None

@@ -6,14 +6,14 @@ fastest candidate that fits `budget - margin`:
     peak = resident weights + LoRA/optimizer state + encoders (online) + offload slots
            + (blocks - checkpointed) x A + checkpointed x S + T
     A = activations a plain block keeps for its backward, S = what a checkpointed block keeps (its inputs),
-    T = the transient of the pass (a block's backward, the head, the loss), plus A once when any block is
-    checkpointed (its recomputation holds a block's activations again)
+    T = the transient of the pass (a block's backward, the head, the loss); measured again with checkpointing,
+    where it holds a block's recomputed activations too
 
 Weights and optimizer bytes are counted from the transformer's config (the model built on the meta device).
 A, S, T and the block's forward and backward times are measured: a one- and a two-block transformer of the real
 width, prepared exactly as training prepares it (LoRA, fp8, compiled), run forward and backward at the largest
-shape bucket of the dataset; the difference between the two is one block, the rest is the head. S is counted
-(the block's two input streams). Time per step is
+shape bucket of the dataset, plain and checkpointed; the difference between the two is one block, the rest is the
+head. Time per step is
 predicted as blocks x (forward + backward) + checkpointed x forward + the copies of offloaded blocks that a
 block's compute does not hide.
 
@@ -35,11 +35,13 @@ from pathlib import Path
 import torch
 
 GB = 1e9
-# Per trainable parameter on one GPU, bf16 mixed precision with DeepSpeed's Adam: LoRA adds its bf16 weight 2,
-# grad 2, fp32 master 4, Adam moments 8, fp32 gradient partition 4; a full fine-tune's weights are counted with
-# the model's, so 18 more.
-LORA_STATE_BYTES = 20
-FULL_STATE_BYTES = 18
+# Per trainable parameter on one GPU while the backward runs (the peak), bf16 mixed precision with DeepSpeed's
+# Adam: LoRA adds its bf16 weight 2, bf16 gradient 2, fp32 master 4, Adam moments 8 (the fp32 gradient copy of
+# the optimizer step exists only after the activations are gone); a full fine-tune's weights are counted with the
+# model's, so 14 more. Plus DeepSpeed's gradient bucket (reduce_bucket_size bf16 elements).
+LORA_STATE_BYTES = 16
+FULL_STATE_BYTES = 14
+BUCKET_BYTES = 2e8 * 2
 ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
 PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
              "train.checkpoint_blocks", "train.offload_blocks", "data.cache")
@@ -81,6 +83,7 @@ class Measured:
     fwd_bwd_s: float  # one block's forward and backward
     h2d_bytes_per_s: float = 25e9  # pinned host -> device copies
     encode_bytes: float = 0.0  # the encoders' activations while encoding (online)
+    ckpt_transient_bytes: float | None = None  # T when blocks are checkpointed (a recomputation is in it); None = T + A
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,13 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     resident = s.num_blocks - c.offloaded
     weights = s.other_params * dtype_bytes + resident * (block + transposed) + c.offloaded * max(offloaded_block, 0)
     slots = 2 * block if c.offloaded else 0
-    states = s.state_bytes
+    states = s.state_bytes + BUCKET_BYTES
     encoders = 0 if c.cached else s.encoder_bytes
-    # A checkpointed block's recomputation holds its whole activations again while it runs its backward.
-    recompute = m.act_bytes if c.checkpointed else 0.0
-    acts = ((s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + m.transient_bytes
-            + recompute)
+    # With checkpointing the pass's transient holds one block's recomputed activations too.
+    transient = m.transient_bytes
+    if c.checkpointed:
+        transient = m.ckpt_transient_bytes if m.ckpt_transient_bytes is not None else m.transient_bytes + m.act_bytes
+    acts = (s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + transient
     encode_peak = 0 if c.cached else m.encode_bytes
     peak = weights + slots + states + encoders + max(acts, encode_peak)
     copy_s = (block - max(offloaded_block, 0)) / m.h2d_bytes_per_s
@@ -351,24 +355,26 @@ def _run(model, inputs: dict, device: torch.device, repeats: int = 3) -> tuple[f
 
 def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
             fp8_base: bool, compile_blocks: bool) -> Measured:
-    """A, T and block times at workload `w` from a one- and a two-block transformer (see the module docstring);
-    S is counted: the two streams a checkpointed block keeps as its inputs. Seconds, plus compilation."""
+    """A, S, T and block times at workload `w` from a one- and a two-block transformer, each run plain and
+    checkpointed (see the module docstring). Seconds, plus compilation."""
     from train import models
 
     model_dir = Path(model_dir)
     runs = {}
     for layers in (1, 2):
-        model = _mini_transformer(model_dir, layers, dtype, device)
-        models.prepare_for_training(model, mode, lora, False, compile_blocks, fp8_base)
-        model.train()
-        runs[layers] = _run(model, _inputs(model, w, dtype, device), device)
-        del model
-        torch.cuda.empty_cache()
-    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1], runs[2]
-    act = max(k2 - k1, 0.0)
-    head = max(k1 - act, 0.0)
-    ckpt = w.batch * (w.image_tokens + w.text_tokens) * 3072 * torch.finfo(dtype).bits // 8
-    return Measured(act, float(ckpt), head + max(t1, t2), max(f2 - f1, 1e-6), max(b2 - b1, 1e-6), _h2d_rate(device))
+        for checkpointed in (False, True):
+            model = _mini_transformer(model_dir, layers, dtype, device)
+            models.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base)
+            model.train()
+            runs[layers, checkpointed] = _run(model, _inputs(model, w, dtype, device), device)
+            del model
+            torch.cuda.empty_cache()
+    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1, False], runs[2, False]
+    (k1c, t1c, _, _), (k2c, t2c, _, _) = runs[1, True], runs[2, True]
+    act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c, 0.0)
+    head, head_c = max(k1 - act, 0.0), max(k1c - ckpt, 0.0)
+    return Measured(act, ckpt, head + max(t1, t2), max(f2 - f1, 1e-6), max(b2 - b1, 1e-6), _h2d_rate(device),
+                    ckpt_transient_bytes=head_c + max(t1c, t2c))
 
 
 def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
