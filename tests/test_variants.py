@@ -113,28 +113,35 @@ def _lora_transformer(zero_cond_t: bool, **options):
     lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v", "img_mlp.net.2", "txt_mlp.net.2"])
     settings = dict(gradient_checkpointing=False, compile_blocks=False, real_rope=False) | options
     models.prepare_for_training(model, "lora", lora, **settings)
-    for name, p in model.named_parameters():
+    for i, (name, p) in enumerate(model.named_parameters()):
         if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(i))
     return model.train()
 
 
-def _loss_and_lora_grads(model) -> tuple[float, torch.Tensor]:
+def _loss_and_lora_grads(model) -> tuple[float, torch.Tensor, float]:
+    """(loss, LoRA gradients, scale): loss = mean(out * w) for a fixed random w, which weighs every output alike;
+    scale = mean(|out * w|), what its rounding errors are relative to (the loss itself may be near 0)."""
     g = torch.Generator().manual_seed(3)
     inputs = transformer_inputs(model, h=4, w=6, text_tokens=5, generator=g)
     out = model(**inputs)[0]
-    loss = (out * torch.randn(out.shape, generator=g)).mean()
+    weighted = out * torch.randn(out.shape, generator=g)
+    loss = weighted.mean()
     loss.backward()
     # (the last block's text-stream MLP feeds nothing the output sees: no gradient, counted as zero)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters() if "lora_" in n]
-    return loss.item(), torch.cat([g.flatten() for g in grads])
+    return loss.item(), torch.cat([g.flatten() for g in grads]), weighted.abs().mean().item()
 
 
 def test_2511_transformer_differs_from_2509_with_the_same_weights():
     """What the tests below compare is the zero_cond_t model: the same weights without it predict otherwise."""
-    loss_2511, _ = _loss_and_lora_grads(_lora_transformer(True))
-    loss_2509, _ = _loss_and_lora_grads(_lora_transformer(False))
-    assert abs(loss_2511 - loss_2509) > 1e-4 * abs(loss_2509)
+    outputs = []
+    for zero_cond_t in (True, False):
+        model = _lora_transformer(zero_cond_t)
+        with torch.no_grad():
+            outputs.append(model(**transformer_inputs(model, h=4, w=6, text_tokens=5,
+                                                      generator=torch.Generator().manual_seed(3)))[0])
+    assert (outputs[0] - outputs[1]).abs().max().item() > 5e-3 * outputs[1].abs().max().item()  # 2% measured
 
 
 @pytest.mark.parametrize("options, tol", [
@@ -142,19 +149,15 @@ def test_2511_transformer_differs_from_2509_with_the_same_weights():
     ({"gradient_checkpointing": True}, 1e-6),
     ({"gradient_checkpointing": True, "checkpoint_blocks": 1}, 1e-6),
     ({"compile_blocks": True, "real_rope": True}, 1e-4),  # inductor fuses kernels, which round differently
-    ({"fp8_base": True}, 5e-2),  # e4m3 weights change the model itself (test_fp8.py: the same bound)
-], ids=["real_rope", "checkpointing", "checkpoint_blocks", "compile", "fp8_base"])
+], ids=["real_rope", "checkpointing", "checkpoint_blocks", "compile"])
 def test_2511_training_paths_equal_diffusers_forward(options, tol):
     """Loss and LoRA gradients of the zero_cond_t transformer with each speed option equal those of diffusers' plain
-    forward of the same model (fp8: within e4m3's rounding, cosine similarity of the gradients > 0.99)."""
-    ref_loss, ref_grads = _loss_and_lora_grads(_lora_transformer(True))
-    loss, grads = _loss_and_lora_grads(_lora_transformer(True, **options))
-    assert abs(loss - ref_loss) <= tol * abs(ref_loss)
-    if options.get("fp8_base"):
-        assert loss != ref_loss  # the quantised path really ran
-        assert torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0).item() > 0.99
-    else:
-        assert (grads - ref_grads).abs().max().item() <= tol * ref_grads.abs().max().item()
+    forward of the same model (the fp8 base, which changes the model itself, is compared within e4m3's rounding by
+    test_fp8.py::test_lora_learns_through_fp8_base[True])."""
+    ref_loss, ref_grads, scale = _loss_and_lora_grads(_lora_transformer(True))
+    loss, grads, _ = _loss_and_lora_grads(_lora_transformer(True, **options))
+    assert abs(loss - ref_loss) <= tol * scale
+    assert (grads - ref_grads).abs().max().item() <= tol * ref_grads.abs().max().item()
 
 
 @pytest.mark.parametrize("tiny_name, variant, num_refs", [("tiny_2511", "edit_plus_2511", 2), ("tiny_t2i", "t2i", 0)])
