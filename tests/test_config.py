@@ -839,3 +839,60 @@ def test_alpha_background_must_be_a_colour(setup):
 def test_export_every_steps_must_not_be_negative(setup):
     problem = setup.set("qwen_edit.output.export_every_steps", -1).problem()
     assert problem == "qwen_edit.output.export_every_steps: must be >= 0 (0 = only the final export)"
+
+
+# --- trust in values: non-finite numbers, absurd sizes, DeepSpeed's keys before anything loads ----------------------
+
+
+@pytest.mark.parametrize("key", ["qwen_edit.lora.alpha", "qwen_edit.train.shift", "qwen_edit.train.logit_std",
+                                 "qwen_edit.train.logit_mean", "qwen_edit.lora.dropout",
+                                 "qwen_edit.inference.true_cfg_scale", "qwen_edit.output.gpu_monitor_interval_s",
+                                 "optimizer.params.lr", "gradient_clipping", "scheduler.params.warmup_max_lr"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_numbers_are_refused(setup, key, value):
+    """NaN and Infinity (Python's json reads them) pass no range check (NaN <= 0 is False): each is named alone."""
+    assert setup.set(key, value).problem() == (f"{key}: {value} is not a finite number; write a finite value"
+                                               if key.startswith(PROJECT_KEY) else
+                                               f"{key}: not a finite number; write a finite value")
+
+
+@pytest.mark.parametrize("key, value, limit", [
+    ("data.area", 10**15, 8192 * 8192), ("data.condition_area", 10**9, 8192 * 8192), ("train.seed", 2**64, 2**32 - 1),
+    ("data.num_workers", 100000, 64), ("lora.rank", 100000, 3072), ("parallel.collective_timeout_s", 10**12, 604800),
+])
+def test_absurd_sizes_are_refused(setup, key, value, limit):
+    """Sizes no run can use are refused at start, naming the limit."""
+    assert setup.set(q(key), value).problem().startswith(f"{q(key)}: {value} is above {limit} (")
+
+
+def test_negative_seed_and_huge_inference_sizes(setup):
+    setup.set(q("train.seed"), -1).set(q("inference.area"), 10**12).set(q("inference.num_inference_steps"), 10**6)
+    assert setup.problems() == [
+        f"{q('train.seed')}: must be >= 0, got -1",
+        f"{q('inference.area')}: {10**12} px is above {8192 * 8192} (8192x8192); use about 1024*1024",
+        f"{q('inference.num_inference_steps')}: {10**6} is above 1000; use 20-50"]
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("zero_optimization.overlap_comn", True,
+     "zero_optimization.overlap_comn: Extra inputs are not permitted (DeepSpeed's check); fix or remove the key"),
+    ("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memry": True},
+     "zero_optimization.offload_optimizer.pin_memry: Extra inputs are not permitted (DeepSpeed's check)"),
+    ("optimizer.type", "Adamm", 'optimizer.type: "Adamm" is neither a DeepSpeed optimizer'),
+    ("optimizer.params.lr", -1, "optimizer.params.lr: must be a number >= 0, got -1"),
+    ("scheduler.type", "WarmupCosine", 'scheduler.type: "WarmupCosine" is neither a DeepSpeed schedule'),
+    ("gradient_clipping", -1.0, "gradient_clipping: must be a number >= 0 (0 = off), got -1.0"),
+    ("bf16.enabled", "false", 'bf16.enabled: expected true or false, got "false"; write it without quotes'),
+    ("fp16", {"enabled": 0}, "fp16.enabled: expected true or false, got 0"),
+])
+def test_deepspeed_keys_are_checked_before_anything_loads(setup, key, value, want):
+    """DeepSpeed's own section is read by DeepSpeed's config classes (pydantic, extra="forbid") and checked for the
+    optimizer/scheduler names, learning rate, clipping and true/false switches at load_config time."""
+    assert setup.set(key, value).problem().startswith(want)
+
+
+def test_deepspeed_refuses_what_its_config_refuses(setup):
+    """A value of the wrong type inside a DeepSpeed section (DeepSpeed's pydantic type check) is a problem naming
+    the key, not a traceback from deepspeed.initialize after the models have loaded."""
+    setup.set("zero_optimization.stage", 2).set("zero_optimization.reduce_bucket_size", "lots")
+    assert setup.problem().startswith("zero_optimization.reduce_bucket_size: ")

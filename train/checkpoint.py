@@ -323,6 +323,44 @@ def schedule_note(state: dict, max_steps: int, step: int, lr: float) -> str | No
             "curve, resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
 
 
+# Settings a resume cannot honour: the checkpoint's tensors, ZeRO shards or optimizer state are laid out by them.
+FIXED_KEYS = ("qwen_edit.train.mode", "qwen_edit.lora.rank", "qwen_edit.lora.alpha", "qwen_edit.lora.target_modules",
+              "qwen_edit.model.variant", "qwen_edit.parallel.mode", "zero_optimization.stage", "bf16.enabled",
+              "fp16.enabled", "optimizer.type")
+# Settings expected to differ on a resume (a longer run, a moved output directory): not reported.
+FREE_KEYS = ("qwen_edit.train.max_steps", "scheduler.params.total_num_steps", "qwen_edit.output.dir")
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    """{'a.b.c': value} of a nested config dict (lists are values)."""
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(state: dict, config: dict, tag: str) -> dict[str, list]:
+    """{key: [saved, now]} of the settings that differ between the checkpoint's stored config and `config` (the
+    resolved config of this run), for the record; ResumeError naming every key of FIXED_KEYS that changed."""
+    if not isinstance(state.get("config"), dict):
+        return {}  # saved before configs were stored: nothing to compare
+    saved, now = _flat(state["config"]), _flat(config)
+    changed = {k: [saved.get(k), now.get(k)] for k in sorted(saved.keys() | now.keys())
+               if saved.get(k) != now.get(k) and k not in FREE_KEYS}
+    fixed = {k: v for k, v in changed.items() if k in FIXED_KEYS}
+    if fixed:
+        listed = "; ".join(f"{k}: {json.dumps(old)} in the checkpoint, {json.dumps(new)} now"
+                           for k, (old, new) in fixed.items())
+        raise ResumeError(f"--resume {tag}: the checkpoint cannot continue with these changed settings ({listed}); "
+                          "its weights and optimizer state are laid out by them. Set them back to resume, or export "
+                          f"the weights (python -m train.export --checkpoint OUTPUT/{tag} --out DIR) and start a new "
+                          "run from them (qwen_edit.lora.init_from = DIR/pytorch_lora_weights.safetensors)")
+    return changed
+
+
 def load(engine, out_dir: str | Path, tag: str) -> None:
     """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state; every file is read
     through safe_load (DeepSpeed's checkpoint engine is wrapped for the load)."""

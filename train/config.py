@@ -321,6 +321,8 @@ def _build(cls, data, path: str, problems: list[str]):
         hint, value = hints[name], data[name]
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, value, f"{path}.{name}", problems)
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{path}.{name}: {value} is not a finite number; write a finite value")
         elif not _type_ok(value, hint):
             want = getattr(hint, "__name__", str(hint))
             problems.append(f"{path}.{name}: expected {want}, got {json.dumps(value)}; fix its type in the JSON")
@@ -391,6 +393,7 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     for key, value in {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area}.items():
         if 0 < value < 32 * 32:
             problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+    _check_bounds(cfg, problems)
     try:
         images.background_rgb(cfg.data.alpha_background)
     except ValueError as e:
@@ -462,6 +465,29 @@ def _check_offload(cfg: ProjectConfig, problems: list[str]) -> None:
                             "blocks over GPUs instead); set it to 0")
 
 
+MAX_AREA = 8192 * 8192
+MAX_SEED = 2**32 - 1
+
+
+def _check_bounds(cfg: ProjectConfig, problems: list[str]) -> None:
+    """Upper bounds: sizes that no run can use fail here, not hours later (or never, as a worker count that
+    exhausts the machine's processes)."""
+    p = PROJECT_KEY
+    bounds = {"data.area": (cfg.data.area, MAX_AREA, "8192x8192 px; Qwen-Image works at about 1024*1024"),
+              "data.condition_area": (cfg.data.condition_area, MAX_AREA, "8192x8192 px; the default is 384*384"),
+              "train.seed": (cfg.train.seed, MAX_SEED, "2^32 - 1"),
+              "data.num_workers": (cfg.data.num_workers, 64, "64 DataLoader workers per rank"),
+              "lora.rank": (cfg.lora.rank, 3072, "3072, the transformer's width"),
+              "parallel.collective_timeout_s": (cfg.parallel.collective_timeout_s, 7 * 86400, "a week"),
+              "parallel.queue_depth": (cfg.parallel.queue_depth, 64, "64 micro-batches"),
+              "output.gpu_monitor_interval_s": (cfg.output.gpu_monitor_interval_s, 3600, "an hour")}
+    for key, (value, limit, what) in bounds.items():
+        if value > limit:
+            problems.append(f"{p}.{key}: {value} is above {limit} ({what}); use a smaller value")
+    if cfg.train.seed < 0:
+        problems.append(f"{p}.train.seed: must be >= 0, got {cfg.train.seed}")
+
+
 def _check_inference(cfg: ProjectConfig, problems: list[str]) -> None:
     """The inference section (validation images and train.infer), the validation file, the GPU monitor."""
     p, inf, val = PROJECT_KEY, cfg.inference, cfg.validation
@@ -472,6 +498,10 @@ def _check_inference(cfg: ProjectConfig, problems: list[str]) -> None:
     for key, value in {"inference.area": inf.area, "inference.condition_area": inf.condition_area}.items():
         if value < 32 * 32:
             problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+        elif value > MAX_AREA:
+            problems.append(f"{p}.{key}: {value} px is above {MAX_AREA} (8192x8192); use about 1024*1024")
+    if inf.num_inference_steps > 1000:
+        problems.append(f"{p}.inference.num_inference_steps: {inf.num_inference_steps} is above 1000; use 20-50")
     if val.every_steps < 0:
         problems.append(f"{p}.validation.every_steps: must be >= 0 (0 = only at the end)")
     elif val.every_steps and not val.file:
@@ -596,6 +626,85 @@ def _check_deepspeed(ds: dict, world_size: int, max_steps: int, problems: list[s
                         f"{PROJECT_KEY}.train.max_steps ({max_steps}); remove total_num_steps (filled from max_steps)")
 
 
+def _nonfinite(value, path: str) -> list[str]:
+    """Dotted paths of the NaN/Infinity numbers inside `value` (Python's json reads them; they are no JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _nonfinite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _nonfinite(v, f"{path}[{i}]")]
+    return []
+
+
+def _non_bool_switches(value, path: str = "") -> list[str]:
+    """'bf16.enabled: "false"'-style problems: an `enabled` key that is not true/false (DeepSpeed's pydantic models
+    turn the string "false" into False, while any non-empty string is true to Python: the two would disagree)."""
+    if not isinstance(value, dict):
+        return []
+    found = []
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else key
+        if key == "enabled" and not isinstance(item, bool):
+            found.append(f"{where}: expected true or false, got {json.dumps(item)}; write it without quotes")
+        found += _non_bool_switches(item, where)
+    return found
+
+
+def _check_deepspeed_values(ds: dict, problems: list[str]) -> None:
+    """DeepSpeed's own keys that DeepSpeed checks only when the engine starts (after the models have loaded): the
+    optimizer and scheduler names it accepts, the learning rate, clipping, NaN/Infinity, true/false switches."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    nonfinite = _nonfinite(ds, "")
+    problems += [f"{p}: not a finite number; write a finite value" for p in nonfinite]
+    problems += _non_bool_switches(ds)
+    optimizer, scheduler = ds.get("optimizer"), ds.get("scheduler")
+    if isinstance(optimizer, dict):
+        name = optimizer.get("type")
+        if not isinstance(name, str) or not (name.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, name)):
+            problems.append(f"optimizer.type: {json.dumps(name)} is neither a DeepSpeed optimizer "
+                            f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class; e.g. \"AdamW\"")
+        lr = optimizer.get("params", {}).get("lr") if isinstance(optimizer.get("params"), dict) else None
+        if lr is not None and "optimizer.params.lr" not in nonfinite and not (
+                isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0):
+            problems.append(f"optimizer.params.lr: must be a number >= 0, got {json.dumps(lr)}")
+    if isinstance(scheduler, dict):
+        name = scheduler.get("type")
+        if not isinstance(name, str) or not (name in VALID_LR_SCHEDULES or hasattr(torch.optim.lr_scheduler, name)):
+            problems.append(f"scheduler.type: {json.dumps(name)} is neither a DeepSpeed schedule "
+                            f"({', '.join(VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class")
+    clip = ds.get("gradient_clipping", 0)
+    if "gradient_clipping" not in nonfinite and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
+                                                     and clip >= 0):
+        problems.append(f"gradient_clipping: must be a number >= 0 (0 = off), got {json.dumps(clip)}")
+
+
+# DeepSpeed's pydantic models by the top-level key they read, for naming the key of a validation error.
+_DS_MODEL_KEYS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+                  "DeepSpeedFP16Config": "fp16", "HybridEngineConfig": "hybrid_engine"}
+
+
+def _check_with_deepspeed(ds: dict, problems: list[str]) -> None:
+    """Let DeepSpeed's own config classes (DeepSpeedConfig and its pydantic models, extra="forbid") read the
+    resolved section now, before any model loads, instead of in deepspeed.initialize. train_batch_size is left
+    out: it is checked against the world size above, and DeepSpeedConfig here sees a world of one."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig({k: v for k, v in ds.items() if k != "train_batch_size"})
+    except pydantic.ValidationError as e:
+        section = _DS_MODEL_KEYS.get(e.title, f"DeepSpeed's {e.title}")
+        for err in e.errors():
+            where = ".".join(str(part) for part in (section, *err["loc"]))
+            problems.append(f"{where}: {err['msg']} (DeepSpeed's check); fix or remove the key")
+    except (ValueError, AssertionError, KeyError, TypeError) as e:
+        problems.append(f"DeepSpeed refuses the configuration: {e}")
+
+
 def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool) -> dict:
     """DeepSpeed's section as it will be run: project section removed, schedule length and CPU choices filled."""
     ds = json.loads(json.dumps({k: v for k, v in ds.items() if k != PROJECT_KEY}))
@@ -661,12 +770,16 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     _check_parallel(project, problems, world_size, num_gpus if has_gpu else 0,
                     fp16=bool(isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled")))
     _check_deepspeed(raw, world_size, project.train.max_steps, problems)
+    _check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, problems)
+    if problems:
+        raise ConfigError(problems)
+    resolved = resolve_deepspeed(raw, project.train.max_steps, has_gpu)
+    _check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
     if problems:
         raise ConfigError(problems)
     explicit = {f"{section}.{key}" for section, body in raw.get(PROJECT_KEY, {}).items() if isinstance(body, dict)
                 for key in body} | {dotted for dotted, value in overrides.items() if value is not None}
-    return Config(project=project, deepspeed=resolve_deepspeed(raw, project.train.max_steps, has_gpu),
-                  world_size=world_size, explicit=frozenset(explicit))
+    return Config(project=project, deepspeed=resolved, world_size=world_size, explicit=frozenset(explicit))
 
 
 def to_dict(config: Config) -> dict:

@@ -8,6 +8,7 @@ Also runs as one process without the launcher (`python train/main.py ...`).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -103,44 +104,54 @@ def write_summary(out_dir: str, summary: dict) -> None:
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def resume_point(cfg: config.Config, d: engine.Dist, resume: str | None) -> tuple[str | None, int]:
-    """(tag, step) to resume from, checked before any model loads; (None, 0) for a fresh run."""
+def resume_point(cfg: config.Config, d: engine.Dist, resume: str | None) -> tuple[str | None, int, dict]:
+    """(tag, step, trainer_state) to resume from, checked before any model loads; (None, 0, {}) for a fresh
+    run."""
     if resume is None:
-        return None, 0
+        return None, 0, {}
     tag, state = checkpoint.resolve_tag(cfg.project.output.dir, resume)
     checkpoint.check_world_size(state, d.world_size, tag)
-    return tag, state["step"]
+    return tag, state["step"], state
 
 
-def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int) -> None:
-    """Every check has passed and everything is built: the run's first writes into its output directory."""
+def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int,
+                  changes: dict | None = None) -> None:
+    """Every check has passed and everything is built: the run's first writes into its output directory.
+    `changes`: settings that differ from the resumed checkpoint's, appended to OUTPUT/config_changes.jsonl."""
+    out = cfg.project.output.dir
     if outdir.is_holder(cfg.deepspeed, d):
-        outdir.start_writing(cfg.project.output.dir, overwrite)
+        outdir.start_writing(out, overwrite)
     if d.is_main:
-        config.write_resolved(cfg, cfg.project.output.dir)
-        Metrics.truncate(cfg.project.output.dir, start_step)  # drop records of steps that will be trained again
+        config.write_resolved(cfg, out)
+        Metrics.truncate(out, start_step)  # drop records of steps that will be trained again
+        if changes:
+            print0("resumed with changed settings: " + "; ".join(f"{k}: {json.dumps(old)} -> {json.dumps(new)}"
+                                                                 for k, (old, new) in changes.items()))
+            with open(Path(out) / "config_changes.jsonl", "a") as f:
+                f.write(json.dumps({"step": start_step, "changes": changes}) + "\n")
 
 
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
     variant = models.detect_variant(p.model.path, p.model.variant)
-    tag, start_step = resume_point(cfg, d, resume)
+    tag, start_step, saved = resume_point(cfg, d, resume)
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
     planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
+    changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
     source = build_source(cfg, d, variant, rows, loader)
     transformer = build_transformer(cfg, d.device)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
         checkpoint.load(eng, p.output.dir, tag)
         print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
-        note = checkpoint.schedule_note(checkpoint.resolve_tag(p.output.dir, tag)[1], p.train.max_steps, start_step,
+        note = checkpoint.schedule_note(saved, p.train.max_steps, start_step,
                                         eng.lr_scheduler.get_lr()[0] if eng.lr_scheduler else eng.get_lr()[0])
         if note:
             print0(note, rank=d.rank)
-    start_writing(cfg, d, overwrite, start_step)
+    start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
     monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
