@@ -222,6 +222,9 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
     except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
         code = 2
+    except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
+        print(f"error: {e}", file=__import__("sys").stderr, flush=True)
+        return 1
     engine.teardown()
     worlds.leave(links, cfg.project.parallel.collective_timeout_s)
     return code

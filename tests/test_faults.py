@@ -228,3 +228,35 @@ def test_bf16_resume_reproduces_losses(tiny_edit, fault_config, tmp_path):
     check(run_trainer(tiny_edit, cut, config=cfg, extra=("--max_steps", "8", "--resume")))
     assert json.loads((cut / "config.json").read_text())["bf16"]["enabled"]
     assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 16 MiB tmpfs (root only; skipped where mounting is not permitted), unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root and a mount permission")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_real_full_disk_during_a_save(tiny_edit, fault_config, small_disk):
+    """A save that fills a real file system (torch reports it as an errno-less RuntimeError from inline_container)
+    ends with the documented message and no traceback; 'latest' stays on the previous checkpoint; a read-only
+    output directory is refused at start."""
+    out = small_disk / "run"
+    check(run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "4")))
+    used_kb = int(subprocess.run(["du", "-sk", str(small_disk)], capture_output=True, text=True).stdout.split()[0])
+    subprocess.run(["mount", "-o", f"remount,size={used_kb + 512}k", str(small_disk)], check=True)  # no room for 1.3 MB
+    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"error: saving checkpoint global_step8 into {out} failed (No space left on device); free disk space. "
+            "'latest' still names the previous complete checkpoint") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "inline_container" not in proc.stderr, proc.stderr[-3000:]
+    assert (out / "latest").read_text().strip() == "global_step4"
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
+    assert proc.returncode == 2 and f"--output_dir {out}: cannot be used (Read-only file system)" in proc.stderr, \
+        proc.stderr[-3000:]

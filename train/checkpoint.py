@@ -160,10 +160,44 @@ def _rng_state() -> dict:
     return state
 
 
+class SaveError(OSError):
+    """A checkpoint could not be written; 'latest' still names the previous complete checkpoint."""
+
+
+# How torch reports a failed write: RuntimeError without an errno ('[enforce fail at inline_container.cc:672] .
+# unexpected pos ...', 'PytorchStreamWriter failed writing file ...', 'Parent directory ... does not exist').
+_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "Parent directory", "file write failed")
+MIN_FREE_BYTES = 64 * 2**20
+
+
+def _save_failure(error: Exception, tag: str, out_dir: Path) -> SaveError:
+    """The documented message for a failed save, with the cause found from the error's errno or, for torch's
+    errno-less RuntimeError, from the file system (little free space, or no write permission)."""
+    code = getattr(error, "errno", None)
+    if code is None:
+        try:
+            full = shutil.disk_usage(out_dir).free < MIN_FREE_BYTES
+        except OSError:
+            full = False
+        code = errno.ENOSPC if full else errno.EACCES if not os.access(out_dir, os.W_OK) else errno.EIO
+    cause = os.strerror(code) if isinstance(error, RuntimeError) else (error.strerror or str(error))
+    hint = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space within your quota",
+            errno.EROFS: "the file system is read-only; point --output_dir at a writable one"}.get(
+        code, "check permissions and free space")
+    return SaveError(code, f"saving checkpoint {tag} into {out_dir} failed ({cause}); {hint}. 'latest' still "
+                           "names the previous complete checkpoint")
+
+
+def _is_write_failure(error: Exception) -> bool:
+    return isinstance(error, OSError) or (isinstance(error, RuntimeError) and
+                                          any(s in str(error) for s in _TORCH_WRITE_FAILURES))
+
+
 def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last: int = 0) -> Path:
     """Every rank calls this (ZeRO-2: each writes its optimizer shard). Frozen weights are left out.
 
-    Returns the committed directory. On failure the previous checkpoint and `latest` are untouched.
+    Returns the committed directory. On failure the previous checkpoint and `latest` are untouched, and SaveError
+    says why (torch's RuntimeError from a full disk included).
     """
     out_dir = Path(out_dir)
     tag = checkpoint_tag(step)
@@ -178,27 +212,35 @@ def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last:
                                exclude_frozen_parameters=True)
         torch.save(_rng_state(), partial / f"rng_state_rank{_rank()}.pt")
         faults.maybe_fail_save(step)
-    except OSError as e:
-        hint = "free disk space" if e.errno == errno.ENOSPC else "check permissions and free space"
-        raise OSError(e.errno, f"saving checkpoint {tag} into {out_dir} failed ({e.strerror or e}); "
-                               f"{hint}. 'latest' still names the previous complete checkpoint") from e
+    except (OSError, RuntimeError) as e:
+        if not _is_write_failure(e):
+            raise
+        raise _save_failure(e, tag, out_dir) from e
     _barrier()
     final = out_dir / tag
     if committer:
-        _write_atomic(partial / STATE_FILE, json.dumps({**trainer_state, "step": step, "tag": tag}, indent=2))
-        if final.exists():  # re-saving a step after a resume: move the old copy aside first
-            old = out_dir / (tag + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            partial.rename(final)
-            shutil.rmtree(old)
-        else:
-            partial.rename(final)
-        _write_atomic(out_dir / "latest", tag)
-        if keep_last:
-            prune(out_dir, keep_last)
+        try:
+            _commit(out_dir, partial, final, {**trainer_state, "step": step, "tag": tag}, keep_last)
+        except OSError as e:
+            raise _save_failure(e, tag, out_dir) from e
     _barrier()
     return final
+
+
+def _commit(out_dir: Path, partial: Path, final: Path, state: dict, keep_last: int) -> None:
+    """Mark `partial` complete, move it to `final`, point `latest` at it (the atomic last step), prune."""
+    _write_atomic(partial / STATE_FILE, json.dumps(state, indent=2))
+    if final.exists():  # re-saving a step after a resume: move the old copy aside first
+        old = out_dir / (final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        partial.rename(final)
+        shutil.rmtree(old)
+    else:
+        partial.rename(final)
+    _write_atomic(out_dir / "latest", final.name)
+    if keep_last:
+        prune(out_dir, keep_last)
 
 
 def read_state(directory: Path) -> dict | None:

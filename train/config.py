@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train import images, prompts
+from train import images, prompts, textfile
 
 PROJECT_KEY = "qwen_edit"
 
@@ -518,7 +518,11 @@ def _validation_file_problems(path: Path, limit: int = 5) -> list[str]:
     if not path.is_file():
         return [f"{str(path)!r} does not exist; point it at a jsonl of {{\"edit_image\": ..., \"prompt\": ...}} rows"]
     problems, rows = [], 0
-    for n, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        numbered = textfile.lines(path)
+    except textfile.TextFileError as e:
+        return [str(e)]
+    for n, text in numbered:
         if not text.strip():
             continue
         rows += 1
@@ -549,8 +553,8 @@ def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
         return ProjectConfig()
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        raw = json.loads(textfile.read_text(path))
+    except (OSError, json.JSONDecodeError, textfile.TextFileError) as e:
         raise ConfigError([f"--config: cannot read {path} as JSON ({e})"]) from e
     problems: list[str] = []
     project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else raw, PROJECT_KEY, problems)
@@ -752,7 +756,9 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     if not path.is_file():
         raise ConfigError([f"--ds_config: {str(path)!r} does not exist; pass a file such as ds_configs/zero2.json"])
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(textfile.read_text(path))
+    except textfile.TextFileError as e:
+        raise ConfigError([f"--ds_config: {e}"]) from None
     except json.JSONDecodeError as e:
         where = f"line {e.lineno}, column {e.colno}: {e.msg}"
         raise ConfigError([f"--ds_config: {path} is not valid JSON ({where})"]) from e

@@ -26,7 +26,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import conditioning, engine, images, prompts, sampling
+from train import conditioning, engine, images, prompts, sampling, textfile
 from train.metrics import print0
 
 COLUMNS = ("image", "edit_image", "prompt")
@@ -56,16 +56,14 @@ def _metadata_file(data_dir: Path) -> Path:
 
 
 def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
-    records, problems = [], []
     if meta.suffix == ".csv":
-        with open(meta, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            for rec in reader:
-                if rec.get("edit_image"):
-                    rec["edit_image"] = [p.strip() for p in rec["edit_image"].split(";") if p.strip()]
-                records.append((reader.line_num, rec))
-        return records, problems
-    for n, text in enumerate(meta.read_text(encoding="utf-8").splitlines(), start=1):
+        return _csv_records(meta)
+    records, problems = [], []
+    try:
+        numbered = textfile.lines(meta)
+    except textfile.TextFileError as e:
+        raise BadRowsError(str(e)) from None
+    for n, text in numbered:
         if not text.strip():
             continue
         try:
@@ -77,6 +75,29 @@ def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
             problems.append(f"{meta.name} line {n}: expected a JSON object with keys {', '.join(COLUMNS)}")
             continue
         records.append((n, rec))
+    return records, problems
+
+
+def _csv_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+    """Records of a metadata.csv; a row with more fields than the header (an unquoted comma in a prompt would
+    cut it) is a problem, not a shortened prompt."""
+    records, problems = [], []
+    try:
+        textfile.read_text(meta)  # names the line of a byte that is not UTF-8
+    except textfile.TextFileError as e:
+        raise BadRowsError(str(e)) from None
+    with open(meta, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        for rec in reader:
+            extra = rec.pop(None, None)  # DictReader's restkey: the fields beyond the header's
+            if extra:
+                problems.append(f"{meta.name} line {reader.line_num}: {len(reader.fieldnames) + len(extra)} fields "
+                                f"but the header has {len(reader.fieldnames)}; put a prompt with commas in double "
+                                'quotes ("...")')
+                continue
+            if rec.get("edit_image"):
+                rec["edit_image"] = [p.strip() for p in rec["edit_image"].split(";") if p.strip()]
+            records.append((reader.line_num, rec))
     return records, problems
 
 

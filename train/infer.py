@@ -54,6 +54,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
         problems.append(f"--model: {args.model!r} has no model_index.json; point it at a diffusers-format directory")
     if not Path(args.input).is_file():
         problems.append(f"--input: {args.input!r} does not exist")
+    else:
+        try:
+            inference.read_requests(args.input)
+        except ValueError as e:  # a file that is not UTF-8 text
+            problems.append(f"--input: {e}")
     for spec in args.lora:
         path, weight = inference.parse_lora(spec)
         if not path.is_file():
@@ -104,13 +109,16 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
     written, bad = 0, []
     for request in tqdm(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                         file=sys.stdout, dynamic_ncols=True):
-        problem = inference.check_request(request, variant)
+        problem = inference.check_request(request, variant, settings.inference.area)
         if problem is None:
             images = inference.open_references(request, settings.data.alpha_background)
             image = inference.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
-            inference.save_png_atomic(image, output_path(args.out, request))
-            written += 1
-        else:
+            try:
+                inference.save_png_atomic(image, output_path(args.out, request))
+                written += 1
+            except OSError as e:  # a name the file system refuses (or a full disk): this row only
+                problem = f"cannot write {output_path(args.out, request)} ({e.strerror or e})"
+        if problem is not None:
             print(f"bad row: line {request.line}: {problem}; skipped", file=sys.stderr, flush=True)
             bad.append((request.line, problem))
     return written, bad

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import torch
 from PIL import Image
 
-from train import conditioning, images, models
+from train import conditioning, images, models, textfile
 from train.config import InferenceConfig
 
 # --- requests: the jsonl rows of train.infer and of validation.file ----------------------------------------------
@@ -43,7 +44,7 @@ def read_requests(path: str | Path, base_seed: int = 0) -> tuple[list[EditReques
     """
     path = Path(path)
     requests, problems, names = [], [], {}
-    lines = [(n, text) for n, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if text.strip()]
+    lines = [(n, text) for n, text in textfile.lines(path) if text.strip()]
     for index, (line, text) in enumerate(lines):
         try:
             request = _parse_row(json.loads(text), index, line, path.parent, base_seed)
@@ -79,14 +80,31 @@ def _parse_row(row, index: int, line: int, folder: Path, base_seed: int) -> Edit
     name = row.get("output", f"{index:06d}")
     if not isinstance(name, str) or not name.strip():
         raise ValueError("'output' must be a non-empty file name")
+    return EditRequest(index, line, [folder / r for r in refs], prompt, seed, output_name(name))
+
+
+MAX_NAME_BYTES = 255 - len(".png")  # a file name component on Linux file systems is at most 255 bytes
+
+
+def output_name(name: str) -> str:
+    """The row's output name in one spelling per file ('./x', 'a//b', 'x.png' and 'x' name x / a/b), so rows that
+    would write one file are found as duplicates; ValueError for a name the file system would refuse."""
     name = name[:-4] if name.lower().endswith(".png") else name
-    if Path(name).is_absolute() or ".." in Path(name).parts:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts:
         raise ValueError(f"'output' {name!r} must be a relative name inside the output directory")
-    return EditRequest(index, line, [folder / r for r in refs], prompt, seed, name)
+    if "\0" in name or name.endswith("/") or not path.parts or path.parts[-1] in (".", ""):
+        raise ValueError(f"'output' {name!r} is not a file name; write e.g. \"edits/cat\"")
+    long = [part for part in path.parts if len(part.encode()) > MAX_NAME_BYTES]
+    if long:
+        raise ValueError(f"'output' {name!r}: the part {long[0][:40]!r}... is longer than {MAX_NAME_BYTES} bytes, "
+                         "the file system's limit; shorten it")
+    return str(path)
 
 
-def check_request(request: EditRequest, variant: str) -> str | None:
-    """Why the request cannot be rendered (a missing or undecodable image, too many references), or None."""
+def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024) -> str | None:
+    """Why the request cannot be rendered (a missing, undecodable or decompression-bomb image, one whose resize to
+    `area` rounds a side to nothing, too many references), or None."""
     limit = conditioning.MAX_REFERENCES[variant]
     if request.references and not limit:
         return f"has edit_image but the {variant} variant (text-to-image) takes none; remove 'edit_image'"
@@ -98,8 +116,14 @@ def check_request(request: EditRequest, variant: str) -> str | None:
         try:
             with Image.open(ref) as im:
                 im.load()
+                size = im.size
+        except Image.DecompressionBombError as e:  # an Exception of its own, not an OSError
+            return f"{ref}: too large to decode safely ({e}); downscale it"
         except (OSError, SyntaxError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
             return f"{ref}: cannot be decoded ({type(e).__name__}: {e})"
+        if min(conditioning.dimensions(area, SimpleNamespace(width=size[0], height=size[1]))) < 32:
+            return (f"{ref}: {size[0]}x{size[1]} px resizes to a side below 32 px at the pipeline's area; crop it "
+                    "to a less extreme aspect ratio")
     return None
 
 

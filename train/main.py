@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
+    except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     engine.teardown()
     return code
 
