@@ -100,5 +100,18 @@ case "$cmd" in
     usage; exit 0 ;;
   *)
     use_active_env; env_defaults
-    exec "$DS" "$@" ;;
+    # DeepSpeed's single-node runner exits on SIGTERM without passing it on, and the ranks trained on: run it in a
+    # process group of its own and forward SIGTERM/SIGINT to that whole group, whose ranks save a checkpoint and
+    # stop (train/preempt.py). Wait until the runner has really exited, then exit with its status.
+    set -m
+    "$DS" "$@" &
+    ds_pid=$!
+    trap 'kill -TERM -- "-$ds_pid" 2>/dev/null || true' TERM INT
+    while true; do
+      set +e
+      wait "$ds_pid"
+      rc=$?
+      set -e
+      kill -0 "$ds_pid" 2>/dev/null || exit "$rc"
+    done ;;
 esac

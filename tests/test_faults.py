@@ -260,3 +260,41 @@ def test_real_full_disk_during_a_save(tiny_edit, fault_config, small_disk):
     proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
     assert proc.returncode == 2 and f"--output_dir {out}: cannot be used (Read-only file system)" in proc.stderr, \
         proc.stderr[-3000:]
+
+
+def stop_with_sigterm(cmd: list[str], out: Path, signal_pid, min_step: int, timeout: float = 120):
+    """Start `cmd`, wait for step `min_step` in metrics.jsonl, SIGTERM the pid `signal_pid(proc)` picks; returns
+    (exit code, output, seconds to exit, pids of the tree still alive 10 s later)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "QWEN_EDIT_VENV": str(Path(sys.executable).parent.parent)})
+    wait_for_step(out, min_step, proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    sent = time.monotonic()
+    os.kill(signal_pid(proc), signal.SIGTERM)
+    output, _ = proc.communicate(timeout=timeout)
+    exit_s = time.monotonic() - sent
+    time.sleep(10)
+    return proc.returncode, output, exit_s, reap(tree)
+
+
+def test_sigterm_saves_and_stops_the_whole_job(tiny_edit, tmp_path):
+    """SIGTERM to `bash launch.sh` (forwarded to the runner's process group) and to a bare deepspeed runner (the
+    ranks see their launcher orphaned): every rank saves the step it finished and the job ends with 143, leaving
+    no process behind; the second run resumes from the first one's checkpoint."""
+    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1,
+                                                 "qwen_edit.output.save_every_steps": 0})
+    out = tmp_path / "run"
+    args = ["train/main.py", "--ds_config", str(cfg), "--model", str(tiny_edit / "model"), "--data",
+            str(tiny_edit / "data"), "--output_dir", str(out), "--max_steps", "100000"]
+    launch_sh = ["bash", str(REPO / "launch.sh"), "--num_gpus", "2", "--master_port", str(free_port()), *args]
+    code, output, exit_s, left = stop_with_sigterm(launch_sh, out, lambda p: p.pid, 2)
+    assert code == 143 and not left and exit_s < 60, (code, left, exit_s, output[-3000:])
+    first = (out / "latest").read_text().strip()
+    step = int(first.removeprefix("global_step"))
+    assert f"stopped by SIGTERM after saving the checkpoint of step {step}" in output, output[-3000:]
+    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+              *args[:-2], "--max_steps", "100000", "--resume"]
+    code, output, exit_s, left = stop_with_sigterm(runner, out, lambda p: p.pid, step + 2)
+    assert not left and exit_s < 60, (code, left, exit_s, output[-3000:])
+    second = (out / "latest").read_text().strip()
+    assert int(second.removeprefix("global_step")) > step, (first, second, output[-3000:])

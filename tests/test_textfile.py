@@ -95,3 +95,15 @@ def test_infer_names_an_input_that_is_not_utf8(tmp_path, tiny_edit):
                              "--out", str(tmp_path / "out")])
     assert infer.check_args(args, world_size=1) == [
         f"--input: {tmp_path / 'edits.jsonl'} line 1: not UTF-8 text (byte 0xe9 at offset 38); save the file as UTF-8"]
+
+
+def test_preflight_names_images_whose_resize_keeps_no_side(tmp_path):
+    """An 8192x1 strip resizes to a height of 0 at any training area: the pre-flight names it (it used to crash the
+    step that drew it)."""
+    rows = [good(tmp_path, 0), good(tmp_path, 1)]
+    png(tmp_path / "strip.png", size=(8192, 1))
+    rows[1]["edit_image"] = "strip.png"
+    write_jsonl(tmp_path, rows)
+    with pytest.raises(BadRowsError, match="row 2 \\(strip.png\\): 8192x1 px resizes to \\d+x0 at data.area = 4096"):
+        preflight(tmp_path, "edit", "stop", area=64 * 64, condition_area=32 * 32)
+    assert [r.line for r in preflight(tmp_path, "edit", "skip", area=64 * 64, condition_area=32 * 32)] == [1]

@@ -191,16 +191,42 @@ def gather_lists(items: list) -> list:
     return [x for part in engine.all_gather_objects(items) for x in part]
 
 
-def _inspect(row: Row, data_dir: Path, variant: str) -> tuple[int, list[str], list[tuple[int, int]] | None]:
+def size_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: int | None,
+                  condition_area: int | None) -> list[str]:
+    """Images whose resize for training (to `area`; 2509's VL copies of references to `condition_area`) rounds a
+    side to 0 px: the pipelines' rounding to multiples of 32 leaves nothing of a very thin strip."""
+    problems = []
+    for k, (name, (width, height)) in enumerate(zip([row.target, *row.references], sizes, strict=True)):
+        targets = {"data.area": area}
+        if k and variant != "edit":
+            targets["data.condition_area"] = condition_area
+        for key, value in targets.items():
+            if value is None:
+                continue
+            w, h = conditioning.dimensions(value, types.SimpleNamespace(width=width, height=height))
+            if min(w, h) <= 0:
+                problems.append(f"row {row.line} ({name}): {width}x{height} px resizes to {w}x{h} at {key} = "
+                                f"{value}; crop it to a less extreme aspect ratio or remove the row")
+    return problems
+
+
+def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, condition_area: int | None = None
+             ) -> tuple[int, list[str], list[tuple[int, int]] | None]:
     problems = check_row(row, data_dir, variant)
-    return row.line, problems, None if problems else image_sizes(data_dir, [row.target, *row.references])
+    if problems:
+        return row.line, problems, None
+    sizes = image_sizes(data_dir, [row.target, *row.references])
+    problems = size_problems(row, sizes, variant, area, condition_area)
+    return row.line, problems, None if problems else sizes
 
 
 def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
               report_path: Path | None = None, processor: prompts.PromptProcessor | None = None,
-              category_rules: dict[str, str] | None = None) -> list[Row]:
+              category_rules: dict[str, str] | None = None, area: int | None = None,
+              condition_area: int | None = None) -> list[Row]:
     """Process the prompts (`processor`, whose `report` then holds the counts), assign categories from
-    `category_rules`, then check every row (each rank a strided share); stop or skip per `policy`.
+    `category_rules`, then check every row (each rank a strided share; with `area`/`condition_area` also that
+    the resized images keep both sides); stop or skip per `policy`.
 
     Same result on every rank: the good rows, with their image sizes.
     """
@@ -213,7 +239,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
             raise BadRowsError(f"all {num_read} rows in {data_dir} have a blocked term (data.blocked_terms); "
                                "shorten the list, or set qwen_edit.data.blocked_policy to \"keep\"")
     rows = assign_categories(rows, category_rules or {})
-    mine = [_inspect(row, data_dir, variant) for row in rows[rank::world_size]]
+    mine = [_inspect(row, data_dir, variant, area, condition_area) for row in rows[rank::world_size]]
     checked = {line: (issues, sizes) for line, issues, sizes in gather_lists(mine)}
     problems += [p for line in sorted(checked) for p in checked[line][0]]
     good = []
@@ -347,7 +373,9 @@ def collate(samples: list[dict]) -> dict:
 
 def _die_with_parent(worker_id: int) -> None:
     """DataLoader worker init: ask Linux to SIGKILL this worker when its rank dies (e.g. is killed), so no
-    orphaned worker outlives a failed job holding memory; a no-op elsewhere."""
+    orphaned worker outlives a failed job holding memory; a no-op elsewhere. SIGTERM is left to the rank (it saves
+    a checkpoint first, train/preempt.py): DeepSpeed's launcher signals the whole process tree, and a worker that
+    died of it would fail the rank's next batch before the save."""
     import ctypes
     import signal
     import sys
@@ -356,6 +384,7 @@ def _die_with_parent(worker_id: int) -> None:
         return
     parent = os.getppid()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.getppid() != parent:  # the rank died before the request took effect
         os._exit(1)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train import checkpoint, conditioning, faults, objective
+from train import checkpoint, conditioning, faults, objective, preempt
 from train.config import Config
 from train.engine import Dist, all_gather_objects
 from train.metrics import Throughput, peak_memory_gb
@@ -162,11 +162,12 @@ def start_position(start_step: int, gas: int, batches_per_epoch: int) -> tuple[i
 
 
 def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, trainer_state: dict,
-          start_step: int = 0, after_step: Callable[[int], None] | None = None) -> int:
+          start_step: int = 0, after_step: Callable[[int], None] | None = None, watch=None) -> int:
     """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end.
 
     `source` yields encoded micro-batches (see LoaderSource); `after_step(step)` runs after every optimizer
-    step, its log and its save (validation hooks in here).
+    step, its log and its save (validation hooks in here). `watch` (a preempt.Watch): on SIGTERM every rank saves
+    the step just finished and raises preempt.Preempted.
     """
     t, out = cfg.project.train, cfg.project.output
     dtype = getattr(torch, cfg.precision)
@@ -225,6 +226,10 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
                 window_steps, last_logged = 0, step
             if should_save(step, cfg):
                 checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
+            if watch is not None and watch.requested(d.device, d.group):
+                if not should_save(step, cfg):
+                    checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
+                raise preempt.Preempted(step)
             if after_step is not None:
                 after_step(step)
             if step >= t.max_steps:

@@ -31,6 +31,7 @@ from train import (
     memory,
     models,
     outdir,
+    preempt,
     prompts,
     streaming,
     validation,
@@ -44,7 +45,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     processor = prompts.PromptProcessor.from_config(p.data)
     rows = data.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
-                          category_rules=p.data.category_rules)
+                          category_rules=p.data.category_rules, area=p.data.area,
+                          condition_area=p.data.condition_area)
     dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background)
     loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
@@ -168,8 +170,9 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                                       step)
                 metrics.message(f"exported {path}")
 
+        watch = preempt.Watch()
         steps = loop.train(cfg, d, eng, source, models.scheduler_config(p.model.path), metrics, trainer_state,
-                           start_step, after_step=after_step)
+                           start_step, after_step=after_step, watch=watch)
     finally:
         metrics.close()
         gpus = monitor.stop()
@@ -223,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
+    except preempt.Preempted as e:  # on all ranks, after their save
+        print0(str(e), rank=d.rank, file=sys.stderr)
+        code = preempt.EXIT_CODE
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
