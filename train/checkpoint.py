@@ -163,6 +163,9 @@ def _rng_state() -> dict:
 class SaveError(OSError):
     """A checkpoint could not be written; 'latest' still names the previous complete checkpoint."""
 
+    def __str__(self) -> str:
+        return self.strerror  # the whole message, without OSError's '[Errno 28] ' prefix
+
 
 # How torch reports a failed write: RuntimeError without an errno ('[enforce fail at inline_container.cc:672] .
 # unexpected pos ...', 'PytorchStreamWriter failed writing file ...', 'Parent directory ... does not exist').
