@@ -107,3 +107,37 @@ def test_preflight_names_images_whose_resize_keeps_no_side(tmp_path):
     with pytest.raises(BadRowsError, match="row 2 \\(strip.png\\): 8192x1 px resizes to \\d+x0 at data.area = 4096"):
         preflight(tmp_path, "edit", "stop", area=64 * 64, condition_area=32 * 32)
     assert [r.line for r in preflight(tmp_path, "edit", "skip", area=64 * 64, condition_area=32 * 32)] == [1]
+
+
+@pytest.mark.parametrize("variant", ["edit", "edit_plus"])
+def test_prompt_length_is_what_the_processor_encodes(tiny_edit, variant):
+    """conditioning.prompt_length (tokenizer + the image processor's patch count) equals the processor's own
+    expansion of the template with real images, minus the dropped prefix."""
+    from transformers import Qwen2VLProcessor
+
+    from train import conditioning
+
+    processor = Qwen2VLProcessor.from_pretrained(tiny_edit / "model" / "processor", local_files_only=True)
+    images = [Image.new("RGB", size) for size in ((320, 192), (224, 224))][: 1 if variant == "edit" else 2]
+    prompt = "make the sky a deep red " * 20
+    text = conditioning.prompt_texts([prompt], len(images), variant)[0]
+    encoded = processor(text=[text], images=images, return_tensors="pt")["input_ids"].shape[1]
+    assert conditioning.prompt_length(processor, prompt, variant, [im.size for im in images]) == encoded - 64
+
+
+def test_preflight_names_a_prompt_longer_than_the_text_positions(tmp_path, tiny_edit):
+    """A prompt past the rotary embedding's 4096 positions crashed the step that drew it; now the pre-flight names
+    the row and by how much it is too long."""
+    from transformers import Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor.from_pretrained(tiny_edit / "model" / "processor", local_files_only=True)
+    rows = [good(tmp_path, 0), good(tmp_path, 1)]
+    rows[1]["prompt"] = "make the sky a deep red and " * 1000
+    write_jsonl(tmp_path, rows)
+    with pytest.raises(BadRowsError, match="row 2 \\(t1.png\\): the prompt takes \\d+ text positions with its "
+                                           "reference image\\(s\\), but next to images of this size the transformer "
+                                           "has 4094; shorten the prompt by \\d+ tokens"):
+        preflight(tmp_path, "edit", "stop", area=64 * 64, condition_area=32 * 32, tokens=processor)
+    rows[1]["prompt"] = "make the sky a deep red and " * 100
+    write_jsonl(tmp_path, rows)
+    assert len(preflight(tmp_path, "edit", "stop", area=64 * 64, condition_area=32 * 32, tokens=processor)) == 2

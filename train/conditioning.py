@@ -97,6 +97,26 @@ def prompt_texts(prompts: list[str], num_references: int, variant: str) -> list[
     return [PROMPT_TEMPLATES["edit_plus"].format(prefix + p) for p in prompts]
 
 
+# Positions diffusers' QwenEmbedRope precomputes; the prompt's positions start after the largest half-side (in
+# 2x2-packed tokens) of the images in the sequence, and a prompt that runs past the end fails in the forward.
+ROPE_POSITIONS = 4096
+
+
+def text_room(latent_hw: list[tuple[int, int]]) -> int:
+    """Prompt embeddings the transformer's rotary embedding has positions for next to images whose latents are
+    `latent_hw` (height, width) each, as QwenEmbedRope places them (scale_rope: half-sides)."""
+    return ROPE_POSITIONS - max(max(h // 2 // 2, w // 2 // 2) for h, w in latent_hw)
+
+
+def prompt_length(processor, prompt: str, variant: str, vl_sizes: list[tuple[int, int]]) -> int:
+    """Prompt embeddings encode_prompts yields for `prompt` with VL images of (width, height) `vl_sizes`: the
+    template's tokens, each image placeholder expanded as the processor expands it, less DROP_IDX."""
+    ids = processor.tokenizer(prompt_texts([prompt], len(vl_sizes), variant)[0])["input_ids"]
+    image = processor.image_processor
+    expanded = sum(image.get_number_of_image_patches(h, w) // image.merge_size**2 - 1 for w, h in vl_sizes)
+    return len(ids) + expanded - DROP_IDX
+
+
 @torch.no_grad()
 def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[list[Image.Image]], variant: str):
     """Qwen2.5-VL last hidden states of the instructions, template prefix dropped.

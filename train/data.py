@@ -210,23 +210,45 @@ def size_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: in
     return problems
 
 
-def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, condition_area: int | None = None
-             ) -> tuple[int, list[str], list[tuple[int, int]] | None]:
+def prompt_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: int, condition_area: int,
+                    tokens) -> list[str]:
+    """A prompt longer than the transformer's rotary embedding has positions for next to this row's images (its
+    forward would fail at the step that draws the row); `tokens` is the model's Qwen2VLProcessor."""
+    if not row.references:
+        return []  # text-to-image prompts are truncated to the pipeline's length, as QwenImagePipeline does
+    dims = [conditioning.dimensions(area, types.SimpleNamespace(width=w, height=h)) for w, h in sizes]
+    vl = dims[1:] if variant == "edit" else [
+        conditioning.dimensions(condition_area, types.SimpleNamespace(width=w, height=h)) for w, h in sizes[1:]]
+    length = conditioning.prompt_length(tokens, row.prompt, variant, vl)
+    room = conditioning.text_room([(h // conditioning.PIXELS_PER_LATENT, w // conditioning.PIXELS_PER_LATENT)
+                                   for w, h in dims])
+    if length <= room:
+        return []
+    return [f"row {row.line} ({row.target}): the prompt takes {length} text positions with its reference image(s), "
+            f"but next to images of this size the transformer has {room}; shorten the prompt by "
+            f"{length - room} tokens or more, or remove the row"]
+
+
+def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, condition_area: int | None = None,
+             tokens=None) -> tuple[int, list[str], list[tuple[int, int]] | None]:
     problems = check_row(row, data_dir, variant)
     if problems:
         return row.line, problems, None
     sizes = image_sizes(data_dir, [row.target, *row.references])
     problems = size_problems(row, sizes, variant, area, condition_area)
+    if not problems and tokens is not None and area and condition_area:
+        problems = prompt_problems(row, sizes, variant, area, condition_area, tokens)
     return row.line, problems, None if problems else sizes
 
 
 def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
               report_path: Path | None = None, processor: prompts.PromptProcessor | None = None,
               category_rules: dict[str, str] | None = None, area: int | None = None,
-              condition_area: int | None = None) -> list[Row]:
+              condition_area: int | None = None, tokens=None) -> list[Row]:
     """Process the prompts (`processor`, whose `report` then holds the counts), assign categories from
     `category_rules`, then check every row (each rank a strided share; with `area`/`condition_area` also that
-    the resized images keep both sides); stop or skip per `policy`.
+    the resized images keep both sides, and with `tokens`, the model's Qwen2VLProcessor, that the prompt fits
+    the transformer's text positions); stop or skip per `policy`.
 
     Same result on every rank: the good rows, with their image sizes.
     """
@@ -239,7 +261,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
             raise BadRowsError(f"all {num_read} rows in {data_dir} have a blocked term (data.blocked_terms); "
                                "shorten the list, or set qwen_edit.data.blocked_policy to \"keep\"")
     rows = assign_categories(rows, category_rules or {})
-    mine = [_inspect(row, data_dir, variant, area, condition_area) for row in rows[rank::world_size]]
+    mine = [_inspect(row, data_dir, variant, area, condition_area, tokens) for row in rows[rank::world_size]]
     checked = {line: (issues, sizes) for line, issues, sizes in gather_lists(mine)}
     problems += [p for line in sorted(checked) for p in checked[line][0]]
     good = []

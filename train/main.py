@@ -40,13 +40,21 @@ from train.conditioning import MODEL_NAMES
 from train.metrics import Metrics, NullMetrics, plot_loss, prefix_rank_output, print0
 
 
+def vl_processor(model_dir: str):
+    """The model's Qwen2VLProcessor (for the pre-flight's prompt lengths), None for text-to-image models."""
+    from transformers import Qwen2VLProcessor
+
+    path = Path(model_dir) / "processor"
+    return Qwen2VLProcessor.from_pretrained(path, local_files_only=True) if path.is_dir() else None
+
+
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     p = cfg.project
     processor = prompts.PromptProcessor.from_config(p.data)
     rows = data.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
-                          condition_area=p.data.condition_area)
+                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path))
     dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background)
     loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
