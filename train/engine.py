@@ -1,4 +1,5 @@
-"""Process set-up and the DeepSpeed engine (with checkpoint.py and ds_patches.py, the only modules importing deepspeed).
+"""Process set-up and the DeepSpeed engine (with checkpoint.py, ds_patches.py and config.py, which validates DeepSpeed's
+section with its own config classes, the only modules importing deepspeed).
 
 On a machine without CUDA the same command and config run on DeepSpeed's CPU accelerator with gloo.
 """
