@@ -141,3 +141,18 @@ def test_preflight_names_a_prompt_longer_than_the_text_positions(tmp_path, tiny_
     rows[1]["prompt"] = "make the sky a deep red and " * 100
     write_jsonl(tmp_path, rows)
     assert len(preflight(tmp_path, "edit", "stop", area=64 * 64, condition_area=32 * 32, tokens=processor)) == 2
+
+
+def test_inference_skips_a_prompt_longer_than_the_text_positions(tmp_path, tiny_edit):
+    """train.infer checks each row's prompt with the pipeline's processor: too long is a bad row, not a crashed
+    batch; a normal prompt passes."""
+    from transformers import Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor.from_pretrained(tiny_edit / "model" / "processor", local_files_only=True)
+    png(tmp_path / "a.png")
+    (tmp_path / "edits.jsonl").write_text("".join(json.dumps({"edit_image": "a.png", "prompt": p}) + "\n"
+                                                  for p in ("make it red", "make the sky a deep red and " * 1000)))
+    requests, _ = inference.read_requests(tmp_path / "edits.jsonl")
+    found = [inference.check_request(q, "edit", 128 * 128, 64 * 64, processor) for q in requests]
+    assert found[0] is None
+    assert "the prompt takes" in found[1] and "the transformer has 4092; shorten the prompt by" in found[1], found[1]

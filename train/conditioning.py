@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
@@ -115,6 +116,20 @@ def prompt_length(processor, prompt: str, variant: str, vl_sizes: list[tuple[int
     image = processor.image_processor
     expanded = sum(image.get_number_of_image_patches(h, w) // image.merge_size**2 - 1 for w, h in vl_sizes)
     return len(ids) + expanded - DROP_IDX
+
+
+def prompt_overflow(processor, prompt: str, variant: str, sizes: list[tuple[int, int]], area: int,
+                    condition_area: int, with_target: bool = True) -> tuple[int, int] | None:
+    """(prompt length, room) when `prompt` with references of (width, height) `sizes` needs more text positions
+    than the transformer has (sized as training and the pipelines size them), else None. `sizes` starts with the
+    target's when `with_target`."""
+    dims = [dimensions(area, SimpleNamespace(width=w, height=h)) for w, h in sizes]
+    refs = sizes[1:] if with_target else sizes
+    vl = dims[len(sizes) - len(refs):] if variant == "edit" else [
+        dimensions(condition_area, SimpleNamespace(width=w, height=h)) for w, h in refs]
+    length = prompt_length(processor, prompt, variant, vl)
+    room = text_room([(h // PIXELS_PER_LATENT, w // PIXELS_PER_LATENT) for w, h in dims])
+    return (length, room) if length > room else None
 
 
 @torch.no_grad()

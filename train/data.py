@@ -216,14 +216,10 @@ def prompt_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: 
     forward would fail at the step that draws the row); `tokens` is the model's Qwen2VLProcessor."""
     if not row.references:
         return []  # text-to-image prompts are truncated to the pipeline's length, as QwenImagePipeline does
-    dims = [conditioning.dimensions(area, types.SimpleNamespace(width=w, height=h)) for w, h in sizes]
-    vl = dims[1:] if variant == "edit" else [
-        conditioning.dimensions(condition_area, types.SimpleNamespace(width=w, height=h)) for w, h in sizes[1:]]
-    length = conditioning.prompt_length(tokens, row.prompt, variant, vl)
-    room = conditioning.text_room([(h // conditioning.PIXELS_PER_LATENT, w // conditioning.PIXELS_PER_LATENT)
-                                   for w, h in dims])
-    if length <= room:
+    over = conditioning.prompt_overflow(tokens, row.prompt, variant, sizes, area, condition_area)
+    if over is None:
         return []
+    length, room = over
     return [f"row {row.line} ({row.target}): the prompt takes {length} text positions with its reference image(s), "
             f"but next to images of this size the transformer has {room}; shorten the prompt by "
             f"{length - room} tokens or more, or remove the row"]

@@ -109,7 +109,8 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
     written, bad = 0, []
     for request in tqdm(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                         file=sys.stdout, dynamic_ncols=True):
-        problem = inference.check_request(request, variant, settings.inference.area)
+        problem = inference.check_request(request, variant, settings.inference.area,
+                                          settings.inference.condition_area, getattr(pipe, "processor", None))
         if problem is None:
             images = inference.open_references(request, settings.data.alpha_background)
             image = inference.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)

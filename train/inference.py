@@ -102,14 +102,17 @@ def output_name(name: str) -> str:
     return str(path)
 
 
-def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024) -> str | None:
+def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024, condition_area: int = 384 * 384,
+                  processor=None) -> str | None:
     """Why the request cannot be rendered (a missing, undecodable or decompression-bomb image, one whose resize to
-    `area` rounds a side to nothing, too many references), or None."""
+    `area` rounds a side to nothing, too many references, with the pipeline's `processor` a prompt longer than the
+    transformer's text positions), or None."""
     limit = conditioning.MAX_REFERENCES[variant]
     if request.references and not limit:
         return f"has edit_image but the {variant} variant (text-to-image) takes none; remove 'edit_image'"
     if len(request.references) > limit:
         return f"{len(request.references)} edit images but the {variant} variant takes at most {limit}"
+    sizes = []
     for ref in request.references:
         if not ref.is_file():
             return f"{ref}: file not found"
@@ -124,6 +127,12 @@ def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024) -
         if min(conditioning.dimensions(area, SimpleNamespace(width=size[0], height=size[1]))) < 32:
             return (f"{ref}: {size[0]}x{size[1]} px resizes to a side below 32 px at the pipeline's area; crop it "
                     "to a less extreme aspect ratio")
+        sizes.append(size)
+    over = sizes and processor is not None and conditioning.prompt_overflow(
+        processor, request.prompt, variant, sizes, area, condition_area, with_target=False)
+    if over:
+        return (f"the prompt takes {over[0]} text positions with its reference image(s), but next to images of this "
+                f"size the transformer has {over[1]}; shorten the prompt by {over[0] - over[1]} tokens or more")
     return None
 
 
