@@ -414,6 +414,10 @@ def test_damaged_checkpoint_names_the_file_and_the_previous_one(lora_run, tmp_pa
             checkpoint.resolve_tag(out, "latest")
         assert str(victim if how != "garble" else out / TAG) in str(e.value), str(e.value)
         assert "resume from the previous complete one with --resume global_step2" in str(e.value), str(e.value)
+        if how == "truncate":  # export names the file too, and the complete checkpoint to export instead
+            instead = re.escape(f"export the previous complete checkpoint instead: --checkpoint {out}/global_step2")
+            with pytest.raises(checkpoint.CheckpointFileError, match=f"{re.escape(str(victim))}: damaged.*{instead}"):
+                export.export(out / TAG, tmp_path / "x")
 
 
 def spoil(sd: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], str]:

@@ -307,12 +307,18 @@ def resolve_tag(out_dir: str | Path, tag: str) -> tuple[str, dict]:
     return tag, state
 
 
-def earlier_hint(out_dir: Path, tag: str) -> str:
-    """'; resume from the previous complete one with --resume global_stepK' when there is one before `tag`."""
+def previous_complete(out_dir: Path, tag: str) -> str | None:
+    """The newest complete checkpoint before `tag` in `out_dir` (any other one when `tag` names no step), or None."""
     done = [p.name for p in complete_checkpoints(out_dir) if p.name != tag]
     step = int(tag.removeprefix("global_step")) if re.fullmatch(r"global_step\d+", tag) else None
     earlier = [t for t in done if step is None or int(t.removeprefix("global_step")) < step]
-    return f"; resume from the previous complete one with --resume {earlier[-1]}" if earlier else ""
+    return earlier[-1] if earlier else None
+
+
+def earlier_hint(out_dir: Path, tag: str) -> str:
+    """'; resume from the previous complete one with --resume global_stepK' when there is one before `tag`."""
+    earlier = previous_complete(out_dir, tag)
+    return f"; resume from the previous complete one with --resume {earlier}" if earlier else ""
 
 
 def check_files(out_dir: Path, tag: str, state: dict) -> None:

@@ -30,9 +30,11 @@ import torch
 
 from train.checkpoint import (
     STATE_FILE,
+    CheckpointFileError,
     apply_umask,
     export_full,
     export_metadata,
+    previous_complete,
     safe_load,
     weights_only_consolidation,
     write_diffusers_lora,
@@ -198,6 +200,16 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtyp
            model: str | Path | None = None) -> Path:
     """Write the export of `checkpoint` into `out`; returns the file or directory written."""
     ckpt, out = Path(checkpoint), Path(out)
+    try:
+        return _export(ckpt, out, fmt, dtype, model)
+    except CheckpointFileError as e:  # a damaged or refused file: name a complete checkpoint to export instead
+        earlier = previous_complete(ckpt.parent, ckpt.name)
+        hint = f"; export the previous complete checkpoint instead: --checkpoint {ckpt.parent / earlier}" if earlier \
+            else ""
+        raise CheckpointFileError(f"{e}{hint}") from None
+
+
+def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None) -> Path:
     cfg = read_config(ckpt)
     mode = cfg["qwen_edit"]["train"]["mode"]
     if mode == "full" and fmt != "diffusers":
