@@ -108,3 +108,14 @@ def test_largest_bucket_and_text_bound():
     assert w.image_tokens == 3 * 64 * 64 and w.target_hw == (128, 128) and w.batch == 2
     assert memory.text_tokens_bound("edit_plus", 2, 1024 * 1024, 384 * 384) == 320 + 2 * 188
     assert memory.text_tokens_bound("edit", 1, 1024 * 1024, 384 * 384) == 320 + 1337
+
+
+def test_oom_advice_names_each_phases_settings():
+    step = memory.oom_advice("step", 1)
+    assert "gradient_checkpointing = true" in step and "offload_blocks" in step and "micro_batch" not in step
+    assert "train_micro_batch_size_per_gpu = 1" in memory.oom_advice("step", 2)
+    assert "fp8_base" in memory.oom_advice("load", 1) and "data.cache" in memory.oom_advice("load", 1)
+    assert "data.cache \"auto\"" in memory.oom_advice("encode", 1)
+    assert "inference.area" in memory.oom_advice("validation", 4)
+    assert "micro_batch" not in memory.oom_advice("validation", 4)
+    assert memory.OutOfMemory("x").without_traceback

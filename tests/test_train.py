@@ -249,12 +249,14 @@ def plain_run(tiny_edit, tmp_path_factory):
 @pytest.mark.parametrize("changes, loss_tol, weight_tol", [
     ({"gradient_checkpointing": True}, 1e-5, 1e-5),  # recomputation only: same kernels
     ({"gradient_checkpointing": True, "checkpoint_blocks": 1}, 1e-5, 1e-5),  # block 0 recomputed, block 1 not
+    # both blocks' frozen weights in host memory, copied in before each use: the same numbers, checkpointed
+    ({"gradient_checkpointing": True, "offload_blocks": 2}, 1e-5, 1e-5),
     ({"compile": True}, 1e-4, 1e-4),  # torch.compile fuses kernels, which round differently
     # e4m3 frozen weights and fp8 matmuls change the model itself: losses within 1%, and after 3 Adam steps of
     # lr 1e-2 the LoRA weights within 0.3 lr of the plain run's (a broken fp8 path misses both by far)
     ({"fp8_base": True}, 1e-2, 3e-3),
     ({"fp8_base": True, "fp8_transposed": True}, 1e-2, 3e-3),  # the same matmuls with a stored transpose
-], ids=["checkpointing", "checkpoint_blocks", "compile", "fp8_base", "fp8_transposed"])
+], ids=["checkpointing", "checkpoint_blocks", "offload_blocks", "compile", "fp8_base", "fp8_transposed"])
 def test_speed_options_keep_the_numbers(tiny_edit, tmp_path, plain_run, changes, loss_tol, weight_tol):
     """train.gradient_checkpointing (+ checkpoint_blocks), train.compile and train.fp8_base train like the plain
     run: losses and exported LoRA weights agree within the stated tolerances (fp32, CPU)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train import checkpoint, conditioning, faults, objective, preempt
+from train import checkpoint, conditioning, faults, memory, objective, preempt
 from train.config import Config
 from train.engine import Dist, all_gather_objects
 from train.metrics import Throughput, peak_memory_gb
@@ -75,7 +75,15 @@ class LoaderSource:
 
 def online_source(loader, encoders: Encoders, variant: str) -> LoaderSource:
     """Images from the loader, encoded on the fly by the frozen encoders."""
-    return LoaderSource(loader, lambda raw: encode_batch(raw, encoders, variant), encoders)
+
+    def encode(raw: dict) -> Batch:
+        try:
+            return encode_batch(raw, encoders, variant)
+        except torch.cuda.OutOfMemoryError as e:
+            raise memory.OutOfMemory(f"CUDA out of memory while encoding a micro-batch of {len(raw['prompts'])} "
+                                     f"online. {memory.oom_advice('encode', len(raw['prompts']))}") from e
+
+    return LoaderSource(loader, encode, encoders)
 
 
 def noisy_inputs(b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype):
@@ -146,9 +154,7 @@ def oom_message(step: int, b: Batch, cfg: Config) -> str:
     return (
         f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w * 8}x{h * 8} px "
         f"({b.x0.shape[1]} tokens) + {b.cond.reference_tokens.shape[1]} reference tokens, mode "
-        f"{cfg.project.train.mode}. To use less memory: qwen_edit.train.gradient_checkpointing = true, a smaller "
-        "qwen_edit.data.area, train_micro_batch_size_per_gpu = 1 (raise gradient_accumulation_steps instead), a "
-        "lower qwen_edit.lora.rank, or the model-parallel mode for the encoders"
+        f"{cfg.project.train.mode}. {memory.oom_advice('step', b.x0.shape[0])}"
     )
 
 
@@ -190,7 +196,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
                                                 step + 1)
                 engine.backward(loss)
             except torch.cuda.OutOfMemoryError as e:
-                raise RuntimeError(oom_message(step, batch, cfg)) from e
+                raise memory.OutOfMemory(oom_message(step, batch, cfg)) from e
             engine.step()
             step_loss += loss.detach() / gas
             micro += 1

@@ -74,9 +74,13 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     p = cfg.project
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     t = p.train
-    transformer, offloader = models.load_for_training(
-        p.model.path, getattr(torch, cfg.precision), device or torch.device("cpu"), t.mode, p.lora,
-        t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks)
+    try:
+        transformer, offloader = models.load_for_training(
+            p.model.path, getattr(torch, cfg.precision), device or torch.device("cpu"), t.mode, p.lora,
+            t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks)
+    except torch.cuda.OutOfMemoryError as e:
+        raise memory.OutOfMemory(f"CUDA out of memory while loading the transformer. "
+                                 f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e
     if offloader is not None:
         print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
                f"({offloader.host_bytes / 1e9:.1f} GB pinned), {offloader.device_bytes / 1e9:.2f} GB of device slots",

@@ -491,3 +491,38 @@ def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> 
     torch.cuda.empty_cache()
     return Measured(m.act_bytes, m.ckpt_bytes, m.transient_bytes, m.fwd_s, m.fwd_bwd_s, m.h2d_bytes_per_s,
                     float(peak) + 1 * GB)
+
+
+# ---------------------------------------------------------------- out of memory
+
+
+class OutOfMemory(RuntimeError):
+    """CUDA ran out of memory in a phase of the run; the message names the settings that lower that phase's memory.
+    Entry points print it without a traceback (engine.exit_with)."""
+
+    without_traceback = True
+
+
+_LOWER = {
+    "load": ("qwen_edit.memory.plan \"auto\" (the default; do not pin train.fp8_base / offload_blocks / "
+             "gradient_checkpointing in the config) or, by hand, train.fp8_base = true and train.offload_blocks = N "
+             "(with train.gradient_checkpointing = true); data.cache \"auto\" so the encoders leave the GPU before the "
+             "transformer loads; a lower qwen_edit.memory.budget_gb if other processes share the GPU"),
+    "encode": ("data.cache \"auto\" (the encoders run once, before the transformer loads, and leave the GPU), a "
+               "smaller qwen_edit.data.area or data.condition_area"),
+    "step": ("qwen_edit.train.gradient_checkpointing = true (checkpoint_blocks 0 = every block), "
+             "train.offload_blocks = N (the first N blocks' frozen weights in host memory), train.fp8_base = true, "
+             "a smaller qwen_edit.data.area, a lower qwen_edit.lora.rank, or memory.plan \"auto\" with those keys "
+             "left out of the config"),
+    "validation": ("a smaller qwen_edit.inference.area, inference.vae_tiling = true, data.cache \"off\" (with the "
+                   "cache, validation loads the encoders beside the training model), or validation.file \"\" and "
+                   "render the export afterwards with python -m train.infer"),
+}
+
+
+def oom_advice(phase: str, micro_batch: int) -> str:
+    """What lowers the memory of `phase` (load, encode, step, validation); a micro-batch of 1 is never suggested
+    to a run that already has it."""
+    micro = ("; train_micro_batch_size_per_gpu = 1 (raise gradient_accumulation_steps instead)"
+             if micro_batch > 1 and phase in ("encode", "step") else "")
+    return f"To use less memory: {_LOWER[phase]}{micro}"

@@ -43,7 +43,8 @@ def moves(t: torch.Tensor) -> bool:
 
 
 def _frozen_tensors(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool]]:
-    """(owner module, attribute name, is_parameter) of each frozen tensor of `block` worth moving."""
+    """(owner module, attribute name, is_parameter) of each frozen tensor of `block` worth moving (parameters
+    among them become buffers in the offloader)."""
     found = []
     for module in block.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -55,33 +56,37 @@ def _frozen_tensors(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, 
     return found
 
 
-def _get(owner: torch.nn.Module, name: str, is_param: bool) -> torch.Tensor:
-    return owner._parameters[name] if is_param else owner._buffers[name]
+def _get(owner: torch.nn.Module, name: str) -> torch.Tensor:
+    return owner._buffers[name]
 
 
-def _bind(owner: torch.nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
-    if is_param:
-        owner._parameters[name].data = tensor  # the same Parameter object: optimizer and peft keep their handles
-    else:
-        owner._buffers[name] = tensor
+def _bind(owner: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner._buffers[name] = tensor  # `module.weight` reads a buffer as it read the parameter
+
+
+def _as_buffer(owner: torch.nn.Module, name: str) -> None:
+    """Re-register the frozen parameter `name` as a (non-persistent) buffer, as fp8 weights already are: DeepSpeed
+    broadcasts every parameter at start (placeholders cannot be sent), and compiled blocks take buffers as inputs,
+    so swapping them does not recompile. Frozen weights are in no checkpoint either way."""
+    owner.register_buffer(name, owner._parameters.pop(name).detach(), persistent=False)
 
 
 class _Layout:
     """Where each frozen tensor of one block sits in a flat byte buffer."""
 
-    def __init__(self, tensors: list[tuple[torch.nn.Module, str, bool]]):
+    def __init__(self, tensors: list[tuple[torch.nn.Module, str]]):
         self.entries, offset = [], 0
-        for owner, name, is_param in tensors:
-            t = _get(owner, name, is_param)
+        for owner, name in tensors:
+            t = _get(owner, name)
             nbytes = t.numel() * t.element_size()
-            self.entries.append((owner, name, is_param, offset, t.shape, t.dtype))
+            self.entries.append((owner, name, offset, t.shape, t.dtype))
             offset += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = offset
 
     def views(self, flat: torch.Tensor):
-        for owner, name, is_param, offset, shape, dtype in self.entries:
+        for owner, name, offset, shape, dtype in self.entries:
             nbytes = shape.numel() * dtype.itemsize
-            yield owner, name, is_param, flat[offset:offset + nbytes].view(dtype).view(shape)
+            yield owner, name, flat[offset:offset + nbytes].view(dtype).view(shape)
 
 
 class BlockOffloader:
@@ -97,14 +102,19 @@ class BlockOffloader:
             raise ValueError("an offloader needs at least 2 slots (one computing, one being filled)")
         self.device, self.order = torch.device(device), sorted(blocks)
         self.blocks = blocks
-        self.layouts = {i: _Layout(_frozen_tensors(b)) for i, b in blocks.items()}
+        tensors = {i: _frozen_tensors(b) for i, b in blocks.items()}
+        for found in tensors.values():
+            for owner, name, is_param in found:
+                if is_param:
+                    _as_buffer(owner, name)
+        self.layouts = {i: _Layout([(owner, name) for owner, name, _ in found]) for i, found in tensors.items()}
         pin = self.device.type == "cuda"
         self.host = {}
         for i, layout in self.layouts.items():
             flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
-            for owner, name, is_param, view in layout.views(flat):
-                view.copy_(_get(owner, name, is_param).detach())
-                _bind(owner, name, is_param, placeholder(view.shape, view.dtype, self.device))
+            for owner, name, view in layout.views(flat):
+                view.copy_(_get(owner, name))
+                _bind(owner, name, placeholder(view.shape, view.dtype, self.device))
             self.host[i] = flat
         slot_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
@@ -147,8 +157,8 @@ class BlockOffloader:
         slot = empty[0] if empty else min(candidates, key=lambda s: self.last_used[s])
         evicted = self.resident[slot]
         if evicted is not None:
-            for owner, name, is_param, view in self.layouts[evicted].views(self.slots[slot]):
-                _bind(owner, name, is_param, placeholder(view.shape, view.dtype, self.device))
+            for owner, name, view in self.layouts[evicted].views(self.slots[slot]):
+                _bind(owner, name, placeholder(view.shape, view.dtype, self.device))
         dst, src = self.slots[slot][: self.layouts[index].nbytes], self.host[index]
         if self.stream is None:
             dst.copy_(src)
@@ -172,8 +182,8 @@ class BlockOffloader:
         self.last_used[slot] = self.fetches
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-        for owner, name, is_param, view in self.layouts[index].views(self.slots[slot]):
-            _bind(owner, name, is_param, view)
+        for owner, name, view in self.layouts[index].views(self.slots[slot]):
+            _bind(owner, name, view)
         nxt = self._next(index)
         if nxt not in self.resident:
             self._load(nxt, avoid=slot)

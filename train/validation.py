@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-from train import images, inference, models
+from train import images, inference, memory, models
 from train.config import Config
 from train.engine import Dist, all_gather_objects
 
@@ -264,6 +264,13 @@ class Validator:
     def render(self, label: str | None = None) -> list[Image.Image] | None:
         """Every request with the module as it is now: this rank renders items rank::world; rank 0 gets all.
         With a `label`, rank 0 prints a progress line per image it renders (its share of the edits)."""
+        try:
+            return self._render(label)
+        except torch.cuda.OutOfMemoryError as e:
+            raise memory.OutOfMemory(f"CUDA out of memory while rendering validation images. "
+                                     f"{memory.oom_advice('validation', 1)}") from e
+
+    def _render(self, label: str | None) -> list[Image.Image] | None:
         pipe = self._pipeline()
         vae, inf = self.encoders.vae, self.inference
         mine = []
