@@ -77,7 +77,4 @@ def decoder_hook(cfg: Config, d: Dist, module: torch.nn.Module, metrics, start_s
     """loop.train's after_step hook on the decoder stage, its 'before' images rendered; None without a file."""
     if conditioning is None:
         return None
-    model = cfg.project.model
-    vae = models.load_vae(model.path, models.encoder_dtype(model.encoder_dtype, d.device), d.device)
-    encoders = models.Encoders(text_encoder=None, processor=None, vae=vae)
-    return validation.build_hook(cfg, d, module, encoders, metrics, start_step, conditioning)
+    return validation.build_hook(cfg, d, module, validation.vae_only(cfg, d), metrics, start_step, conditioning)

@@ -215,3 +215,23 @@ def test_before_images_keyed_on_what_produced_them(tiny_edit, tmp_path, monkeypa
     assert rendered() and not rendered()
     replace(tmp_path / "ref.png", (tmp_path / "ref.png").read_bytes())
     assert rendered() and not rendered()
+
+
+def test_validation_from_the_cache_replays_recorded_conditioning(tiny_edit, tmp_path):
+    """Training from the cache, the encoders record the validation conditioning before the transformer loads and
+    leave; the renders replay it with a VAE alone and give the online run's 'before' images pixel for pixel."""
+    data = tiny_edit / "data"
+    edits = tmp_path / "validation.jsonl"
+    edits.write_text("".join(json.dumps({"edit_image": f"{data}/000{i}_ref.png", "prompt": f"make it {c}"}) + "\n"
+                             for i, c in enumerate(["red", "blue"])))
+    common = {"qwen_edit.inference": TINY_INFERENCE, "qwen_edit.validation": {"file": str(edits)}}
+    outs = {}
+    for cache in ("off", "auto"):
+        cfg = write_config(tmp_path / f"{cache}.json", **common, **{"qwen_edit.data.cache": cache})
+        outs[cache] = tmp_path / cache
+        proc = run_trainer(tiny_edit, outs[cache], config=cfg, extra=("--max_steps", "1"))
+        check(proc)
+        assert ("renders replay it with the VAE alone" in proc.stdout) == (cache == "auto")
+    for name in ("000000.png", "000001.png"):
+        a, b = (np.asarray(Image.open(out / "validation" / "before" / name)) for out in outs.values())
+        assert np.array_equal(a, b), name

@@ -156,6 +156,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     resolved = config.to_dict(cfg)
     changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
     source = build_source(cfg, d, variant, rows, loader)
+    conditioning = validation.record_before_training(cfg, d)  # from the cache: encoders leave before the model
     transformer = build_transformer(cfg, d.device)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
@@ -172,7 +173,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
                else NullMetrics())
     try:
-        hook = validation.build_hook(cfg, d, eng.module, getattr(source, "encoders", None), metrics, start_step)
+        encoders = getattr(source, "encoders", None) if conditioning is None else validation.vae_only(cfg, d)
+        hook = validation.build_hook(cfg, d, eng.module, encoders, metrics, start_step, conditioning)
 
         def after_step(step: int) -> None:
             if hook is not None:

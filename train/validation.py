@@ -169,6 +169,35 @@ def encode_requests(cfg: Config, encoders: models.Encoders, rank: int, world_siz
                 for q in requests[rank::world_size]}
 
 
+def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
+    """Training from the cache with validation.file: the encoders load once, before the transformer does, record
+    this rank's share of the validation conditioning and leave the GPU; renders then replay the recordings with a
+    VAE alone (as the model-parallel decoder renders), so validation adds only the VAE to the training GPU instead
+    of loading the 16 GB VL encoder beside the model at the first render. None when that does not apply."""
+    import gc
+
+    p = cfg.project
+    if not p.validation.file or p.data.cache == "off":
+        return None
+    encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
+    recorded = encode_requests(cfg, encoders, d.rank, d.world_size)
+    del encoders
+    gc.collect()
+    if d.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if d.is_main:
+        print(f"validation: the conditioning of {len(recorded)} edit(s) per rank recorded; the encoders left the "
+              "device before the transformer loads, renders replay it with the VAE alone", flush=True)
+    return recorded
+
+
+def vae_only(cfg: Config, d: Dist) -> models.Encoders:
+    """What replayed validation needs of the encoders: the VAE (to decode)."""
+    model = cfg.project.model
+    vae = models.load_vae(model.path, models.encoder_dtype(model.encoder_dtype, d.device), d.device)
+    return models.Encoders(text_encoder=None, processor=None, vae=vae)
+
+
 def _file_id(path: Path) -> list:
     """[resolved path, size, mtime_ns] of a file ([path] when it is missing): changes when the file is replaced."""
     path = Path(path)
