@@ -119,3 +119,21 @@ def test_oom_advice_names_each_phases_settings():
     assert "inference.area" in memory.oom_advice("validation", 4)
     assert "micro_batch" not in memory.oom_advice("validation", 4)
     assert memory.OutOfMemory("x").without_traceback
+
+
+def test_inference_offload_follows_the_budget():
+    """train.infer's placement: everything on the GPU, whole components in turn, or layer by layer."""
+    parts = {"transformer": int(40.9 * GB), "text encoder and VAE": int(16.9 * GB)}
+    assert memory.inference_offload(parts, 141 * GB, 8.6 * GB) == "none"
+    assert memory.inference_offload(parts, 60 * GB, 4.5 * GB) == "model"
+    assert memory.inference_offload(parts, 48 * GB, 3.9 * GB) == "sequential"  # 40.9 GB + 6 GB + margin > 48
+    assert memory.inference_offload(parts, 24 * GB, 2.7 * GB) == "sequential"
+
+
+def test_explicit_keys_of_a_config(tmp_path):
+    from train import config
+
+    path = tmp_path / "c.json"
+    path.write_text('{"qwen_edit": {"inference": {"cpu_offload": "none"}, "memory": {"budget_gb": 24}}}')
+    assert config.explicit_keys(path) == {"inference.cpu_offload", "memory.budget_gb"}
+    assert config.explicit_keys(None) == set()

@@ -546,6 +546,17 @@ def _validation_file_problems(path: Path, limit: int = 5) -> list[str]:
     return problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
 
 
+def _explicit(raw: dict) -> set[str]:
+    """Dotted keys (section.name) that a config's qwen_edit section sets."""
+    project = raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else {}
+    return {f"{section}.{key}" for section, body in project.items() if isinstance(body, dict) for key in body}
+
+
+def explicit_keys(path: str | os.PathLike | None) -> set[str]:
+    """_explicit of the JSON file at `path` (a file inference_settings has read already); none without one."""
+    return set() if path is None else _explicit(json.loads(textfile.read_text(Path(path))))
+
+
 def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
     """The project section of a JSON config for train.infer (defaults without a file); only the inference
     section and the GPU monitor interval are checked. Raises ConfigError."""
@@ -560,6 +571,7 @@ def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
     project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else raw, PROJECT_KEY, problems)
     project.validation = ValidationConfig()  # a training config's validation file is no concern of train.infer
     _check_inference(project, problems)
+    _check_offload(project, problems)  # its memory section (budget_gb, margin_gb)
     if problems:
         raise ConfigError(problems)
     return project
@@ -783,8 +795,7 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     _check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
     if problems:
         raise ConfigError(problems)
-    explicit = {f"{section}.{key}" for section, body in raw.get(PROJECT_KEY, {}).items() if isinstance(body, dict)
-                for key in body} | {dotted for dotted, value in overrides.items() if value is not None}
+    explicit = _explicit(raw) | {dotted for dotted, value in overrides.items() if value is not None}
     return Config(project=project, deepspeed=resolved, world_size=world_size, explicit=frozenset(explicit))
 
 

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
-from train import config, engine, gpumon, inference, lora_io, models
+from train import config, engine, gpumon, inference, lora_io, memory, models
 from train.metrics import prefix_rank_output, print0
 
 
@@ -83,6 +83,10 @@ def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: 
     variant = models.detect_variant(args.model, settings.model.variant)
     device = torch.device("cuda", 0) if args.placement == "split" else d.device
     dtype = models.encoder_dtype(args.dtype, device)
+    if args.placement == "single":
+        line = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), device)
+        if line:
+            print0(line, rank=d.rank)
     pipe = inference.load_pipeline(args.model, dtype, variant)
     inference.load_loras(pipe, [inference.parse_lora(spec) for spec in args.lora])
     inference.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))

@@ -526,3 +526,40 @@ def oom_advice(phase: str, micro_batch: int) -> str:
     micro = ("; train_micro_batch_size_per_gpu = 1 (raise gradient_accumulation_steps instead)"
              if micro_batch > 1 and phase in ("encode", "step") else "")
     return f"To use less memory: {_LOWER[phase]}{micro}"
+
+
+# ---------------------------------------------------------------- inference
+
+
+INFERENCE_ACTIVATION_BYTES = 6 * GB  # a no-grad transformer pass at ~1 MP plus the VAE decode, from the H200 runs
+
+
+def inference_offload(component_bytes: dict[str, int], budget: float, margin: float) -> str:
+    """train.infer's inference.cpu_offload for a budget: "none" when every component fits on the GPU at once,
+    "model" (diffusers moves each whole component to the GPU when used) when the largest fits, else "sequential"
+    (layer by layer, least memory). component_bytes: {name: bytes} of the pipeline's models."""
+    room = budget - margin - INFERENCE_ACTIVATION_BYTES
+    if sum(component_bytes.values()) <= room:
+        return "none"
+    if max(component_bytes.values()) <= room:
+        return "model"
+    return "sequential"
+
+
+def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device) -> str | None:
+    """Set settings.inference.cpu_offload from the budget (memory.budget_gb, or the free memory) unless the
+    --config sets it or memory.plan is off; returns the line to print, or None. A budget caps the process too."""
+    if device.type != "cuda":
+        return None
+    budget = budget_bytes(settings.memory.budget_gb, device)
+    if settings.memory.plan == "off" or "inference.cpu_offload" in explicit:
+        return None
+    sizes = count_sizes(model_dir, [], 0)
+    components = {"transformer": (sizes.num_blocks * sizes.block_params + sizes.other_params) * 2,
+                  "text encoder and VAE": encoder_bytes(model_dir)}
+    margin = margin_bytes(settings.memory.margin_gb, budget)
+    settings.inference.cpu_offload = inference_offload(components, budget, margin)
+    total = sum(components.values())
+    return (f"memory plan: budget {budget / GB:.1f} GB, models {total / GB:.1f} GB (transformer "
+            f"{components['transformer'] / GB:.1f} GB) -> inference.cpu_offload = "
+            f"\"{settings.inference.cpu_offload}\" (set it in --config to choose yourself)")
