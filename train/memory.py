@@ -460,6 +460,12 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
                        fixed.get("train.fp8_base", fp8_ok), compile_blocks)
     if online:
         measured = _with_encode_bytes(measured, p, d.device, work)
+    # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
+    from train.engine import all_gather_objects
+
+    gathered = all_gather_objects((budget, measured))
+    budget, measured = min(b for b, _ in gathered), gathered[0][1]
+    margin = margin_bytes(p.memory.margin_gb, budget)
     choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online)
     apply(cfg, choice, sizes.num_blocks)
     torch.cuda.reset_peak_memory_stats(d.device)  # the run's logged peak starts here, not at the measurement
