@@ -407,10 +407,10 @@ def margin_bytes(margin_gb: float, budget: float) -> float:
     return margin_gb * GB if margin_gb > 0 else 1.5 * GB + 0.05 * budget
 
 
-def fixed_settings(cfg, explicit: set[str]) -> dict:
-    """{dotted key: value} of the plan's knobs that the config sets itself."""
+def fixed_settings(cfg) -> dict:
+    """{dotted key: value} of the plan's knobs that the config sets itself (cfg.explicit)."""
     p = cfg.project
-    return {k: getattr(getattr(p, k.split(".")[0]), k.split(".")[1]) for k in PLAN_KEYS if k in explicit}
+    return {k: getattr(getattr(p, k.split(".")[0]), k.split(".")[1]) for k in PLAN_KEYS if k in cfg.explicit}
 
 
 def apply(cfg, c: Choice, num_blocks: int) -> None:
@@ -444,8 +444,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if p.memory.plan == "off" or p.parallel.mode != "zero2":
         return None
     t0 = time.perf_counter()
-    margin = margin_bytes(p.memory.margin_gb, budget)
-    fixed = fixed_settings(cfg, cfg.explicit)
+    fixed = fixed_settings(cfg)
     online = p.data.cache == "off"
     keys = dataset.bucket_keys()
     refs = max(len(k) - 1 for k in keys)
@@ -537,7 +536,9 @@ def oom_advice(phase: str, micro_batch: int) -> str:
 # ---------------------------------------------------------------- inference
 
 
-INFERENCE_ACTIVATION_BYTES = 6 * GB  # a no-grad transformer pass at ~1 MP plus the VAE decode, from the H200 runs
+# An allowance, not a measurement: a no-grad transformer pass at ~1 MP plus the VAE decode (train.infer's
+# placement has not been measured on a GPU).
+INFERENCE_ACTIVATION_BYTES = 6 * GB
 
 
 def inference_offload(component_bytes: dict[str, int], budget: float, margin: float) -> str:
