@@ -372,6 +372,20 @@ def _check_sampling(cfg: ProjectConfig, problems: list[str]) -> None:
 
 
 def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
+    """Every check of the qwen_edit section, in the order its problems are listed."""
+    _check_paths(cfg, problems)
+    _check_sizes(cfg, problems)
+    _check_counts(cfg, problems)
+    _check_lora_and_savers(cfg, problems)
+    _check_offload(cfg, problems)
+    _check_timesteps(cfg, problems)
+    _check_inference(cfg, problems)
+    _check_cache(cfg, problems)
+    _check_sampling(cfg, problems)
+
+
+def _check_paths(cfg: ProjectConfig, problems: list[str]) -> None:
+    """The model and data directories exist and hold what they must; the output directory is named."""
     p = PROJECT_KEY
     if not cfg.model.path:
         problems.append(f"{p}.model.path: not set; pass --model DIR (a diffusers-format Qwen-Image-Edit directory)")
@@ -384,6 +398,11 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
         problems.append(f"{p}.data.path: {cfg.data.path!r} has no metadata.jsonl or metadata.csv")
     if not cfg.output.dir:
         problems.append(f"{p}.output.dir: not set; pass --output_dir DIR")
+
+
+def _check_sizes(cfg: ProjectConfig, problems: list[str]) -> None:
+    """Areas, ranks and step counts: positive, at least one tile, below the upper bounds; the background colour."""
+    p = PROJECT_KEY
     positive = {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area,
                 "lora.rank": cfg.lora.rank, "train.max_steps": cfg.train.max_steps,
                 "output.log_every_steps": cfg.output.log_every_steps, "lora.alpha": cfg.lora.alpha}
@@ -398,6 +417,11 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
         images.background_rgb(cfg.data.alpha_background)
     except ValueError as e:
         problems.append(str(e))
+
+
+def _check_counts(cfg: ProjectConfig, problems: list[str]) -> None:
+    """Cadences, counts and timeouts that must be >= 0 (or long enough), and the export cadence's mode."""
+    p = PROJECT_KEY
     if cfg.output.export_every_steps < 0:
         problems.append(f"{p}.output.export_every_steps: must be >= 0 (0 = only the final export)")
     elif cfg.output.export_every_steps and cfg.parallel.mode == "model_parallel":
@@ -414,6 +438,11 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
         problems.append(f"{p}.output.save_every_steps: must be >= 0 (0 = only at the end)")
     if cfg.data.num_workers < 0:
         problems.append(f"{p}.data.num_workers: must be >= 0")
+
+
+def _check_lora_and_savers(cfg: ProjectConfig, problems: list[str]) -> None:
+    """The LoRA settings and the memory savers (gradient checkpointing, fp8) against train.mode."""
+    p = PROJECT_KEY
     if not 0 <= cfg.lora.dropout < 1:
         problems.append(f"{p}.lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
     if cfg.lora.init_from and not Path(cfg.lora.init_from).is_file():
@@ -435,14 +464,15 @@ def _check_project(cfg: ProjectConfig, problems: list[str]) -> None:
                         "fp8_transposed to false")
     if cfg.train.fp8_base and cfg.train.mode != "lora":
         problems.append(f"{p}.train.fp8_base: needs a frozen base; set train.mode to \"lora\" or fp8_base to false")
-    _check_offload(cfg, problems)
+
+
+def _check_timesteps(cfg: ProjectConfig, problems: list[str]) -> None:
+    """The timestep sampling's shift and logit-normal spread."""
+    p = PROJECT_KEY
     if cfg.train.shift < 0:
         problems.append(f"{p}.train.shift: must be >= 0 (0 = the scheduler's dynamic shift)")
     if cfg.train.logit_std <= 0:
         problems.append(f"{p}.train.logit_std: must be > 0")
-    _check_inference(cfg, problems)
-    _check_cache(cfg, problems)
-    _check_sampling(cfg, problems)
 
 
 def _check_offload(cfg: ProjectConfig, problems: list[str]) -> None:
