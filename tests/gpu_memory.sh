@@ -5,10 +5,13 @@
 # median step time after the first two steps. docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24" STEPS=8 bash tests/gpu_memory.sh
+# CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
 set -euo pipefail
 out=${OUT:-/tmp/gpu_memory}
 variant=${VARIANT:-edit_plus}
 steps=${STEPS:-8}
+config=${CONFIG:-ds_configs/zero2.json}
+config_name=$(basename "$config" .json)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 QWEN_EDIT_RANDOM_INIT=1
 data=${DATA:-/tmp/gpu_memory_data_$variant}
@@ -18,12 +21,12 @@ if [ ! -f "$data/model/model_index.json" ]; then
 fi
 for cache in ${CACHE:-auto}; do
   for budget in ${BUDGETS:-141 80 48 24}; do
-    name=${variant}_${cache}_${budget}
+    name=${config_name}_${variant}_${cache}_${budget}
     cfg=$out/$name.json
-    python - "$cfg" "$budget" "$cache" "$steps" "$data" <<'PY'
+    python - "$cfg" "$budget" "$cache" "$steps" "$data" "$config" <<'PY'
 import json, sys
-path, budget, cache, steps, data = sys.argv[1:]
-c = json.load(open("ds_configs/zero2.json"))
+path, budget, cache, steps, data, config = sys.argv[1:]
+c = json.load(open(config))
 q = c["qwen_edit"]
 q["memory"] = {"budget_gb": float(budget)}
 q["data"].update(cache=cache, cache_dir=f"{data}/cache", num_workers=2)  # one cache for every budget
