@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 from test_data import good, png, write_jsonl
 
-from train import inference, textfile
+from train import inference
+from train.config import textfile
 from train.data import BadRowsError, preflight, read_rows
 
 

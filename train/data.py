@@ -26,7 +26,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import conditioning, engine, images, prompts, sampling, textfile
+from train import conditioning, engine, images, prompts, sampling
+from train.config import textfile
 from train.metrics import print0
 
 COLUMNS = ("image", "edit_image", "prompt")

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import torch
 from PIL import Image
 
-from train import conditioning, images, models, textfile
-from train.config import InferenceConfig
+from train import conditioning, images, models
+from train.config import InferenceConfig, textfile
 
 # --- requests: the jsonl rows of train.infer and of validation.file ----------------------------------------------
 

@@ -18,7 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train import images, prompts, textfile
+from train import images, prompts
+from train.config import textfile
 
 PROJECT_KEY = "qwen_edit"
 
