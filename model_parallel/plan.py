@@ -13,8 +13,16 @@ Two torch.distributed worlds (see model_parallel/worlds.py) number the processes
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from train.config.schema import PROJECT_KEY
+
+if TYPE_CHECKING:
+    from train.config import ProjectConfig
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda:(\d+))$")
 
@@ -147,3 +155,28 @@ def build_plan(stages: list[str], cuts: list[int], world_size: int, num_blocks: 
         placements.append(Placement(rank, pipeline, stage, num_stages, device,
                                     None if stage == 0 else ranges[stage - 1]))
     return Plan(tuple(placements), world_size // num_stages, num_stages)
+
+
+def check_parallel(cfg: ProjectConfig, problems: list[str], world_size: int, num_gpus: int | None = None,
+                   fp16: bool = False) -> None:
+    """The model-parallel placement: device names, cuts, world size; devices against `num_gpus` when known.
+    train/main.py passes it to train.config.load_config, so a bad placement is one more problem of the config."""
+    if cfg.parallel.mode != "model_parallel":
+        return
+    key = f"{PROJECT_KEY}.parallel"
+    if cfg.parallel.queue_depth < 1:
+        problems.append(f"{key}.queue_depth: must be >= 1, got {cfg.parallel.queue_depth}")
+    if fp16 and cfg.parallel.decoder_cuts:
+        problems.append(f"{key}.decoder_cuts: fp16's loss scaling is not carried across a cut; use bf16")
+    if cfg.validation.file and cfg.parallel.decoder_cuts:
+        problems.append(f"{PROJECT_KEY}.validation.file: validation images need the whole transformer on one decoder "
+                        f"stage, but {key}.decoder_cuts {cfg.parallel.decoder_cuts} cuts it; set validation.file to "
+                        "\"\" (and render the export with python -m train.infer) or decoder_cuts to []")
+    num_blocks = 10**9  # unknown until the model is readable; then the transformer's block count
+    config_file = Path(cfg.model.path) / "transformer" / "config.json"
+    if cfg.model.path and config_file.is_file():
+        num_blocks = json.loads(config_file.read_text()).get("num_layers", 60)
+    try:
+        build_plan(cfg.parallel.stages, cfg.parallel.decoder_cuts, world_size, num_blocks, num_gpus or 0)
+    except PlanError as e:
+        problems.append(str(e))

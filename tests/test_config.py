@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from model_parallel.plan import check_parallel
 from train.config import (
     PROJECT_KEY,
     Config,
@@ -59,7 +60,8 @@ class Setup:
 
     def load(self, *cli: str, world_size: int = 1, has_gpu: bool = False) -> Config:
         self.write()
-        return load_config(parse_args(["--ds_config", str(self.config), *cli]), world_size, has_gpu)
+        return load_config(parse_args(["--ds_config", str(self.config), *cli]), world_size, has_gpu,
+                           check_parallel=check_parallel)
 
     def problems(self, *cli: str, **kwargs) -> list[str]:
         with pytest.raises(ConfigError) as info:
@@ -621,7 +623,7 @@ def test_repo_ds_configs_validate(setup):
             try:
                 parallel = json.loads(path.read_text()).get(PROJECT_KEY, {}).get("parallel", {})
                 world = len(parallel["stages"]) if parallel.get("mode") == "model_parallel" else 1  # a process a stage
-                load_config(args, world_size=world, has_gpu=has_gpu)
+                load_config(args, world_size=world, has_gpu=has_gpu, check_parallel=check_parallel)
             except ConfigError as e:
                 failures[f"{path.name} (has_gpu={has_gpu})"] = e.problems
     assert not failures, failures
@@ -635,7 +637,8 @@ def mp_problems(setup, world_size: int = 2, num_gpus: int | None = None, **chang
     for key, value in changes.items():
         setup.set(q(key.replace("__", ".")), value)
     try:
-        load_config(parse_args(["--ds_config", str(setup.write())]), world_size, num_gpus is not None, num_gpus)
+        load_config(parse_args(["--ds_config", str(setup.write())]), world_size, num_gpus is not None, num_gpus,
+                    check_parallel)
     except ConfigError as e:
         return e.problems
     return []

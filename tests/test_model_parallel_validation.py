@@ -13,6 +13,7 @@ import torch
 from conftest import write_config
 from test_validation import TINY_INFERENCE, check_validated_run
 
+from model_parallel import plan
 from train import config, models, validation
 from train.config import Config, ProjectConfig
 from train.engine import Dist
@@ -71,7 +72,7 @@ def test_validation_with_a_decoder_cut_is_refused(tiny_edit, tmp_path):
                               str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out")])
     with pytest.raises(config.ConfigError, match=r"qwen_edit\.validation\.file: .*decoder_cuts \[1\] cuts it; set "
                                                  r"validation\.file to \"\".* or decoder_cuts to \[\]"):
-        config.load_config(args, world_size=3, has_gpu=False)
+        config.load_config(args, world_size=3, has_gpu=False, check_parallel=plan.check_parallel)
 
 
 @pytest.mark.slow

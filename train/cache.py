@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from model_parallel.plan import check_parallel
 from train import conditioning, config, data, engine, loop, models
 from train.metrics import prefix_rank_output, print0
 
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config.parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available())
+        cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(), check_parallel=check_parallel)
     except config.ConfigError as e:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2

@@ -15,21 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from PIL import ExifTags, Image, ImageColor, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
-DEFAULT_BACKGROUND = "white"
+from train.config.files import DEFAULT_BACKGROUND, background_rgb
+
 # EXIF orientations 5-8 rotate by 90 or 270 degrees, so the shown width and height are swapped.
 _SWAPS_SIDES = {5, 6, 7, 8}
 _HIGH_DEPTH = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535}
-
-
-def background_rgb(color: str) -> tuple[int, int, int]:
-    """The (r, g, b) of a colour name or #rrggbb; ValueError naming the key and the fix."""
-    try:
-        return ImageColor.getrgb(color)[:3]
-    except ValueError as e:
-        raise ValueError(f"qwen_edit.data.alpha_background: {color!r} is not a colour; use a name such as "
-                         "\"white\" or \"black\", or \"#rrggbb\"") from e
 
 
 def _to_8bit(im: Image.Image) -> Image.Image:

@@ -18,6 +18,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+from model_parallel.plan import check_parallel
 from train import (
     cache,
     checkpoint,
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(),
-                                 num_gpus=torch.cuda.device_count())
+                                 num_gpus=torch.cuda.device_count(), check_parallel=check_parallel)
     except config.ConfigError as e:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2

@@ -14,23 +14,17 @@ inside one matches any run of whitespace, so the rules hold whether or not norma
 
 from __future__ import annotations
 
-import json
 import re
-import unicodedata
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from train.config.files import load_blocked_terms, load_mapping, normalize, phrase_key
 
 if TYPE_CHECKING:
     from train.config import DataConfig
     from train.data import Row
 
 _SHOWN_LINES = 10  # row lines named in the report per kind
-
-
-def normalize(text: str) -> str:
-    """NFC, whitespace runs collapsed to one space, stripped."""
-    return " ".join(unicodedata.normalize("NFC", text).split())
 
 
 def _phrase_pattern(phrases: list[str]) -> re.Pattern | None:
@@ -40,41 +34,6 @@ def _phrase_pattern(phrases: list[str]) -> re.Pattern | None:
     ordered = sorted(phrases, key=len, reverse=True)
     body = "|".join(r"\s+".join(re.escape(word) for word in p.split()) for p in ordered)
     return re.compile(rf"(?<!\w)(?:{body})(?!\w)", re.IGNORECASE)
-
-
-def _key(phrase: str) -> str:
-    return normalize(phrase).casefold()
-
-
-def load_mapping(path: str | Path) -> dict[str, str]:
-    """Read a mapping file; ValueError naming the problem and the fix."""
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path} ({e})") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
-    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
-        raise ValueError(f"{path} must hold one JSON object of strings, {{\"phrase\": \"replacement\", ...}}")
-    mapping: dict[str, str] = {}
-    for phrase, replacement in raw.items():
-        key = _key(phrase)
-        if not key:
-            raise ValueError(f"{path}: an empty phrase {phrase!r}; remove it")
-        if key in mapping:
-            raise ValueError(f"{path}: phrase {phrase!r} appears twice (case and whitespace are ignored); keep one")
-        mapping[key] = replacement
-    return mapping
-
-
-def load_blocked_terms(path: str | Path) -> list[str]:
-    """Read a blocked-terms file (one term per line; blank and '#' lines skipped); ValueError if unreadable."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path} as UTF-8 text ({e})") from e
-    terms = [normalize(line) for line in lines]
-    return [t for t in terms if t and not t.startswith("#")]
 
 
 @dataclass
@@ -107,7 +66,7 @@ class PromptProcessor:
         if blocked_policy not in ("drop", "keep"):
             raise ValueError(f"blocked_policy must be 'drop' or 'keep', got {blocked_policy!r}")
         self.normalize_prompts, self.blocked_policy = normalize_prompts, blocked_policy
-        self.mapping = {_key(k): v for k, v in (mapping or {}).items()}
+        self.mapping = {phrase_key(k): v for k, v in (mapping or {}).items()}
         self._mapping_re = _phrase_pattern(list(self.mapping))
         self._blocked_re = _phrase_pattern([normalize(t) for t in blocked_terms or [] if normalize(t)])
         self.report = PromptReport(policy=blocked_policy)
@@ -123,7 +82,7 @@ class PromptProcessor:
         """(text with mapped phrases replaced, number of replacements)."""
         if self._mapping_re is None:
             return text, 0
-        return self._mapping_re.subn(lambda m: self.mapping[_key(m.group(0))], text)
+        return self._mapping_re.subn(lambda m: self.mapping[phrase_key(m.group(0))], text)
 
     def blocked(self, text: str) -> str | None:
         """The first blocked term in `text`, or None."""

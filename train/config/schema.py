@@ -1,0 +1,279 @@
+"""The configuration's schema: one dataclass per section of the project's `qwen_edit` JSON section, each field
+with its default, its allowed values and its docstring (field_docs reads them for the README table and the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+PROJECT_KEY = "qwen_edit"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message lists every problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def choice(*values: str):
+    """Field metadata restricting a str field to `values`."""
+    return {"choices": values}
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511 or Qwen-Image (model_index.json inside).
+    CLI: --model."""
+    variant: str = field(default="auto", metadata=choice("auto", "edit", "edit_plus", "edit_plus_2511", "t2i"))
+    """auto reads model_index.json and transformer/config.json; edit = v1 (one reference), edit_plus = 2509
+    (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference); an
+    explicit value must match the files."""
+    encoder_dtype: str = field(default="auto", metadata=choice("auto", "bfloat16", "float32"))
+    """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Directory with metadata.jsonl or metadata.csv and the images it names. CLI: --data."""
+    area: int = 1024 * 1024
+    """Pixel area targets and VAE copies of references are resized to (aspect kept, sides multiples of 32)."""
+    condition_area: int = 384 * 384
+    """Pixel area of the copies the VL encoder sees (2509 only; v1 shows it the VAE copy)."""
+    alpha_background: str = "white"
+    """Colour that transparent pixels (RGBA, LA, palette transparency) are composited over, for training,
+    validation and train.infer: a name ("white", "black") or "#rrggbb"."""
+    bad_rows: str = field(default="stop", metadata=choice("stop", "skip"))
+    """What to do when the pre-flight check finds bad rows: stop with the report, or skip them (reported)."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+    pin_memory: bool = True
+    """Pin host memory of batches (ignored on CPU)."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by train.seed and the epoch; off = a fixed order; see train/sampling.py)."""
+    cache: str = field(default="off", metadata=choice("off", "auto", "require"))
+    """Precomputed latents and prompt embeddings: off encodes online; auto builds the cache when it is missing
+    (as python -m train.cache does) and trains from it; require trains from it and stops when it is missing.
+    Both refuse a stale cache (built for another model, area, template, data ...) with the reason."""
+    cache_dir: str = ""
+    """Where the cache lives (on a file system every node sees); "" = OUTPUT/cache."""
+    buckets: bool = True
+    """Group samples by target and reference shapes so every micro-batch has one shape (micro-batch > 1)."""
+    bucket_fill: bool = False
+    """With micro-batch > 1: complete each shape bucket's remainder with repeats of its own rows, so that a row
+    alone in its shape (a panorama, a scan) is trained too; off leaves remainders out (each cycle other rows), and
+    the log names rows that are then never drawn."""
+    category_weights: dict[str, float] = field(default_factory=dict)
+    """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing.
+    Every category in the data needs a weight ("" = rows without a category; 0 leaves a category out)."""
+    category_rules: dict[str, str] = field(default_factory=dict)
+    """{category: regular expression}: rows without a `category` value get the first category whose expression
+    matches the prompt."""
+    normalize_prompts: bool = True
+    """Unicode NFC and collapsed whitespace in prompts before encoding."""
+    prompt_mapping: str = ""
+    """JSON file {"phrase": "replacement"} applied to prompts (whole words, case-insensitive); "" = none."""
+    blocked_terms: str = ""
+    """Text file, one term per line; prompts containing one are handled by blocked_policy; "" = none."""
+    blocked_policy: str = field(default="drop", metadata=choice("drop", "keep"))
+    """drop: rows whose prompt has a blocked term are left out (counted in the report); keep: only reported."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 64
+    """LoRA rank r."""
+    alpha: float = 64.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+        ]
+    )
+    """Module names or name suffixes that get LoRA (default: attention + MLP projections of every block)."""
+    init_from: str = ""
+    """Path of a LoRA .safetensors to start from (diffusers, PEFT '.default', ComfyUI 'diffusion_model.' or
+    kohya 'lora_unet_' keys)."""
+
+
+@dataclass
+class TrainConfig:
+    mode: str = field(default="lora", metadata=choice("lora", "full"))
+    """lora trains adapters on a frozen transformer; full trains every transformer weight."""
+    max_steps: int = 1000
+    """Optimizer steps to run. CLI: --max_steps."""
+    seed: int = 42
+    """Seed for LoRA init and data order (same on every rank) and for noise/timesteps (per sample slot). CLI: --seed."""
+    timestep_density: str = field(default="shifted", metadata=choice("shifted", "uniform", "logit_normal"))
+    """How noise levels s are drawn; shifted matches the scheduler's inference shift (see objective.py)."""
+    shift: float = 0.0
+    """Shift for timestep_density=shifted; 0 = the scheduler's dynamic shift for each target size."""
+    logit_mean: float = 0.0
+    """Mean of the normal for timestep_density=logit_normal."""
+    logit_std: float = 1.0
+    """Std of the normal for timestep_density=logit_normal."""
+    loss_weighting: str = field(default="none", metadata=choice("none", "cosmap"))
+    """Per-sample loss weight as a function of s."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
+    checkpoint_blocks: int = 0
+    """With gradient_checkpointing: how many blocks (the first N) recompute; 0 = all. Each block left out costs
+    its activations' memory and saves its recomputation (docs/performance.md)."""
+    compile: bool = False
+    """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
+    fp8_base: bool = False
+    """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
+    (GPUs with compute capability >= 8.9); changes the frozen model slightly (train/fp8.py)."""
+    fp8_transposed: bool = False
+    """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
+    weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
+    offload_blocks: int = 0
+    """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
+    of use on a side stream (train/offload.py); they must be checkpointed (gradient_checkpointing, and
+    checkpoint_blocks 0 or >= N). Saves the GPU memory of their weights; costs host memory and PCIe bandwidth."""
+    max_nonfinite_steps: int = 10
+    """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = ""
+    """Where config, checkpoints, metrics and exports go. CLI: --output_dir."""
+    save_every_steps: int = 500
+    """DeepSpeed checkpoint cadence in optimizer steps (0 = only at the end)."""
+    log_every_steps: int = 10
+    """Metrics cadence in optimizer steps (a device sync happens only then)."""
+    keep_last: int = 3
+    """Complete checkpoints to keep; older ones are deleted after each save (0 = keep all)."""
+    export_every_steps: int = 0
+    """Also export the weights (as the final export, with its metadata) every N optimizer steps into
+    OUTPUT/export/step_NNNNNN/; 0 = only the final export in OUTPUT/export/."""
+    tensorboard: bool = True
+    """Write tensorboard scalars under output/tensorboard."""
+    gpu_monitor_interval_s: float = 5.0
+    """Seconds between samples of per-GPU memory and utilisation (nvidia-ml-py) into the metrics; 0 = off."""
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = field(default="zero2", metadata=choice("zero2", "model_parallel"))
+    """zero2: data parallel with ZeRO; model_parallel: encoder and decoder stages on separate GPUs, pipelined
+    (docs/model_parallel.md)."""
+    collective_timeout_s: int = 600
+    """Seconds a collective may wait for a dead or stuck rank before every process stops with an error."""
+    stages: list[str] = field(default_factory=lambda: ["cuda:0", "cuda:1"])
+    """model_parallel: the device of each stage of one pipeline, the encoder's first, then the decoder stage(s);
+    one process per stage. Replica j on a node adds j x len(stages) to each index. Without GPUs every stage runs
+    on the CPU."""
+    decoder_cuts: list[int] = field(default_factory=list)
+    """model_parallel: transformer block indices where the decoder is cut over the decoder devices (one fewer than
+    them), e.g. [30] with 3 stages runs blocks 0-29 and 30-59 on stages 2 and 3; [] = one decoder stage."""
+    queue_depth: int = 2
+    """model_parallel: encoded micro-batches that may wait for the decoder (the bounded queue between stages)."""
+    overlap: bool = True
+    """model_parallel: the encoder encodes ahead while the decoder trains; false = the first decoder stage asks
+    for each micro-batch when it needs it, and the encoder encodes only then (the unoverlapped split, for
+    measuring the pipeline's gain; training is identical)."""
+
+
+@dataclass
+class InferenceConfig:
+    num_inference_steps: int = 40
+    """Denoising steps of the edit pipeline (validation images and train.infer)."""
+    true_cfg_scale: float = 4.0
+    """Classifier-free guidance scale of the pipeline; 1.0 = no guidance (one transformer pass per step)."""
+    negative_prompt: str = " "
+    """Negative prompt used when true_cfg_scale > 1."""
+    area: int = 1024 * 1024
+    """Pixel area of generated images and of the references as the pipeline sees them."""
+    condition_area: int = 384 * 384
+    """Pixel area of the reference copies the VL encoder sees (2509 only), as data.condition_area in training."""
+    vae_tiling: bool = False
+    """Decode in tiles (less memory at large sizes)."""
+    vae_slicing: bool = False
+    """Decode a batch one image at a time."""
+    cpu_offload: str = field(default="none", metadata=choice("none", "model", "sequential"))
+    """Move idle components to the CPU: model (whole components) or sequential (layers; slowest, least memory)."""
+
+
+@dataclass
+class ValidationConfig:
+    file: str = ""
+    """jsonl of validation edits (edit_image, prompt, optional seed), paths relative to its folder; "" = off."""
+    every_steps: int = 0
+    """Validation cadence in optimizer steps; 0 = only at the end (when file is set)."""
+
+
+@dataclass
+class MemoryConfig:
+    plan: str = field(default="auto", metadata=choice("auto", "off"))
+    """auto: on a GPU, before loading, choose what the config leaves unset among train.fp8_base, fp8_transposed,
+    compile, gradient_checkpointing, checkpoint_blocks, offload_blocks and data.cache, so that the run fits
+    budget_gb and is as fast as it can be there (printed with its predicted peak); off: run the keys as written."""
+    budget_gb: float = 0.0
+    """GPU memory this process may use, in GB; 0 = what the device has free at the start. A lower value caps the
+    process there (torch's per-process memory fraction), e.g. to leave room or to simulate a smaller card."""
+    margin_gb: float = 0.0
+    """Memory the plan keeps free for NCCL, checkpoint saving and fragmentation; 0 = 1.5 GB + 5% of the budget."""
+
+
+@dataclass
+class ProjectConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+
+@dataclass
+class Config:
+    project: ProjectConfig
+    deepspeed: dict
+    """DeepSpeed's own keys, resolved for this world size and machine; passed to deepspeed.initialize."""
+    world_size: int = 1
+    explicit: frozenset[str] = frozenset()
+    """Dotted keys under qwen_edit that the JSON or the command line set (the memory plan leaves them alone)."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.deepspeed["train_micro_batch_size_per_gpu"]
+
+    @property
+    def precision(self) -> str:
+        if self.deepspeed.get("bf16", {}).get("enabled"):
+            return "bfloat16"
+        if self.deepspeed.get("fp16", {}).get("enabled"):
+            return "float16"
+        return "float32"
+
+
+def field_docs(cls=ProjectConfig, prefix: str = "") -> dict[str, str]:
+    """{'model.path': 'docstring', ...} read from the attribute docstrings in this file (for docs and tests)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[prefix + node.target.id] = nxt.value.value
+    for name, hint in hints.items():
+        if dataclasses.is_dataclass(hint) and not isinstance(hint, types.GenericAlias):
+            docs.update(field_docs(hint, f"{prefix}{name}."))
+    return docs
