@@ -18,9 +18,10 @@ import torch
 
 from model_parallel import transport
 from model_parallel.split import Activations, DecoderStage
-from train import checkpoint, conditioning, loop
+from train import conditioning, loop
 from train.config import Config
-from train.engine import Dist
+from train.runtime import checkpoint
+from train.runtime.engine import Dist
 
 _ACTS = ("act_img", "act_txt", "act_temb")
 

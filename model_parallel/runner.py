@@ -16,9 +16,10 @@ import torch
 from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
-from train import checkpoint, config, data, engine, loop, lora_io, models, outdir
+from train import config, data, loop, lora_io, models
 from train import main as train_main
-from train.metrics import Metrics, NullMetrics, plot_loss, print0
+from train.runtime import checkpoint, engine, outdir
+from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
 
 
 def num_blocks(model_dir: str) -> int:

@@ -18,7 +18,7 @@ import torch
 from model_parallel import transport
 from train import models, validation
 from train.config import Config
-from train.engine import Dist
+from train.runtime.engine import Dist
 
 
 def conditioning_message(recorded: dict[int, validation.Recorded]) -> tuple[dict, dict[str, torch.Tensor]]:

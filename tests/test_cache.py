@@ -16,7 +16,8 @@ import torch
 from conftest import REPO, free_port, metrics, run_trainer, write_config
 from safetensors.torch import load_file
 
-from train import cache, conditioning, config, data, engine, loop, models
+from train import cache, conditioning, config, data, loop, models
+from train.runtime import engine
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from train.engine import plain_arch_list
+from train.runtime.engine import plain_arch_list
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -33,12 +33,13 @@ def _fake_zero(grads: list) -> object:
 
 @pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
 def test_multi_tensor_grad_checks_equal_deepspeeds(monkeypatch, poison):
-    """train.ds_patches gives DeepSpeed's overflow flag and global norm (all-reduce of a world of one: identity)."""
+    """train.runtime.ds_patches gives DeepSpeed's overflow flag and global norm (all-reduce of a world of one:
+    identity)."""
     import deepspeed.comm
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from train import ds_patches
+    from train.runtime import ds_patches
 
     monkeypatch.setattr(deepspeed.comm, "all_reduce", lambda tensor, op=None, group=None: None)
     assert ds_patches.apply()

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from test_train import check
 
 from train import export, lora_io, models
-from train.checkpoint import LORA_WEIGHT_NAME
 from train.config import LoraConfig, ModelConfig
+from train.runtime.checkpoint import LORA_WEIGHT_NAME
 
 STEPS = 4
 TWO_ADAPTERS = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")  # intended here
@@ -332,7 +332,7 @@ class Payload:
 
 def plant(file: Path, marker: Path) -> None:
     """Add a Payload to the dict a DeepSpeed checkpoint file holds (the file keeps every real entry)."""
-    from train.checkpoint import safe_load
+    from train.runtime.checkpoint import safe_load
 
     state = safe_load(file)
     state["extra"] = Payload(marker)
@@ -356,7 +356,7 @@ def copy_run(run: Path, out: Path, tags: tuple[str, ...] = (TAG,)) -> Path:
 def test_planted_payload_is_refused_and_never_runs(lora_run, tiny_edit, tmp_path, capsys, victim):
     """A checkpoint file with a pickled call of exec: export and --resume exit 2 naming the file and the refused
     global, and the code never runs (full unpickling, as DeepSpeed's own loaders do, would run it)."""
-    from train import checkpoint
+    from train.runtime import checkpoint
 
     out, marker = copy_run(lora_run, tmp_path / "run"), tmp_path / "marker"
     plant(out / TAG / victim, marker)
@@ -377,7 +377,7 @@ def test_planted_payload_is_refused_and_never_runs(lora_run, tiny_edit, tmp_path
 @pytest.mark.slow
 def test_resume_stays_inside_the_output_dir(lora_run, tmp_path):
     """'latest' or --resume naming an absolute path, a parent or a link out of the output directory is refused."""
-    from train import checkpoint
+    from train.runtime import checkpoint
 
     elsewhere = copy_run(lora_run, tmp_path / "elsewhere")
     out = copy_run(lora_run, tmp_path / "run")
@@ -397,7 +397,7 @@ def test_resume_stays_inside_the_output_dir(lora_run, tmp_path):
 def test_damaged_checkpoint_names_the_file_and_the_previous_one(lora_run, tmp_path):
     """A truncated shard, a deleted model-states file or a broken trainer_state.json is named before any model
     loads, with the previous complete checkpoint to resume from instead."""
-    from train import checkpoint
+    from train.runtime import checkpoint
 
     cases = {"truncate": "zero_pp_rank_0_mp_rank_00_optim_states.pt", "delete": "mp_rank_00_model_states.pt",
              "garble": "trainer_state.json"}

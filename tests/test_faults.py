@@ -137,7 +137,7 @@ def test_zero1_run_resumes_like_the_zero2_reference(tiny_edit, fault_config, ref
 
 
 def test_schedule_note_only_when_a_stretched_schedule_changes_length():
-    from train.checkpoint import schedule_note
+    from train.runtime.checkpoint import schedule_note
 
     state = {"config": {"scheduler": {"type": "WarmupCosineLR"}, "qwen_edit": {"train": {"max_steps": 100}}}}
     note = schedule_note(state, 200, 100, 5e-5)

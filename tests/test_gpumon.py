@@ -1,4 +1,4 @@
-"""train/gpumon.py with a fake nvml module: sampling, windows, summary, visible devices, absent GPUs."""
+"""train/runtime/gpumon.py with a fake nvml module: sampling, windows, summary, visible devices, absent GPUs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 import time
 import types
 
-from train import gpumon
-from train.metrics import Metrics
+from train.runtime import gpumon
+from train.runtime.metrics import Metrics
 
 
 class FakeNvml(types.SimpleNamespace):

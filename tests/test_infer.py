@@ -189,8 +189,9 @@ def test_bridge_moves_and_casts_inputs_and_outputs():
 
 def test_loras_load_with_weights(tiny_edit, tmp_path):
     """--lora FILE:WEIGHT: a trained-looking LoRA changes the edit; weight 0 gives the base model's edit back."""
-    from train import checkpoint, models
+    from train import models
     from train.config import InferenceConfig, LoraConfig, ModelConfig
+    from train.runtime import checkpoint
 
     transformer = models.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
     models.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))

@@ -1,11 +1,11 @@
-"""Progress output of train/metrics.py: a tqdm bar on a terminal, started by the first step; one plain line per
+"""Progress output of train/runtime/metrics.py: a tqdm bar on a terminal, started by the first step; one plain line per
 logged step elsewhere (a file, a pipe, a batch job)."""
 
 from __future__ import annotations
 
 import json
 
-from train.metrics import Metrics, progress_line
+from train.runtime.metrics import Metrics, progress_line
 
 RECORD = {"step": 20, "epoch": 1, "loss": 0.123456, "lr": 1e-4, "grad_norm": 0.5, "step_time_s": 0.5,
           "samples_per_s": 4.0}
@@ -53,7 +53,7 @@ def test_loss_curve_png_falls_with_the_loss(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from train.metrics import plot_loss
+    from train.runtime.metrics import plot_loss
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 21)))

@@ -16,8 +16,8 @@ from test_validation import TINY_INFERENCE, check_validated_run
 from model_parallel import plan
 from train import config, models, validation
 from train.config import Config, ProjectConfig
-from train.engine import Dist
-from train.metrics import NullMetrics
+from train.runtime.engine import Dist
+from train.runtime.metrics import NullMetrics
 
 
 def edits_file(tiny: Path, path: Path, num_edits: int = 3, references: bool = True) -> Path:

@@ -1,4 +1,4 @@
-"""One run per output directory (train/outdir.py): the lock, fresh runs in used directories, --overwrite."""
+"""One run per output directory (train/runtime/outdir.py): the lock, fresh runs in used directories, --overwrite."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import sys
 import pytest
 from conftest import REPO
 
-from train import config, outdir
-from train.metrics import Metrics
+from train import config
+from train.runtime import outdir
+from train.runtime.metrics import Metrics
 
 
 def test_second_claim_is_refused_until_the_first_ends(tmp_path):

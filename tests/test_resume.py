@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import TINY_CONFIG
 
-from train import checkpoint, engine
 from train import main as train_main
+from train.runtime import checkpoint, engine
 
 
 @pytest.fixture

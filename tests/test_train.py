@@ -34,8 +34,9 @@ def zero2_run(tiny_edit, tmp_path_factory) -> Path:
 
 
 def test_zero2_leaves_no_shared_memory(zero2_run):
-    """DeepSpeed's CPU all-reduce buffers (64 MiB per rank in /dev/shm) are unlinked (train.engine.release_shm_buffer);
-    before, every CPU launch leaked them until the machine ran out of memory."""
+    """DeepSpeed's CPU all-reduce buffers (64 MiB per rank in /dev/shm) are unlinked
+    (train.runtime.engine.release_shm_buffer); before, every CPU launch leaked them until the machine ran out of
+    memory."""
     port = (zero2_run / "master_port").read_text()
     shm = Path("/dev/shm")
     assert shm.is_dir()  # Linux: where DeepSpeed's shm op puts them

@@ -126,8 +126,8 @@ def test_make_grid_layout():
 def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
     """'before' images are saved once and reused while the edits and sampler settings stay the same; a resumed
     LoRA run without them renders the base (adapters off); a resumed full fine-tune leaves the column empty."""
-    from train.engine import Dist
-    from train.metrics import NullMetrics
+    from train.runtime.engine import Dist
+    from train.runtime.metrics import NullMetrics
 
     edits = tmp_path / "val.jsonl"
     edits.write_text(f'{{"edit_image": "{tiny_edit}/data/0000_ref.png", "prompt": "make it red"}}\n')
@@ -178,8 +178,8 @@ def test_before_images_keyed_on_what_produced_them(tiny_edit, tmp_path, monkeypa
     import shutil
     import time
 
-    from train.engine import Dist
-    from train.metrics import NullMetrics
+    from train.runtime.engine import Dist
+    from train.runtime.metrics import NullMetrics
 
     model = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model)

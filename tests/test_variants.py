@@ -226,8 +226,8 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
 
     from train import config, validation
     from train.config import Config, ProjectConfig
-    from train.engine import Dist
-    from train.metrics import NullMetrics
+    from train.runtime.engine import Dist
+    from train.runtime.metrics import NullMetrics
 
     edits_file, edits = _edits(tiny_2511, tmp_path)
     cfg = Config(ProjectConfig(), deepspeed={})

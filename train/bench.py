@@ -5,7 +5,7 @@
 
 What is timed is exactly what `train.loop.train` runs per micro-step: `train.loop.forward_loss` on a
 `train.loop.Batch` (a `train.conditioning.Conditioning` inside), `engine.backward(loss)` and `engine.step()`
-on the DeepSpeed engine that `train.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is built from
+on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is built from
 synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
 separately, and the latent/embedding cache (another issue) removes it from training altogether.
@@ -61,10 +61,11 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import conditioning, engine, fp8, loop, models, rope
+from train import conditioning, fp8, loop, models, rope
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
-from train.metrics import prefix_rank_output
+from train.runtime import engine
+from train.runtime.metrics import prefix_rank_output
 
 # Qwen-Image(-Edit) transformer, as in the released transformer/config.json.
 FULL_ARCH = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -503,7 +504,7 @@ def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.d
 
 def run_project(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
                 args: argparse.Namespace, w: Workload) -> Phase:
-    """Build the DeepSpeed engine over `model` (train.engine.build_engine) and time its step."""
+    """Build the DeepSpeed engine over `model` (train.runtime.engine.build_engine) and time its step."""
     eng, _ = engine.build_engine(model, cfg.deepspeed)
     eng.train()
     try:

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from train import bench, cache, conditioning, data, engine, loop, make_tiny, models
-from train.metrics import prefix_rank_output
+from train import bench, cache, conditioning, data, loop, make_tiny, models
+from train.runtime import engine
+from train.runtime.metrics import prefix_rank_output
 
 # Qwen2.5-VL-7B-Instruct's config.json (the text_encoder of Qwen-Image-Edit), vocabulary and token ids aside.
 VL_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -40,8 +40,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model_parallel.plan import check_parallel
-from train import conditioning, config, data, engine, loop, models
-from train.metrics import prefix_rank_output, print0
+from train import conditioning, config, data, loop, models
+from train.runtime import engine
+from train.runtime.metrics import prefix_rank_output, print0
 
 INDEX = "index.json"
 FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/images.py)

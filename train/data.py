@@ -26,9 +26,10 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import conditioning, engine, images, prompts, sampling
+from train import conditioning, images, prompts, sampling
 from train.config import textfile
-from train.metrics import print0
+from train.runtime import engine
+from train.runtime.metrics import print0
 
 COLUMNS = ("image", "edit_image", "prompt")
 REQUIRED = ("image", "prompt")  # edit_image is left out by text-to-image rows
@@ -393,8 +394,8 @@ def collate(samples: list[dict]) -> dict:
 def _die_with_parent(worker_id: int) -> None:
     """DataLoader worker init: ask Linux to SIGKILL this worker when its rank dies (e.g. is killed), so no
     orphaned worker outlives a failed job holding memory; a no-op elsewhere. SIGTERM is left to the rank (it saves
-    a checkpoint first, train/preempt.py): DeepSpeed's launcher signals the whole process tree, and a worker that
-    died of it would fail the rank's next batch before the save."""
+    a checkpoint first, train/runtime/preempt.py): DeepSpeed's launcher signals the whole process tree, and a worker
+    that died of it would fail the rank's next batch before the save."""
     import ctypes
     import signal
     import sys

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import (
+from train.runtime.checkpoint import (
     STATE_FILE,
     CheckpointFileError,
     apply_umask,
@@ -87,7 +87,7 @@ def consolidate(ckpt: Path, num_stages: int = 1) -> dict[str, torch.Tensor]:
         raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
                          "weights; export needs a checkpoint trained with zero_optimization.stage 1 or 2")
     print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
-    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (train/checkpoint.py)
+    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (train/runtime/checkpoint.py)
         return _consolidate_stages(ckpt, num_stages)
 
 

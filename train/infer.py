@@ -25,8 +25,9 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
-from train import config, engine, gpumon, inference, lora_io, memory, models
-from train.metrics import prefix_rank_output, print0
+from train import config, inference, lora_io, memory, models
+from train.runtime import engine, gpumon
+from train.runtime.metrics import prefix_rank_output, print0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train import checkpoint, conditioning, faults, memory, objective, preempt
+from train import conditioning, memory, objective
 from train.config import Config
-from train.engine import Dist, all_gather_objects
-from train.metrics import Throughput, peak_memory_gb
 from train.models import Encoders
+from train.runtime import checkpoint, faults, preempt
+from train.runtime.engine import Dist, all_gather_objects
+from train.runtime.metrics import Throughput, peak_memory_gb
 
 
 @dataclass

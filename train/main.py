@@ -19,26 +19,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from model_parallel.plan import check_parallel
-from train import (
-    cache,
-    checkpoint,
-    config,
-    data,
-    engine,
-    fp8,
-    gpumon,
-    loop,
-    lora_io,
-    memory,
-    models,
-    outdir,
-    preempt,
-    prompts,
-    streaming,
-    validation,
-)
+from train import cache, config, data, fp8, loop, lora_io, memory, models, prompts, streaming, validation
 from train.conditioning import MODEL_NAMES
-from train.metrics import Metrics, NullMetrics, plot_loss, prefix_rank_output, print0
+from train.runtime import checkpoint, engine, gpumon, outdir, preempt
+from train.runtime.metrics import Metrics, NullMetrics, plot_loss, prefix_rank_output, print0
 
 
 def vl_processor(model_dir: str):

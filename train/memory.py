@@ -435,7 +435,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     """Plan the run's memory (see the module docstring) and write the choice into `cfg`; prints the plan and its
     predicted peak, and returns them for summary.json. None when there is nothing to plan (memory.plan off, no
     GPU, the model-parallel mode); a budget_gb still caps the process then."""
-    from train.metrics import print0
+    from train.runtime.metrics import print0
 
     p = cfg.project
     if d.device.type != "cuda":
@@ -460,7 +460,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if online:
         measured = _with_encode_bytes(measured, p, d.device, work)
     # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
-    from train.engine import all_gather_objects
+    from train.runtime.engine import all_gather_objects
 
     gathered = all_gather_objects((budget, measured))
     budget, measured = min(b for b, _ in gathered), gathered[0][1]

@@ -32,7 +32,7 @@ from PIL import Image, ImageDraw
 
 from train import images, inference, memory, models
 from train.config import Config
-from train.engine import Dist, all_gather_objects
+from train.runtime.engine import Dist, all_gather_objects
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 

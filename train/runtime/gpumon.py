@@ -141,7 +141,7 @@ def start_monitor(out_dir: str | Path, interval_s: float, local_rank: int, node:
 
 def gather_summaries(summary: list[dict]) -> list[dict]:
     """Every node's summary, on every rank (a collective when a process group is up)."""
-    from train import engine
+    from train.runtime import engine
 
     return [entry for part in engine.all_gather_objects(summary) for entry in part]
 

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from train import engine
+from train.runtime import engine
 
 LOCK_FILE = ".lock"
 # What a run leaves in its directory (besides global_step*); the cache (OUTPUT/cache, built beforehand by

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train import faults
+from train.runtime import faults
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 STATE_FILE = "trainer_state.json"

@@ -127,9 +127,9 @@ def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     `mpu`: DeepSpeed's model/data-parallel groups (model_parallel's decoder cut); None = data parallel only."""
     import deepspeed
 
-    from train import ds_patches
+    from train.runtime import ds_patches
 
-    ds_patches.apply()  # multi-tensor gradient checks in the step (see train/ds_patches.py)
+    ds_patches.apply()  # multi-tensor gradient checks in the step (see train/runtime/ds_patches.py)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
                                                       mpu=mpu)

@@ -1,0 +1,1 @@
+"""The runtime room of train/ (see README "Layout")."""
