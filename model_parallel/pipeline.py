@@ -18,8 +18,9 @@ import torch
 
 from model_parallel import transport
 from model_parallel.split import Activations, DecoderStage
-from train import conditioning, loop
+from train import loop
 from train.config import Config
+from train.model import conditioning
 from train.runtime import checkpoint
 from train.runtime.engine import Dist
 

@@ -16,8 +16,9 @@ import torch
 from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
-from train import config, data, loop, lora_io, models
+from train import config, data, loop
 from train import main as train_main
+from train.model import components, lora_io
 from train.runtime import checkpoint, engine, outdir
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
 
@@ -55,7 +56,7 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
 
 def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None:
     p = cfg.project
-    variant = models.detect_variant(p.model.path, p.model.variant)
+    variant = components.detect_variant(p.model.path, p.model.variant)
     try:
         rows, loader = train_main.build_data(cfg, d, variant)
     except data.BadRowsError as e:  # tell the decoder, so that it stops with the same message
@@ -97,7 +98,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
                 links: worlds.Links, resume: str | None, overwrite: bool = False) -> None:
     p = cfg.project
     world_size = len(plan.placements)
-    variant = models.detect_variant(p.model.path, p.model.variant)
+    variant = components.detect_variant(p.model.path, p.model.variant)
     tag, start_step, changes = resume_point(cfg, world_size, resume)
     try:
         batches_per_epoch = stages.receive_start(links.to_prev, 0)
@@ -125,7 +126,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     source = stages.ReceivingSource(links.to_prev, 0, d.device, batches_per_epoch,
                                     stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert,
                                     overlap=p.parallel.overlap or not me.is_first_decoder)
-    scheduler_cfg = models.scheduler_config(p.model.path)
+    scheduler_cfg = components.scheduler_config(p.model.path)
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
                else NullMetrics())  # decoder rank 0 is the last stage of pipeline 0
     try:
@@ -189,7 +190,7 @@ def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict
             path = checkpoint.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank, metadata=metadata)
     else:
         if weights is not None:  # a whole transformer again, from the base directory and every stage's weights
-            transformer = models.load_transformer(p.model, getattr(torch, cfg.precision))
+            transformer = components.load_transformer(p.model, getattr(torch, cfg.precision))
             transformer.load_state_dict(weights)
         path = checkpoint.export_full(transformer, export_dir, metadata)
     print0(f"exported {path}")

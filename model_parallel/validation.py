@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from model_parallel import transport
-from train import models, validation
+from train import validation
 from train.config import Config
+from train.model import components
 from train.runtime.engine import Dist
 
 
@@ -54,14 +55,15 @@ def message_conditioning(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[i
     return recorded
 
 
-def encoder_opening(cfg: Config, d: Dist, encoders: models.Encoders | None) -> list[tuple[dict, dict]]:
+def encoder_opening(cfg: Config, d: Dist, encoders: components.Encoders | None) -> list[tuple[dict, dict]]:
     """The encoder stage's extra opening messages: its pipeline's share of the validation conditioning (none
     without validation.file). `encoders`: the stage's own, or None (a latent cache): then they load for this."""
     p = cfg.project
     if not p.validation.file:
         return []
     if encoders is None:
-        encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
+        dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
+        encoders = components.load_encoders(p.model.path, dtype, d.device)
     return [conditioning_message(validation.encode_requests(cfg, encoders, d.rank, d.world_size))]
 
 

@@ -138,30 +138,30 @@ def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypat
     without weights is an error, never a silent random model."""
     import shutil
 
-    from train import models
     from train.config import ModelConfig
+    from train.model import components
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model_dir)
-    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     for f in model_dir.glob("*/*.safetensors"):
         f.unlink()
-    monkeypatch.delenv(models.RANDOM_INIT_ENV, raising=False)
+    monkeypatch.delenv(components.RANDOM_INIT_ENV, raising=False)
     with pytest.raises(OSError):
-        models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
-    monkeypatch.setenv(models.RANDOM_INIT_ENV, "1")
-    built = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+        components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    monkeypatch.setenv(components.RANDOM_INIT_ENV, "1")
+    built = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
-    encoders = models.load_encoders(model_dir, torch.float32, torch.device("cpu"))
+    encoders = components.load_encoders(model_dir, torch.float32, torch.device("cpu"))
     assert encoders.vae.config.z_dim == 16 and encoders.text_encoder.config.text_config.hidden_size == 32
     # the same weights in every process and run (seeded per model), and the caller's RNG left alone
     state = torch.random.get_rng_state()
-    again = models.load_encoders(model_dir, torch.float32, torch.device("cpu"))
-    vae = models.load_vae(model_dir, torch.float32, torch.device("cpu"))
+    again = components.load_encoders(model_dir, torch.float32, torch.device("cpu"))
+    vae = components.load_vae(model_dir, torch.float32, torch.device("cpu"))
     assert torch.equal(torch.random.get_rng_state(), state)
     for a, b in ((encoders.text_encoder, again.text_encoder), (encoders.vae, again.vae), (encoders.vae, vae)):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    built_again = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    built_again = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     assert all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), built_again.state_dict().values(),
                                                  strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), reference.state_dict().values(),

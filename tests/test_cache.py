@@ -16,7 +16,8 @@ import torch
 from conftest import REPO, free_port, metrics, run_trainer, write_config
 from safetensors.torch import load_file
 
-from train import cache, conditioning, config, data, loop, models
+from train import cache, config, data, loop
+from train.model import components, conditioning
 from train.runtime import engine
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -44,7 +45,7 @@ def data_of(cfg: config.Config) -> tuple[str, list[data.Row], data.EditDataset]:
     """Rows and dataset exactly as training reads them (train.main.build_data, as the cache command does)."""
     from train import main as trainer
 
-    variant = models.detect_variant(cfg.project.model.path)
+    variant = components.detect_variant(cfg.project.model.path)
     rows, loader = trainer.build_data(cfg, WORLD_OF_ONE, variant)
     return variant, rows, loader.dataset
 
@@ -79,7 +80,7 @@ def test_cached_tensors_equal_online_encoding(built):
     """Every cached sample equals loop.encode_batch on the same row exactly (CPU fp32, micro-batch 1)."""
     cfg, variant, rows, dataset, index = built
     assert index["num_samples"] == len(rows) and [s["line"] for s in index["samples"]] == [r.line for r in rows]
-    encoders = models.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
+    encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
     for i in range(0, len(rows), 3):
         online = loop.encode_batch(data.collate([dataset[i]]), encoders, variant)
@@ -102,7 +103,7 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
     lengths = [s["prompt_tokens"] for s in index["samples"]]
     i, j = 0, 1
     assert lengths[j] > lengths[i], lengths
-    encoders = models.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
+    encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
     online = loop.encode_batch(data.collate([dataset[i], dataset[j]]), encoders, variant)
     got = cache.to_batch(cache.collate([cached[i], cached[j]]), torch.device("cpu"))
@@ -142,11 +143,11 @@ def test_changed_resolution_is_refused(built, tmp_path):
 
 
 def test_changed_template_is_refused(built, monkeypatch):
-    """A different prompt template in train/conditioning.py: the cache is refused, naming the template."""
+    """A different prompt template in train/model/conditioning.py: the cache is refused, naming the template."""
     cfg, variant, rows, dataset, _ = built
     monkeypatch.setitem(conditioning.PROMPT_TEMPLATES, variant, conditioning.PROMPT_TEMPLATES[variant] + " ")
     message = refusal(cfg, variant, rows, dataset)
-    assert "prompt template (train/conditioning.py)" in message
+    assert "prompt template (train/model/conditioning.py)" in message
     assert "data.area" not in message  # only what changed is named
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from train import conditioning
 from train.data import BadRowsError, EditDataset, Row, build_loader, check_row, collate, preflight, read_rows
+from train.model import conditioning
 
 AREA = 64 * 64
 CONDITION_AREA = 32 * 32

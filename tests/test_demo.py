@@ -43,8 +43,9 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     import torch
     from PIL import Image
 
-    from train import models, validation
+    from train import validation
     from train.config import LoraConfig, ModelConfig
+    from train.model import components
     from train.runtime import checkpoint
 
     tiny_edit = request.getfixturevalue(tiny_name)
@@ -56,8 +57,8 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     (work / "run").mkdir(parents=True)
     (work / "run" / "config.json").write_text(json.dumps({"qwen_edit": {"data": {"area": 128 * 128,
                                                                                   "condition_area": 64 * 64}}}))
-    transformer = models.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
-    models.add_lora(transformer, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0"]))
+    transformer = components.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
+    components.add_lora(transformer, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0"]))
     torch.manual_seed(0)
     for name, p in transformer.named_parameters():
         if ".lora_B." in name:

@@ -17,8 +17,9 @@ from conftest import REPO, TINY_CONFIG, run_trainer, write_config
 from safetensors.torch import load_file, save_file
 from test_train import check
 
-from train import export, lora_io, models
+from train import export
 from train.config import LoraConfig, ModelConfig
+from train.model import components, lora_io
 from train.runtime.checkpoint import LORA_WEIGHT_NAME
 
 STEPS = 4
@@ -71,8 +72,8 @@ def full_run(tiny_edit, tmp_path_factory) -> Path:
 
 def fresh_transformer(tiny: Path, **lora_changes):
     """The tiny transformer with a freshly initialised adapter of the tiny config (fields overridable)."""
-    transformer = models.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
-    models.add_lora(transformer, LoraConfig(**{**TINY_LORA, **lora_changes}))
+    transformer = components.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
+    components.add_lora(transformer, LoraConfig(**{**TINY_LORA, **lora_changes}))
     return transformer
 
 

@@ -1,4 +1,4 @@
-"""train.fp8: frozen e4m3 base weights with fp8 matmuls (torch._scaled_mm runs on CPU too), and the partial
+"""train.model.fp8: frozen e4m3 base weights with fp8 matmuls (torch._scaled_mm runs on CPU too), and the partial
 checkpointing helper used with it. The GPU speed and loss-curve figures are in docs/performance.md."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import transformer_inputs
 
-from train import fp8, models
 from train.config import LoraConfig
 from train.make_tiny import build_transformer
+from train.model import components, fp8
 
 
 def _linear(n_in: int, n_out: int, seed: int = 0) -> torch.nn.Linear:
@@ -52,7 +52,7 @@ def test_convert_swaps_frozen_block_linears_and_keeps_lora():
     """Under LoRA the blocks' 12 token linears (peft's base_layer where wrapped) and 2 modulation linears become
     e4m3; embeddings/output stay; only LoRA trains; checkpoints (state_dict) hold no fp8 buffers."""
     model = build_transformer()
-    models.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
+    components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
     before = {n for n, p in model.named_parameters() if p.requires_grad}
     assert fp8.convert_frozen_linears(model) == len(model.transformer_blocks) * 14
     block = model.transformer_blocks[0]
@@ -72,7 +72,7 @@ def test_lora_learns_through_fp8_base(zero_cond_t):
 
     torch.manual_seed(0)
     model = build_transformer(zero_cond_t)
-    models.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
+    components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -102,7 +102,7 @@ def test_checkpoint_first_recomputes_only_the_first_blocks(monkeypatch, count, e
     real = ckpt.checkpoint
     monkeypatch.setattr(ckpt, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
     model = build_transformer()
-    models.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
+    components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
                                 gradient_checkpointing=True, compile_blocks=False, checkpoint_blocks=count)
     model.train()
     out = model(**transformer_inputs(model))[0]

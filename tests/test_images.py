@@ -1,4 +1,4 @@
-"""Images reach the model as a viewer shows them (train/images.py), in every reader: EXIF orientation, alpha over
+"""Images reach the model as a viewer shows them (train/model/images.py), in every reader: EXIF orientation, alpha over
 the configured background, 16-bit scaled to 8 bits; the training dataset, pre-flight and inference agree."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train import images, inference
 from train.data import EditDataset, preflight
+from train.model import images, pipelines
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -100,8 +100,8 @@ def test_dataset_and_preflight_see_the_shown_image(tmp_path):
 def test_inference_references_oriented(tmp_path):
     """train.infer and validation open references the same way as the training data."""
     rotated_jpeg(tmp_path / "phone.jpg")
-    request = inference.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
-    (ref,) = inference.open_references(request)
+    request = pipelines.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
+    (ref,) = pipelines.open_references(request)
     assert ref.size == (32, 48)
 
 

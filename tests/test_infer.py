@@ -1,4 +1,4 @@
-"""Batch inference (train/infer.py, train/inference.py) on the tiny model: process-count independence, resume,
+"""Batch inference (train/infer.py, train/model/pipelines.py) on the tiny model: process-count independence, resume,
 bad rows, LoRAs, the device/dtype bridge, argument errors."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import REPO, free_port
 
-from train import infer, inference
+from train import infer
+from train.model import pipelines
 
 SETTINGS = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
 
@@ -151,7 +152,7 @@ def test_read_requests_seeds_names_and_problems(tmp_path):
         '{"edit_image": "a.png", "prompt": "t", "output": "../up"}\n'
         '[1]\n'
     )
-    requests, problems = inference.read_requests(tmp_path / "edits.jsonl", base_seed=10)
+    requests, problems = pipelines.read_requests(tmp_path / "edits.jsonl", base_seed=10)
     assert [(q.index, q.line, q.seed, q.name) for q in requests] == [(0, 1, 10, "000000"), (1, 3, 5, "x")]
     assert requests[1].references == [tmp_path / "a.png", tmp_path / "b.png"]
     assert [(i, line) for i, line, _ in problems] == [(2, 4), (3, 5), (4, 6), (5, 7)]
@@ -159,9 +160,9 @@ def test_read_requests_seeds_names_and_problems(tmp_path):
 
 
 def test_parse_lora():
-    assert inference.parse_lora("a/b.safetensors") == (Path("a/b.safetensors"), 1.0)
-    assert inference.parse_lora("a/b.safetensors:0.5") == (Path("a/b.safetensors"), 0.5)
-    assert inference.parse_lora("c:/x.safetensors") == (Path("c:/x.safetensors"), 1.0)
+    assert pipelines.parse_lora("a/b.safetensors") == (Path("a/b.safetensors"), 1.0)
+    assert pipelines.parse_lora("a/b.safetensors:0.5") == (Path("a/b.safetensors"), 0.5)
+    assert pipelines.parse_lora("c:/x.safetensors") == (Path("c:/x.safetensors"), 1.0)
 
 
 def test_bridge_moves_and_casts_inputs_and_outputs():
@@ -178,7 +179,7 @@ def test_bridge_moves_and_casts_inputs_and_outputs():
             return (self.linear(hidden_states),)
 
     module = Wrapped()
-    hooks = inference.bridge(module, torch.device("cpu"), torch.float64, torch.device("cpu"), torch.float32)
+    hooks = pipelines.bridge(module, torch.device("cpu"), torch.float64, torch.device("cpu"), torch.float32)
     out = module(hidden_states=torch.ones(2, 4), mask=torch.ones(2, dtype=torch.long))[0]
     assert out.dtype == torch.float32
     for hook in hooks:
@@ -189,29 +190,29 @@ def test_bridge_moves_and_casts_inputs_and_outputs():
 
 def test_loras_load_with_weights(tiny_edit, tmp_path):
     """--lora FILE:WEIGHT: a trained-looking LoRA changes the edit; weight 0 gives the base model's edit back."""
-    from train import models
     from train.config import InferenceConfig, LoraConfig, ModelConfig
+    from train.model import components
     from train.runtime import checkpoint
 
-    transformer = models.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
-    models.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
+    transformer = components.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
+    components.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
     torch.manual_seed(0)
     for name, p in transformer.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.5)
     lora = checkpoint.export_lora(transformer, tmp_path, alpha=4, rank=4)
     settings = InferenceConfig(**SETTINGS)
-    pipe = inference.load_pipeline(tiny_edit / "model", torch.float32)
-    inference.place(pipe, settings, torch.device("cpu"))
+    pipe = pipelines.load_pipeline(tiny_edit / "model", torch.float32)
+    pipelines.place(pipe, settings, torch.device("cpu"))
     from PIL import Image
 
     image = [Image.open(tiny_edit / "data" / "0000_ref.png").convert("RGB")]
 
     def edit():
-        return torch.tensor(list(inference.edit(pipe, "edit", image, "make it red", 3, settings).getdata()))
+        return torch.tensor(list(pipelines.edit(pipe, "edit", image, "make it red", 3, settings).getdata()))
 
     base = edit()
-    inference.load_loras(pipe, [(lora, 1.0)])
+    pipelines.load_loras(pipe, [(lora, 1.0)])
     assert not torch.equal(edit(), base)
     pipe.set_adapters(["lora0"], adapter_weights=[0.0])
     assert torch.equal(edit(), base)

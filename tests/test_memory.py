@@ -1,13 +1,13 @@
-"""The memory plan (train/memory.py): counted sizes, the planner's decisions over budgets and workloads, the
+"""The memory plan (train/model/memory.py): counted sizes, the planner's decisions over budgets and workloads, the
 config keys it respects. The measurement itself needs a GPU; these use figures of its shape."""
 
 from __future__ import annotations
 
 import pytest
 
-from train import memory
 from train.config import LoraConfig
 from train.make_tiny import make_tiny, write_full_size_configs
+from train.model import memory
 
 GB = memory.GB
 

@@ -66,8 +66,8 @@ def test_cut_transformer_matches_the_whole(tiny_name, request):
     from diffusers import QwenImageTransformer2DModel
 
     from model_parallel.split import DecoderStage
-    from train import conditioning, models
     from train.config import LoraConfig
+    from train.model import components, conditioning
 
     tiny_edit = request.getfixturevalue(tiny_name)
 
@@ -76,7 +76,7 @@ def test_cut_transformer_matches_the_whole(tiny_name, request):
         t = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer")
         assert t.config.zero_cond_t == (tiny_name == "tiny_2511")
         targets = ["attn.to_q", "img_in", "proj_out", "txt_mlp.net.2"]
-        models.prepare_for_training(t, "lora", LoraConfig(rank=4, alpha=4, target_modules=targets), checkpointing,
+        components.prepare_for_training(t, "lora", LoraConfig(rank=4, alpha=4, target_modules=targets), checkpointing,
                                     False)
         for n, p in t.named_parameters():  # LoRA B starts at zero: make gradients reach A too
             if "lora_B" in n:

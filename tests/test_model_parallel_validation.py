@@ -14,8 +14,9 @@ from conftest import write_config
 from test_validation import TINY_INFERENCE, check_validated_run
 
 from model_parallel import plan
-from train import config, models, validation
+from train import config, validation
 from train.config import Config, ProjectConfig
+from train.model import components
 from train.runtime.engine import Dist
 from train.runtime.metrics import NullMetrics
 
@@ -49,14 +50,14 @@ def test_replayed_conditioning_renders_what_the_encoders_render(variant, num_ref
     p.inference = config.InferenceConfig(**{**TINY_INFERENCE, "true_cfg_scale": 2.0})
     d = Dist(0, 1, 0, torch.device("cpu"))
     torch.manual_seed(0)
-    transformer = models.load_transformer(p.model, torch.float32)
-    encoders = models.load_encoders(p.model.path, torch.float32, d.device)
+    transformer = components.load_transformer(p.model, torch.float32)
+    encoders = components.load_encoders(p.model.path, torch.float32, d.device)
 
     recorded = validation.encode_requests(cfg, encoders, 0, 1)
     assert [name for name, _ in recorded[0]] == ["encode_prompt", "encode_prompt"] + ["_encode_vae_image"] * num_refs
     received = mp_validation.message_conditioning(*mp_validation.conditioning_message(recorded))
     direct = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()
-    vae_only = models.Encoders(None, None, models.load_vae(cfg.project.model.path, torch.float32, d.device))
+    vae_only = components.Encoders(None, None, components.load_vae(cfg.project.model.path, torch.float32, d.device))
     replayed = validation.Validator(cfg, d, transformer, vae_only, NullMetrics(), received).render()
     assert len(direct) == len(replayed) == 2
     for a, b in zip(direct, replayed, strict=True):

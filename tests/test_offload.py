@@ -1,4 +1,5 @@
-"""Block offloading (train/offload.py) and the streaming loader (train/streaming.py) on the tiny model, fp32 CPU."""
+"""Block offloading (train/model/offload.py) and the streaming loader (train/model/streaming.py) on the tiny model,
+fp32 CPU."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 from conftest import transformer_inputs
 
-from train import fp8, models, streaming
 from train.config import LoraConfig, ModelConfig
 from train.make_tiny import build_transformer
+from train.model import components, fp8, streaming
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0", "img_mlp.net.2"])
 
@@ -16,7 +17,7 @@ LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0
 def _prepared(num_layers: int, offload: set[int], checkpoint_blocks: int = 0):
     torch.manual_seed(0)
     model = build_transformer(num_layers=num_layers)
-    offloader = models.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+    offloader = components.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
                                             offload=offload)
     return model.train(), offloader
 
@@ -68,7 +69,7 @@ def test_offloaded_weights_leave_the_module():
 
 def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
     model_dir = tiny_edit / "model"
-    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     streamed, quantized = streaming.load(model_dir, streaming.Placement(torch.device("cpu"), torch.float32),
                                          frozen=True)
     assert not quantized
@@ -77,7 +78,7 @@ def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
     for name, t in ref_state.items():
         assert torch.equal(t, got_state[name]) and got_state[name].dtype == t.dtype, name
     # bf16 as from_pretrained(torch_dtype=bfloat16) casts
-    ref16 = models.load_transformer(ModelConfig(path=str(model_dir)), torch.bfloat16).state_dict()
+    ref16 = components.load_transformer(ModelConfig(path=str(model_dir)), torch.bfloat16).state_dict()
     got16, _ = streaming.load(model_dir, streaming.Placement(torch.device("cpu"), torch.bfloat16), frozen=True)
     assert all(torch.equal(t, got16.state_dict()[n]) for n, t in ref16.items())
 
@@ -86,7 +87,7 @@ def test_streamed_fp8_and_offloaded_placement(tiny_edit):
     model_dir = tiny_edit / "model"
     placement = streaming.Placement(torch.device("cpu"), torch.float32, fp8=True, offload={1})
     streamed, quantized = streaming.load(model_dir, placement, frozen=True)
-    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     names = [n for n, m in reference.named_modules() if fp8._kind(n)]
     assert sorted(quantized) == sorted(names)
     for name in names:
@@ -102,10 +103,10 @@ def test_load_for_training_matches_the_from_pretrained_path(tiny_edit):
     as from_pretrained + prepare_for_training without offloading."""
     model_dir = tiny_edit / "model"
     torch.manual_seed(3)
-    reference = models.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
-    models.prepare_for_training(reference, "lora", LORA, True, False, fp8_base=True)
+    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    components.prepare_for_training(reference, "lora", LORA, True, False, fp8_base=True)
     torch.manual_seed(3)
-    streamed, offloader = models.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
+    streamed, offloader = components.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
                                                    True, False, fp8_base=True, offload_blocks=1)
     assert offloader is not None and sorted(offloader.blocks) == [0]
     for (na, a), (nb, b) in zip(reference.named_parameters(), streamed.named_parameters(), strict=True):

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import transformer_inputs
 
-from train import inference, models
 from train.config import LoraConfig
 from train.make_tiny import build_transformer
+from train.model import components, pipelines
 
 
 def model_dir(tmp: Path, pipeline: str, **transformer_config) -> Path:
@@ -42,31 +42,32 @@ def model_dir(tmp: Path, pipeline: str, **transformer_config) -> Path:
 def test_variant_from_pipeline_and_transformer_config(tmp_path, pipeline, config, variant):
     """Each variant is detected, and naming it explicitly is accepted."""
     folder = model_dir(tmp_path, pipeline, **config)
-    assert models.detect_variant(folder) == variant
-    assert models.detect_variant(folder, variant) == variant
+    assert components.detect_variant(folder) == variant
+    assert components.detect_variant(folder, variant) == variant
 
 
 def test_explicit_variant_that_contradicts_the_files_names_both(tmp_path):
     folder = model_dir(tmp_path, "QwenImageEditPlusPipeline", zero_cond_t=True)
-    with pytest.raises(models.ModelError, match="variant is 'edit_plus' but .* is 'edit_plus_2511'.*zero_cond_t: true"):
-        models.detect_variant(folder, "edit_plus")
-    with pytest.raises(models.ModelError, match="variant is 't2i' but .* is 'edit_plus_2511'"):
-        models.detect_variant(folder, "t2i")
+    with pytest.raises(components.ModelError,
+                       match="variant is 'edit_plus' but .* is 'edit_plus_2511'.*zero_cond_t: true"):
+        components.detect_variant(folder, "edit_plus")
+    with pytest.raises(components.ModelError, match="variant is 't2i' but .* is 'edit_plus_2511'"):
+        components.detect_variant(folder, "t2i")
 
 
 def test_unknown_pipeline_needs_an_explicit_variant_that_fits_the_transformer(tmp_path):
     folder = model_dir(tmp_path, "MyQwenEditPipeline", zero_cond_t=True)
-    with pytest.raises(models.ModelError, match="'MyQwenEditPipeline', not one of .*set qwen_edit.model.variant"):
-        models.detect_variant(folder)
-    assert models.detect_variant(folder, "edit_plus_2511") == "edit_plus_2511"
-    with pytest.raises(models.ModelError, match="variant is 'edit_plus' but .* is 'edit_plus_2511'"):
-        models.detect_variant(folder, "edit_plus")
+    with pytest.raises(components.ModelError, match="'MyQwenEditPipeline', not one of .*set qwen_edit.model.variant"):
+        components.detect_variant(folder)
+    assert components.detect_variant(folder, "edit_plus_2511") == "edit_plus_2511"
+    with pytest.raises(components.ModelError, match="variant is 'edit_plus' but .* is 'edit_plus_2511'"):
+        components.detect_variant(folder, "edit_plus")
 
 
 def test_zero_cond_t_outside_the_plus_pipeline_is_refused(tmp_path):
     folder = model_dir(tmp_path, "QwenImageEditPipeline", zero_cond_t=True)
-    with pytest.raises(models.ModelError, match="zero_cond_t, which only Qwen-Image-Edit-2511"):
-        models.detect_variant(folder)
+    with pytest.raises(components.ModelError, match="zero_cond_t, which only Qwen-Image-Edit-2511"):
+        components.detect_variant(folder)
 
 
 def test_config_key_the_installed_diffusers_would_drop_is_an_error(tmp_path):
@@ -75,15 +76,15 @@ def test_config_key_the_installed_diffusers_would_drop_is_an_error(tmp_path):
     (pooled_projection_dim) passes."""
     folder = model_dir(tmp_path, "QwenImageEditPlusPipeline", zero_cond_t=True, pooled_projection_dim=768,
                        future_modulation=True, _diffusers_version="0.99.0")
-    with pytest.raises(models.ModelError) as e:
-        models.detect_variant(folder)
+    with pytest.raises(components.ModelError) as e:
+        components.detect_variant(folder)
     message = str(e.value)
     assert "future_modulation=true" in message and "pooled_projection_dim" not in message
     assert f"installed diffusers {diffusers.__version__}" in message and "diffusers>=0.99.0" in message
     config = json.loads((folder / "transformer" / "config.json").read_text())
     del config["future_modulation"]
     (folder / "transformer" / "config.json").write_text(json.dumps(config))
-    assert models.detect_variant(folder) == "edit_plus_2511"
+    assert components.detect_variant(folder) == "edit_plus_2511"
 
 
 def test_trainer_stops_on_an_unsupported_config_key(tiny_2511, tmp_path, capsys):
@@ -107,12 +108,12 @@ def test_trainer_stops_on_an_unsupported_config_key(tiny_2511, tmp_path, capsys)
 
 def _lora_transformer(zero_cond_t: bool, **options):
     """The tiny transformer (fixed seed) with LoRA on the attention and MLP projections, B initialised non-zero so
-    gradients reach every factor, prepared by models.prepare_for_training with `options`."""
+    gradients reach every factor, prepared by components.prepare_for_training with `options`."""
     torch.manual_seed(0)
     model = build_transformer(zero_cond_t)
     lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v", "img_mlp.net.2", "txt_mlp.net.2"])
     settings = dict(gradient_checkpointing=False, compile_blocks=False, real_rope=False) | options
-    models.prepare_for_training(model, "lora", lora, **settings)
+    components.prepare_for_training(model, "lora", lora, **settings)
     for i, (name, p) in enumerate(model.named_parameters()):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(i))
@@ -174,10 +175,10 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     _, rows, dataset = data_of(cfg)
     index = cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
     assert index["variant"] == variant
-    encoders = models.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
-    transformer = models.load_transformer(cfg.project.model, torch.float32)
+    encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
+    transformer = components.load_transformer(cfg.project.model, torch.float32)
     assert transformer.config.zero_cond_t == (variant == "edit_plus_2511")
-    scheduler = models.scheduler_config(cfg.project.model.path)
+    scheduler = components.scheduler_config(cfg.project.model.path)
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
     online = loop.encode_batch(data.collate([dataset[0]]), encoders, variant)
     got = cache.to_batch(cache.collate([cached[0]]), torch.device("cpu"))
@@ -192,7 +193,7 @@ def _plain_pipeline_images(model: Path, edits: list[dict], inf) -> list[np.ndarr
     """diffusers' QwenImageEditPlusPipeline straight from the directory, called as the pipeline's docs show."""
     from PIL import Image
 
-    from train import conditioning
+    from train.model import conditioning
 
     pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -220,7 +221,7 @@ def _edits(tiny: Path, folder: Path) -> tuple[Path, list[dict]]:
 
 def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, tmp_path):
     """Validation (the pipeline built around the run's own transformer and encoders) and train.infer's pipeline
-    (inference.load_pipeline + inference.edit, what every row runs) render the images diffusers'
+    (pipelines.load_pipeline + pipelines.edit, what every row runs) render the images diffusers'
     QwenImageEditPlusPipeline renders from the 2511 directory, with guidance (negative prompt) on."""
     from test_validation import TINY_INFERENCE
 
@@ -238,14 +239,14 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
     assert not np.array_equal(expected[0], expected[1])
 
     d = Dist(0, 1, 0, torch.device("cpu"))
-    transformer = models.load_transformer(p.model, torch.float32)
-    encoders = models.load_encoders(p.model.path, torch.float32, d.device)
+    transformer = components.load_transformer(p.model, torch.float32)
+    encoders = components.load_encoders(p.model.path, torch.float32, d.device)
     rendered = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()
-    pipe = inference.load_pipeline(p.model.path, torch.float32)
+    pipe = pipelines.load_pipeline(p.model.path, torch.float32)
     assert isinstance(pipe, diffusers.QwenImageEditPlusPipeline) and pipe.transformer.config.zero_cond_t
-    requests, problems = inference.read_requests(edits_file)
+    requests, problems = pipelines.read_requests(edits_file)
     assert not problems
-    inferred = [inference.edit(pipe, "edit_plus_2511", inference.open_references(r), r.prompt, r.seed, p.inference)
+    inferred = [pipelines.edit(pipe, "edit_plus_2511", pipelines.open_references(r), r.prompt, r.seed, p.inference)
                 for r in requests]
     for want, got_validation, got_infer in zip(expected, rendered, inferred, strict=True):
         assert np.array_equal(np.asarray(got_validation), want)
@@ -254,8 +255,8 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
 
 @pytest.mark.parametrize("tiny_name", ["tiny_t2i", "tiny_edit"])
 def test_infer_without_references_renders_qwen_image_pipeline(tiny_name, request):
-    """train.infer's path for a row without edit_image (inference.edit with no images): QwenImagePipeline, the model's
-    own (Qwen-Image) or around an edit model's modules, square at inference.area; the same image as calling that
+    """train.infer's path for a row without edit_image (pipelines.edit with no images): QwenImagePipeline, the model's
+    own (Qwen-Image) or around an edit model's modules, square at pipelines.area; the same image as calling that
     pipeline directly."""
     from test_validation import TINY_INFERENCE
 
@@ -263,9 +264,9 @@ def test_infer_without_references_renders_qwen_image_pipeline(tiny_name, request
 
     tiny = request.getfixturevalue(tiny_name)
     inf = config.InferenceConfig(**{**TINY_INFERENCE, "true_cfg_scale": 2.0})
-    pipe = inference.load_pipeline(tiny / "model", torch.float32)
-    variant = models.detect_variant(tiny / "model")
-    got = inference.edit(pipe, variant, [], "a red circle on grey", 5, inf)
+    pipe = pipelines.load_pipeline(tiny / "model", torch.float32)
+    variant = components.detect_variant(tiny / "model")
+    got = pipelines.edit(pipe, variant, [], "a red circle on grey", 5, inf)
     assert got.size == (128, 128)
     loaded = diffusers.DiffusionPipeline.from_pretrained(tiny / "model", dtype=torch.float32)
     direct = loaded if tiny_name == "tiny_t2i" else diffusers.QwenImagePipeline(
@@ -274,5 +275,5 @@ def test_infer_without_references_renders_qwen_image_pipeline(tiny_name, request
     want = direct(prompt="a red circle on grey", negative_prompt=inf.negative_prompt, true_cfg_scale=2.0, height=128,
                   width=128, num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(5)).images[0]
     assert np.array_equal(np.asarray(got), np.asarray(want))
-    assert inference.check_request(inference.EditRequest(0, 1, [Path("a.png")], "p", 0, "x"), "t2i").startswith(
+    assert pipelines.check_request(pipelines.EditRequest(0, 1, [Path("a.png")], "p", 0, "x"), "t2i").startswith(
         "has edit_image but the t2i variant")

@@ -4,7 +4,7 @@
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
 
 What is timed is exactly what `train.loop.train` runs per micro-step: `train.loop.forward_loss` on a
-`train.loop.Batch` (a `train.conditioning.Conditioning` inside), `engine.backward(loss)` and `engine.step()`
+`train.loop.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and `engine.step()`
 on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is built from
 synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
@@ -61,9 +61,10 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import conditioning, fp8, loop, models, rope
+from train import loop
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
+from train.model import components, conditioning, fp8, rope
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 
@@ -119,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
     p.add_argument("--complex_rope", action="store_true",
                    help="the project's step with diffusers' complex rotary embedding instead of real pairs "
-                        "(train/rope.py), to measure that lever")
+                        "(train/model/rope.py), to measure that lever")
     p.add_argument("--text_mask", action="store_true",
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
@@ -244,9 +245,9 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
                      compile_blocks: bool, checkpoint_blocks: int = 0) -> None:
-    """The trainer's own preparation (train.models.prepare_for_training, as train/main.py calls it), but with
+    """The trainer's own preparation (train.model.components.prepare_for_training, as train/main.py calls it), but with
     diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
-    models.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
+    components.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
                                 checkpoint_blocks=checkpoint_blocks, real_rope=False)
 
 
@@ -674,10 +675,11 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
     baseline = run_baseline(model, b, cfg, d, dtype, args, w) if args.baseline else None
-    if not args.complex_rope:  # the trainer's rotary embedding (train.models.prepare_for_training's real_rope)
+    # the trainer's rotary embedding (train.model.components.prepare_for_training's real_rope)
+    if not args.complex_rope:
         rope.use_real_pairs(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base
-        models.check_fp8_device()
+        components.check_fp8_device()
         fp8.convert_frozen_linears(model, keep_transposed=args.fp8_transposed)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from train import bench, cache, conditioning, data, loop, make_tiny, models
+from train import bench, cache, data, loop, make_tiny
+from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- models and data
 
 
-def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> models.Encoders:
+def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> components.Encoders:
     """Qwen2.5-VL-7B and the released VAE architecture at random init, created on `device` in `dtype`."""
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -89,7 +90,7 @@ def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> models
     processor = make_tiny.build_processor(tokenizer, **VL_PIXELS)
     for module in (text_encoder, vae):
         module.requires_grad_(False).eval()
-    return models.Encoders(text_encoder, processor, vae)
+    return components.Encoders(text_encoder, processor, vae)
 
 
 def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dtype: torch.dtype):
@@ -97,7 +98,7 @@ def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dty
     num_rows, side = args.warmup + args.samples, bench.make_workload(args.area, 1, 1, 1).width
     if args.tiny:
         make_tiny.make_tiny(work, args.variant, num_samples=num_rows, size=side)
-        encoders = models.load_encoders(work / "model", dtype, device)
+        encoders = components.load_encoders(work / "model", dtype, device)
     else:
         make_tiny.make_dataset(work / "data", args.variant, num_rows, side)
         prompts = [json.loads(line)["prompt"] for line in (work / "data" / "metadata.jsonl").read_text().splitlines()]
@@ -122,7 +123,7 @@ def build_transformer(args: argparse.Namespace, work: Path, device: torch.device
     return model
 
 
-def encoder_stats(encoders: models.Encoders) -> dict:
+def encoder_stats(encoders: components.Encoders) -> dict:
     params = sum(p.numel() for m in (encoders.text_encoder, encoders.vae) for p in m.parameters())
     nbytes = sum(p.numel() * p.element_size() for m in (encoders.text_encoder, encoders.vae) for p in m.parameters())
     return {"encoder_params": params, "encoder_weights_gb": nbytes / 1e9}

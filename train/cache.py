@@ -40,12 +40,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model_parallel.plan import check_parallel
-from train import conditioning, config, data, loop, models
+from train import config, data, loop
+from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output, print0
 
 INDEX = "index.json"
-FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/images.py)
+FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py)
 PART_BYTES = 2 << 30  # a rank starts a new shard part after this many bytes of tensors
 # Model components whose files the encodings depend on; files with these suffixes are large weights and are
 # identified by name and size (reading 16 GB to hash it would take minutes), all others by content.
@@ -124,7 +125,7 @@ def dependencies(cfg: config.Config, variant: str, rows: list[data.Row], dtype: 
         "data.area": str(d.area),
         "data.condition_area": str(d.condition_area),
         "data.alpha_background": d.alpha_background,
-        "prompt template (train/conditioning.py)": _sha(templates),
+        "prompt template (train/model/conditioning.py)": _sha(templates),
         "prompt processing (data.normalize_prompts, prompt_mapping, blocked_terms, blocked_policy)": _sha(processing),
         "data rows and image files": rows_digest(d.path, rows),
         "library versions": f"diffusers {diffusers.__version__}, transformers {transformers.__version__}",
@@ -169,7 +170,7 @@ def _prepare_dir(directory: Path, d: engine.Dist) -> None:
     engine.barrier()
 
 
-def encode_share(directory: Path, dataset, encoders: models.Encoders, variant: str, d: engine.Dist,
+def encode_share(directory: Path, dataset, encoders: components.Encoders, variant: str, d: engine.Dist,
                  num_workers: int = 0) -> list[dict]:
     """Encode dataset items rank, rank + world, ... into this rank's shard parts; their index records."""
     from tqdm import tqdm
@@ -207,7 +208,7 @@ def write_index(directory: Path, records: list[dict], rows: list[data.Row], want
     tmp.replace(directory / INDEX)
 
 
-def write_cache(directory: Path, dataset, rows: list[data.Row], encoders: models.Encoders, variant: str,
+def write_cache(directory: Path, dataset, rows: list[data.Row], encoders: components.Encoders, variant: str,
                 wanted: dict[str, str], d: engine.Dist, num_workers: int = 0) -> None:
     """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last."""
     directory = Path(directory)
@@ -224,8 +225,8 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row]
     p = cfg.project
     directory = cache_dir(cfg)
     print0(f"building the cache of {len(rows)} rows in {directory} on {d.world_size} rank(s)", rank=d.rank)
-    dtype = models.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = models.load_encoders(p.model.path, dtype, d.device)
+    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device)
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders
     gc.collect()
@@ -238,7 +239,7 @@ def ensure(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row
     or always from the command), rebuilds a stale one only when `rebuild_stale` (the command), else refuses."""
     p = cfg.project
     directory = cache_dir(cfg)
-    wanted = dependencies(cfg, variant, rows, models.encoder_dtype(p.model.encoder_dtype, d.device))
+    wanted = dependencies(cfg, variant, rows, components.encoder_dtype(p.model.encoder_dtype, d.device))
     index = read_index(directory)
     if index is None and p.data.cache == "require" and not rebuild_stale:
         raise CacheError(f"qwen_edit.data.cache is \"require\" but {directory} holds no finished cache (no {INDEX}); "
@@ -350,13 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
     code = 0
     try:
-        variant = models.detect_variant(cfg.project.model.path, cfg.project.model.variant)
+        variant = components.detect_variant(cfg.project.model.path, cfg.project.model.variant)
         rows, loader = trainer.build_data(cfg, d, variant)
         before = read_index(cache_dir(cfg))
         index = ensure(cfg, d, variant, rows, loader.dataset, rebuild_stale=True)
         verb = "up to date" if index == before else "written"
         print0(f"cache {verb}: {cache_dir(cfg)} ({index['num_samples']} samples)", rank=d.rank)
-    except (data.BadRowsError, CacheError, models.ModelError) as e:
+    except (data.BadRowsError, CacheError, components.ModelError) as e:
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

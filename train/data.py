@@ -26,8 +26,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import conditioning, images, prompts, sampling
+from train import prompts, sampling
 from train.config import textfile
+from train.model import conditioning, images
 from train.runtime import engine
 from train.runtime.metrics import print0
 
@@ -313,7 +314,7 @@ def misaligned(rows: list[Row], limit: int = 10) -> list[str]:
 
 class EditDataset(torch.utils.data.Dataset):
     """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs); images are opened as a
-    viewer shows them (train/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
+    viewer shows them (train/model/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
 
     def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int,
                  background: str = images.DEFAULT_BACKGROUND):

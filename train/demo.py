@@ -60,9 +60,9 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     import torch
     from diffusers import DiffusionPipeline
 
-    from train.conditioning import pipeline_areas
     from train.config import PROJECT_KEY
-    from train.images import open_rgb
+    from train.model.conditioning import pipeline_areas
+    from train.model.images import open_rgb
     from train.validation import make_grid
 
     cfg = json.loads((workdir / "run" / "config.json").read_text())[PROJECT_KEY]
@@ -105,7 +105,7 @@ def prepare_workdir(workdir: Path, variant: str) -> None:
     (saying so), so that `--variant edit_plus` never trains a v1 model left by an earlier demo."""
     import shutil
 
-    from train.models import detect_variant
+    from train.model.components import detect_variant
 
     if not (workdir / "model" / "model_index.json").is_file():
         return

@@ -25,7 +25,8 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
-from train import config, inference, lora_io, memory, models
+from train import config
+from train.model import components, lora_io, memory, pipelines
 from train.runtime import engine, gpumon
 from train.runtime.metrics import prefix_rank_output, print0
 
@@ -57,11 +58,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
         problems.append(f"--input: {args.input!r} does not exist")
     else:
         try:
-            inference.read_requests(args.input)
+            pipelines.read_requests(args.input)
         except ValueError as e:  # a file that is not UTF-8 text
             problems.append(f"--input: {e}")
     for spec in args.lora:
-        path, weight = inference.parse_lora(spec)
+        path, weight = pipelines.parse_lora(spec)
         if not path.is_file():
             problems.append(f"--lora: {str(path)!r} is not a file (FILE[:WEIGHT], e.g. export/lora.safetensors:0.8)")
         elif not math.isfinite(weight):
@@ -81,29 +82,29 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
 
 def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist):
     """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied."""
-    variant = models.detect_variant(args.model, settings.model.variant)
+    variant = components.detect_variant(args.model, settings.model.variant)
     device = torch.device("cuda", 0) if args.placement == "split" else d.device
-    dtype = models.encoder_dtype(args.dtype, device)
+    dtype = components.encoder_dtype(args.dtype, device)
     if args.placement == "single":
         line = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), device)
         if line:
             print0(line, rank=d.rank)
-    pipe = inference.load_pipeline(args.model, dtype, variant)
-    inference.load_loras(pipe, [inference.parse_lora(spec) for spec in args.lora])
-    inference.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
+    pipe = pipelines.load_pipeline(args.model, dtype, variant)
+    pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
+    pipelines.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
     return pipe, variant
 
 
 def select_rows(args: argparse.Namespace, d: engine.Dist):
     """This rank's share: (requests to render, already done count, bad rows as (line, problem))."""
-    requests, problems = inference.read_requests(args.input, args.seed)
+    requests, problems = pipelines.read_requests(args.input, args.seed)
     bad = [(line, msg) for index, line, msg in problems if index % d.world_size == d.rank]
     mine = [q for q in requests if q.index % d.world_size == d.rank]
     todo = [q for q in mine if not output_path(args.out, q).is_file()]
     return todo, len(mine) - len(todo), bad
 
 
-def output_path(out_dir: str, request: inference.EditRequest) -> Path:
+def output_path(out_dir: str, request: pipelines.EditRequest) -> Path:
     return Path(out_dir) / f"{request.name}.png"
 
 
@@ -114,13 +115,13 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
     written, bad = 0, []
     for request in tqdm(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                         file=sys.stdout, dynamic_ncols=True):
-        problem = inference.check_request(request, variant, settings.inference.area,
+        problem = pipelines.check_request(request, variant, settings.inference.area,
                                           settings.inference.condition_area, getattr(pipe, "processor", None))
         if problem is None:
-            images = inference.open_references(request, settings.data.alpha_background)
-            image = inference.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
+            images = pipelines.open_references(request, settings.data.alpha_background)
+            image = pipelines.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
             try:
-                inference.save_png_atomic(image, output_path(args.out, request))
+                pipelines.save_png_atomic(image, output_path(args.out, request))
                 written += 1
             except OSError as e:  # a name the file system refuses (or a full disk): this row only
                 problem = f"cannot write {output_path(args.out, request)} ({e.strerror or e})"
@@ -174,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         problems += e.problems
     if not problems:
         try:
-            models.detect_variant(args.model, settings.model.variant)
-        except models.ModelError as e:
+            components.detect_variant(args.model, settings.model.variant)
+        except components.ModelError as e:
             problems.append(str(e))
     if problems:
         print0("error: " + "\n  - ".join(["invalid arguments:", *problems]), rank=rank, file=sys.stderr)

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train import conditioning, memory, objective
+from train import objective
 from train.config import Config
-from train.models import Encoders
+from train.model import conditioning, memory
+from train.model.components import Encoders
 from train.runtime import checkpoint, faults, preempt
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.metrics import Throughput, peak_memory_gb

@@ -19,8 +19,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from model_parallel.plan import check_parallel
-from train import cache, config, data, fp8, loop, lora_io, memory, models, prompts, streaming, validation
-from train.conditioning import MODEL_NAMES
+from train import cache, config, data, loop, prompts, validation
+from train.model import components, fp8, lora_io, memory, streaming
+from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, engine, gpumon, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, prefix_rank_output, print0
 
@@ -60,7 +61,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     t = p.train
     try:
-        transformer, offloader = models.load_for_training(
+        transformer, offloader = components.load_for_training(
             p.model.path, getattr(torch, cfg.precision), device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks)
     except torch.cuda.OutOfMemoryError as e:
@@ -84,7 +85,8 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[da
     if cfg.project.data.cache != "off":
         return cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
-    encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
+    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device)
     return loop.online_source(loader, encoders, variant)
 
 
@@ -132,7 +134,7 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
 
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
-    variant = models.detect_variant(p.model.path, p.model.variant)
+    variant = components.detect_variant(p.model.path, p.model.variant)
     tag, start_step, saved = resume_point(cfg, d, resume)
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
@@ -170,7 +172,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                 metrics.message(f"exported {path}")
 
         watch = preempt.Watch()
-        steps = loop.train(cfg, d, eng, source, models.scheduler_config(p.model.path), metrics, trainer_state,
+        steps = loop.train(cfg, d, eng, source, components.scheduler_config(p.model.path), metrics, trainer_state,
                            start_step, after_step=after_step, watch=watch)
     finally:
         metrics.close()
@@ -203,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2
     try:
-        models.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
-    except models.ModelError as e:
+        components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
+    except components.ModelError as e:
         print0(f"error: {e}", rank=rank, file=sys.stderr)
         return 2
     if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/

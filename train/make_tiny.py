@@ -270,7 +270,7 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from train.conditioning import PIPELINE_CLASSES
+    from train.model.conditioning import PIPELINE_CLASSES
 
     if variant not in VARIANTS:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -306,7 +306,7 @@ def write_full_size_configs(model_dir: str | Path) -> None:
     """Turn a tiny model directory into a weightless one with the released architectures' configs: the
     Qwen-Image transformer (train.bench.FULL_ARCH), Qwen2.5-VL-7B (train.bench_data's VL_TEXT / VL_VISION, with the
     tiny tokenizer's token ids) and the default VAE; the processor gets the released image limits. Loading it
-    needs QWEN_EDIT_RANDOM_INIT=1 (train.models builds each model at random init on the device): for measuring
+    needs QWEN_EDIT_RANDOM_INIT=1 (train.model.components builds each model at random init on the device): for measuring
     the real trainer on full-size shapes without 58 GB of weights."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2Tokenizer

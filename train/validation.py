@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-from train import images, inference, memory, models
 from train.config import Config
+from train.model import components, images, memory, pipelines
 from train.runtime.engine import Dist, all_gather_objects
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
@@ -97,16 +97,16 @@ def _shape_only_transformer(model_dir: str):
             QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
 
 
-def _sampling_pipeline(pipe, request: inference.EditRequest):
+def _sampling_pipeline(pipe, request: pipelines.EditRequest):
     """The pipeline that samples `request`: a request without references goes to the text-to-image one."""
-    return pipe if request.references else inference.text_to_image_pipeline(pipe)
+    return pipe if request.references else pipelines.text_to_image_pipeline(pipe)
 
 
 def _encoder_calls(pipe) -> list[str]:
     return [name for name in ENCODER_CALLS if hasattr(pipe, name)]  # QwenImagePipeline encodes no image
 
 
-def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf,
+def record_conditioning(pipe, variant: str, request: pipelines.EditRequest, inf,
                         background: str = images.DEFAULT_BACKGROUND) -> Recorded:
     """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline
     (its references opened over the alpha `background`)."""
@@ -130,8 +130,8 @@ def record_conditioning(pipe, variant: str, request: inference.EditRequest, inf,
 
     with _patched(pipe, {**{name: recording(name) for name in _encoder_calls(pipe)}, "prepare_latents": stop}):
         try:
-            references = inference.open_references(request, background)
-            inference.edit(pipe, variant, references, request.prompt, request.seed, inf)
+            references = pipelines.open_references(request, background)
+            pipelines.edit(pipe, variant, references, request.prompt, request.seed, inf)
         except _Encoded:
             return calls
     raise AssertionError("the edit pipeline never prepared its latents")
@@ -157,13 +157,13 @@ def replayed_conditioning(pipe, calls: Recorded, device: torch.device):
     assert not pending, f"{len(pending)} recorded encoder calls were not replayed"
 
 
-def encode_requests(cfg: Config, encoders: models.Encoders, rank: int, world_size: int) -> dict[int, Recorded]:
+def encode_requests(cfg: Config, encoders: components.Encoders, rank: int, world_size: int) -> dict[int, Recorded]:
     """{request index: recording} of validation.file's items rank::world_size (the share a Validator of that
     rank renders), made with `encoders` under the inference section's VAE settings."""
     p = cfg.project
-    variant = models.detect_variant(p.model.path, p.model.variant)
-    requests, _ = inference.read_requests(p.validation.file, p.train.seed)
-    pipe = inference.pipeline_from_components(p.model.path, variant, _shape_only_transformer(p.model.path), encoders)
+    variant = components.detect_variant(p.model.path, p.model.variant)
+    requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
+    pipe = pipelines.pipeline_from_components(p.model.path, variant, _shape_only_transformer(p.model.path), encoders)
     with preserved_training_state(encoders.vae, encoders.vae, p.inference.vae_tiling, p.inference.vae_slicing):
         return {q.index: record_conditioning(pipe, variant, q, p.inference, p.data.alpha_background)
                 for q in requests[rank::world_size]}
@@ -179,7 +179,8 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
     p = cfg.project
     if not p.validation.file or p.data.cache == "off":
         return None
-    encoders = models.load_encoders(p.model.path, models.encoder_dtype(p.model.encoder_dtype, d.device), d.device)
+    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device)
     recorded = encode_requests(cfg, encoders, d.rank, d.world_size)
     del encoders
     gc.collect()
@@ -191,11 +192,11 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
     return recorded
 
 
-def vae_only(cfg: Config, d: Dist) -> models.Encoders:
+def vae_only(cfg: Config, d: Dist) -> components.Encoders:
     """What replayed validation needs of the encoders: the VAE (to decode)."""
     model = cfg.project.model
-    vae = models.load_vae(model.path, models.encoder_dtype(model.encoder_dtype, d.device), d.device)
-    return models.Encoders(text_encoder=None, processor=None, vae=vae)
+    vae = components.load_vae(model.path, components.encoder_dtype(model.encoder_dtype, d.device), d.device)
+    return components.Encoders(text_encoder=None, processor=None, vae=vae)
 
 
 def _file_id(path: Path) -> list:
@@ -266,14 +267,14 @@ class Validator:
     `encoders` needs only its VAE (for decoding), and the pipeline replays the recordings instead of encoding.
     """
 
-    def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: models.Encoders | None, metrics,
+    def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
                  conditioning: dict[int, Recorded] | None = None):
         p = cfg.project
         self.cfg, self.d, self.module, self.encoders, self.metrics = cfg, d, module, encoders, metrics
         self.conditioning = conditioning
         self.inference = p.inference
-        self.variant = models.detect_variant(p.model.path, p.model.variant)
-        self.requests, problems = inference.read_requests(p.validation.file, p.train.seed)
+        self.variant = components.detect_variant(p.model.path, p.model.variant)
+        self.requests, problems = pipelines.read_requests(p.validation.file, p.train.seed)
         if problems:  # config validation checked the file already; it changed since
             raise ValueError(f"qwen_edit.validation.file: line {problems[0][1]}: {problems[0][2]}")
         self.out = Path(p.output.dir) / "validation"
@@ -284,9 +285,9 @@ class Validator:
         if self.pipe is None:
             if self.encoders is None:  # training from a latent cache: the encoders load on first use
                 model = self.cfg.project.model
-                dtype = models.encoder_dtype(model.encoder_dtype, self.d.device)
-                self.encoders = models.load_encoders(model.path, dtype, self.d.device)
-            self.pipe = inference.pipeline_from_components(self.cfg.project.model.path, self.variant, self.module,
+                dtype = components.encoder_dtype(model.encoder_dtype, self.d.device)
+                self.encoders = components.load_encoders(model.path, dtype, self.d.device)
+            self.pipe = pipelines.pipeline_from_components(self.cfg.project.model.path, self.variant, self.module,
                                                            self.encoders)
         return self.pipe
 
@@ -305,13 +306,13 @@ class Validator:
         mine = []
         share = self.requests[self.d.rank::self.d.world_size]
         # the pipeline computes on the encoders' device, in their dtype (the VAE's, which the text encoder shares)
-        hooks = inference.bridge(self.module, self.d.device, self.module.dtype, vae.device, vae.dtype)
+        hooks = pipelines.bridge(self.module, self.d.device, self.module.dtype, vae.device, vae.dtype)
         try:
             with preserved_training_state(self.module, vae, inf.vae_tiling, inf.vae_slicing):
                 for k, request in enumerate(share, 1):
                     start = time.perf_counter()
                     with self._encoded(pipe, request):
-                        image = inference.edit(pipe, self.variant, self._references(request),
+                        image = pipelines.edit(pipe, self.variant, self._references(request),
                                                request.prompt, request.seed, inf)
                     mine.append((request.index, _png(image)))
                     if label:
@@ -323,10 +324,10 @@ class Validator:
                 hook.remove()
         return _gather_on_rank0(mine, self.d)
 
-    def _references(self, request: inference.EditRequest) -> list[Image.Image]:
-        return inference.open_references(request, self.cfg.project.data.alpha_background)
+    def _references(self, request: pipelines.EditRequest) -> list[Image.Image]:
+        return pipelines.open_references(request, self.cfg.project.data.alpha_background)
 
-    def _encoded(self, pipe, request: inference.EditRequest):
+    def _encoded(self, pipe, request: pipelines.EditRequest):
         """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
         if self.conditioning is None:
             return contextlib.nullcontext()
@@ -380,7 +381,7 @@ class Validator:
         if self.d.is_main:
             self.before = rendered
             for q, image in zip(self.requests, rendered, strict=True):
-                inference.save_png_atomic(image, folder / f"{q.index:06d}.png")
+                pipelines.save_png_atomic(image, folder / f"{q.index:06d}.png")
             saved.write_text(self._fingerprint())
 
     def __call__(self, step: int) -> None:
@@ -392,12 +393,12 @@ class Validator:
             grid = make_grid(references, {"before": self.before, f"step {step}": images},
                              [q.prompt for q in self.requests])
             path = self.out / f"step_{step:06d}.png"
-            inference.save_png_atomic(grid, path)
+            pipelines.save_png_atomic(grid, path)
             self.metrics.image("validation", grid, step)
             self.metrics.message(f"validation: wrote {path}")
 
 
-def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: models.Encoders | None, metrics,
+def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
                start_step: int, conditioning: dict[int, Recorded] | None = None) -> Validator | None:
     """The validation hook for loop.train(after_step=...), its 'before' images rendered; None without a file.
 

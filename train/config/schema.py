@@ -133,13 +133,13 @@ class TrainConfig:
     """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
     fp8_base: bool = False
     """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
-    (GPUs with compute capability >= 8.9); changes the frozen model slightly (train/fp8.py)."""
+    (GPUs with compute capability >= 8.9); changes the frozen model slightly (train/model/fp8.py)."""
     fp8_transposed: bool = False
     """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
     offload_blocks: int = 0
     """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
-    of use on a side stream (train/offload.py); they must be checkpointed (gradient_checkpointing, and
+    of use on a side stream (train/model/offload.py); they must be checkpointed (gradient_checkpointing, and
     checkpoint_blocks 0 or >= N). Saves the GPU memory of their weights; costs host memory and PCIe bandwidth."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""

@@ -19,7 +19,7 @@ block's compute does not hide.
 
 The knobs it chooses, in the order that costs speed least: the fp8 base (faster and smaller; its transposed copy
 when it fits), activation checkpointing of the first N blocks, offloading the frozen weights of the first K <= N
-blocks to pinned host memory (train/offload.py), and for online encoding, training from the cache instead (the
+blocks to pinned host memory (train/model/offload.py), and for online encoding, training from the cache instead (the
 encoders then never share the GPU with training). A key set in the config is never changed. Without a GPU there
 is nothing to plan: the config runs as written.
 """
@@ -213,7 +213,7 @@ def settings(c: Choice, num_blocks: int) -> dict:
 def count_sizes(model_dir: str | Path, target_modules: list[str], rank: int, encoder_bytes: int = 0,
                 full: bool = False) -> Sizes:
     """Sizes of the transformer of `model_dir`, counted on the meta device (nothing is allocated)."""
-    from train import fp8, streaming
+    from train.model import fp8, streaming
 
     model = streaming.empty_transformer(Path(model_dir) / "transformer")
     block = model.transformer_blocks[0]
@@ -357,14 +357,14 @@ def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torc
             fp8_base: bool, compile_blocks: bool) -> Measured:
     """A, S, T and block times at workload `w` from a one- and a two-block transformer, each run plain and
     checkpointed (see the module docstring). Seconds, plus compilation."""
-    from train import models
+    from train.model import components
 
     model_dir = Path(model_dir)
     runs = {}
     for layers in (1, 2):
         for checkpointed in (False, True):
             model = _mini_transformer(model_dir, layers, dtype, device)
-            models.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base)
+            components.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base)
             model.train()
             runs[layers, checkpointed] = _run(model, _inputs(model, w, dtype, device), device)
             del model
@@ -482,9 +482,9 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
 def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> Measured:
     """Add the encoders' transient while encoding online: the VAE encoding the largest target at its size (the
     peak of the two; the VL model's activations for a few thousand tokens without gradients are far smaller)."""
-    from train import models
+    from train.model import components
 
-    vae = models.load_vae(p.model.path, torch.bfloat16, device)
+    vae = components.load_vae(p.model.path, torch.bfloat16, device)
     h, w = work.target_hw
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)

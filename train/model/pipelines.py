@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import torch
 from PIL import Image
 
-from train import conditioning, images, models
 from train.config import InferenceConfig, textfile
+from train.model import components, conditioning, images
 
 # --- requests: the jsonl rows of train.infer and of validation.file ----------------------------------------------
 
@@ -137,7 +137,7 @@ def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024, c
 
 
 def open_references(request: EditRequest, background: str = images.DEFAULT_BACKGROUND) -> list[Image.Image]:
-    """The request's references as a viewer shows them (train/images.py: EXIF orientation, alpha over
+    """The request's references as a viewer shows them (train/model/images.py: EXIF orientation, alpha over
     `background`, 16-bit scaled), as the training data is opened."""
     return [images.open_rgb(ref, background) for ref in request.references]
 
@@ -153,13 +153,13 @@ def _pipeline_class(variant: str):
 
 def load_pipeline(model_dir: str | Path, dtype: torch.dtype, variant: str = "auto"):
     """The variant's pipeline from a local diffusers directory (on the CPU; see `place`)."""
-    variant = models.detect_variant(model_dir, variant)
+    variant = components.detect_variant(model_dir, variant)
     pipe = _pipeline_class(variant).from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def pipeline_from_components(model_dir: str | Path, variant: str, transformer, encoders: models.Encoders):
+def pipeline_from_components(model_dir: str | Path, variant: str, transformer, encoders: components.Encoders):
     """A pipeline around modules that are already loaded (a training run's live transformer and encoders).
 
     Nothing is moved or copied: the pipeline computes on the encoders' device, and `bridge` adapts the

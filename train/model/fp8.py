@@ -120,7 +120,7 @@ def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool |
     returns how many were converted. Call after LoRA is added. keep_transposed: also store each token linear's
     weight transposed for the backward (train.fp8_transposed: twice the fp8 weight memory, no transpose per step);
     a function of the linear's name decides per linear. quantized: {linear name: (e4m3 weight, scale)} already
-    made (by train.streaming), for linears whose weight is only a placeholder."""
+    made (by train.model.streaming), for linears whose weight is only a placeholder."""
     quantized = quantized or {}
     transposed = keep_transposed if callable(keep_transposed) else (lambda name: keep_transposed)
     targets = []

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from train import conditioning, fp8, rope
 from train.config import LoraConfig, ModelConfig
+from train.model import conditioning, fp8, rope
 
 
 class ModelError(ValueError):
@@ -203,9 +203,9 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          fp8_transposed: bool = False, real_rope: bool = True,
                          quantized: dict | None = None, offload: set[int] | None = None):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
-    activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/rope.py; the
+    activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
-    offload: indices of blocks whose frozen weights live in pinned host memory (train/offload.py); they must be
+    offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
     among the checkpointed ones. Returns the BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
@@ -219,7 +219,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
         transformer.requires_grad_(True)
     offloader = None
     if offload:
-        from train.offload import BlockOffloader
+        from train.model.offload import BlockOffloader
 
         blocks = transformer.transformer_blocks
         offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer))
@@ -247,9 +247,9 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
                       lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
                       checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
-    (train/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
+    (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded."""
-    from train import streaming
+    from train.model import streaming
 
     placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)))
     if fp8_base:

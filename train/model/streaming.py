@@ -5,7 +5,7 @@ can happen, and converting it to fp8 afterwards briefly holds both copies. Here 
 storage (accelerate's `init_empty_weights`, what diffusers' own low-memory loading uses), then each tensor of the
 safetensors shards is read alone (safetensors maps the file; one tensor is in host memory at a time) and put where
 training keeps it: the GPU in the model dtype; the GPU in float8 (quantised there, `train.fp8_base`), its bf16 copy
-freed at once; or host memory for the large frozen tensors of blocks that train.offload keeps in pinned host
+freed at once; or host memory for the large frozen tensors of blocks that train.model.offload keeps in pinned host
 memory. GPU memory therefore never rises above the final footprint plus one tensor, and host memory stays about
 one tensor above what is kept there.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from train import fp8
-from train.offload import moves, placeholder
+from train.model import fp8
+from train.model.offload import moves, placeholder
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"  # diffusers' names for a model's weights (one file or shards)
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"

@@ -1,0 +1,1 @@
+"""The model room of train/ (see README "Layout")."""
