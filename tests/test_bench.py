@@ -5,6 +5,7 @@ Timings are printed by the benchmark, never asserted here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,10 +29,14 @@ IMAGE_TOKENS, TEXT_TOKENS = 2 * 4096, 256
 
 
 def test_cpu_smoke_reports_every_field(tmp_path):
-    """`python -m train.bench --tiny --baseline` runs the real step on CPU and writes a complete JSON line."""
+    """`python -m train.bench --tiny --baseline` runs the real step on CPU and writes a complete JSON line; with the
+    bench extra installed, also the peer's bf16 eager step (`--peer diffsynth`) and its ratio."""
     out = tmp_path / "bench.jsonl"
     cmd = [sys.executable, "-m", "train.bench", "--tiny", "--steps", "2", "--warmup", "1", "--baseline",
            "--json", str(out)]
+    with_peer = importlib.util.find_spec("diffsynth") is not None and importlib.util.find_spec("einops") is not None
+    if with_peer:
+        cmd += ["--peer", "diffsynth", "--peer_variants", "bf16:eager"]
     # One thread: the CI machine's cores are shared, and spinning OpenMP threads slow the tiny step ~50x there.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -48,7 +53,12 @@ def test_cpu_smoke_reports_every_field(tmp_path):
     assert record["tokens_per_sample"] == record["target_tokens"] + record["reference_tokens"] + record["text_tokens"]
     # Both loops start from the same LoRA weights and draw the same noise: in fp32 their loss curves agree
     assert len(record["losses"]) == len(record["baseline_losses"]) == 3
-    assert record["loss_max_rel_diff"] < 1e-5
+    assert record["loss_max_rel_diff"] < 1e-5 and record["loss_within_tolerance"] is True
+    if with_peer:
+        (row,) = record["peer_rows"]
+        assert row["variant"] == "bf16:eager" and "error" not in row, row
+        assert row["s_per_step"] > 0 and len(row["losses"]) == 3 and record["peer_ratio"] > 0
+        assert row["trainable_params"] == record["trainable_params"] and "peer ratio" in proc.stdout
 
 
 @pytest.fixture(scope="module")

@@ -62,9 +62,10 @@ import torch
 import torch.distributed as dist
 
 from train import loop
+from train.benchmarks import fp8_impls, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
-from train.model import components, conditioning, fp8, rope
+from train.model import components, conditioning, rope
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 
@@ -118,6 +119,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "stays bf16, so --baseline compares the curves)")
     p.add_argument("--fp8_transposed", action="store_true",
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
+    p.add_argument("--fp8_impl", choices=fp8_impls.IMPLS, default="ours",
+                   help="with --fp8_base: train/fp8.py (ours, default) or torchao's float8 training linear "
+                        "(torchao_training) or fp8 inference linears (torchao_inference); "
+                        "train/benchmarks/fp8_impls.py says what each does")
+    p.add_argument("--peer", choices=("diffsynth",),
+                   help="also time DiffSynth-Studio's QwenImageDiT on the same workload, driven as its trainer "
+                        "drives it (train/benchmarks/peer.py; needs the bench extra), before the project's step")
+    p.add_argument("--peer_variants", default=",".join(peer.DEFAULT_VARIANTS),
+                   help="comma-separated BASE:MODE, BASE bf16 or a DiffSynth quantisation method, MODE eager, "
+                        f"compile or compile_dynamic (default {','.join(peer.DEFAULT_VARIANTS)})")
     p.add_argument("--complex_rope", action="store_true",
                    help="the project's step with diffusers' complex rotary embedding instead of real pairs "
                         "(train/model/rope.py), to measure that lever")
@@ -129,6 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--baseline", action="store_true", help="also time a plain PyTorch LoRA loop, print the ratio")
+    p.add_argument("--loss_tolerance", type=float, default=1e-3,
+                   help="with --baseline: largest relative loss difference per step accepted between the two "
+                        "loops' curves (default 1e-3)")
     p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS, help="peak per GPU for MFU (default 989)")
     p.add_argument("--json", help="append the result as one JSON line to this file (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -157,6 +171,18 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_transposed applies with --fp8_base")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
+    if args.fp8_impl != "ours" and not args.fp8_base:
+        parser.error("--fp8_impl applies with --fp8_base")
+    if args.fp8_transposed and args.fp8_impl != "ours":
+        parser.error("--fp8_transposed is train/fp8.py's stored transposed copy; use it with --fp8_impl ours")
+    if args.peer:
+        if args.mode != "lora" or args.micro_batch != 1 or args.checkpoint_blocks:
+            parser.error("--peer trains LoRA at micro-batch 1, every block checkpointed or none (as its trainer); "
+                         "drop --mode full, --micro_batch and --checkpoint_blocks")
+        try:
+            peer.parse_variants(args.peer_variants)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 @dataclass(frozen=True)
@@ -560,6 +586,37 @@ def run_baseline(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.D
         reset_peak_memory(b.x0.device)
 
 
+def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch.dtype) -> list[dict]:
+    """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py);
+    every rank times its own copy, as the baseline."""
+    def time_step(step: Callable[[int], torch.Tensor]) -> dict:
+        phase = time_steps(step, args.warmup, args.steps, d.device)
+        return {"s_per_step": phase.s_per_step, "peak_memory_gb": phase.peak_memory_gb, "losses": phase.losses}
+
+    def free() -> None:
+        torch._dynamo.reset()  # the peer's compiled graphs must not count toward the project's recompile limit
+        reset_peak_memory(d.device)
+
+    num_layers = len(build_model(args, torch.device("meta"), dtype).transformer_blocks)
+    return peer.run_variants(
+        peer.parse_variants(args.peer_variants), time_step, free, num_layers=num_layers, latent_hw=w.latent_hw,
+        refs=w.refs, text_tokens=w.text_tokens, targets=lora_targets(args.lora_targets), rank=args.lora_rank,
+        device=d.device, dtype=dtype, seed=SEED, zero_cond_t=args.zero_cond_t,
+        checkpointing=args.checkpointing == "full", dims=peer.TINY if args.tiny else peer.FULL)
+
+
+def add_peer(record: dict, rows: list[dict], flops_per_gpu: float, peak_tflops: float) -> None:
+    """The peer's rows (with MFU by the same FLOP count) and the ratio of its fastest to the project's step."""
+    timed = [r for r in rows if "error" not in r]
+    for r in timed:
+        r["mfu"] = mfu(flops_per_gpu, r["s_per_step"], 1, peak_tflops)
+    record.update(peer="diffsynth", peer_version=peer.version(), peer_rows=rows, peer_not_measured=peer.UNAVAILABLE)
+    if timed:
+        fastest = min(timed, key=lambda r: r["s_per_step"])
+        record.update(peer_fastest=fastest["variant"], peer_fastest_s_per_step=fastest["s_per_step"],
+                      peer_ratio=fastest["s_per_step"] / record["s_per_step"])
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -597,6 +654,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
         "zero_cond_t": args.zero_cond_t,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
+        "fp8_impl": args.fp8_impl if args.fp8_base else None,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
@@ -606,7 +664,9 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         record.update(baseline_s_per_step=baseline.s_per_step, baseline_samples_per_s=w.micro_batch * world
                       / baseline.s_per_step, baseline_mfu=mfu(flops, baseline.s_per_step, world, args.peak_tflops),
                       baseline_peak_memory_gb=baseline.peak_memory_gb, ratio=baseline.s_per_step / project.s_per_step,
-                      baseline_losses=baseline.losses, loss_max_rel_diff=max_rel_diff(project.losses, baseline.losses))
+                      baseline_losses=baseline.losses, loss_max_rel_diff=max_rel_diff(project.losses, baseline.losses),
+                      loss_tolerance=args.loss_tolerance)
+        record["loss_within_tolerance"] = record["loss_max_rel_diff"] <= args.loss_tolerance
     return record
 
 
@@ -635,7 +695,8 @@ def format_report(r: dict) -> str:
         f"{r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
-        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} (transposed copy {r['fp8_transposed']}), "
+        f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} ({r['fp8_impl'] or '-'}, transposed copy "
+        f"{r['fp8_transposed']}), "
         f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
@@ -651,11 +712,31 @@ def format_report(r: dict) -> str:
                   f"{r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + peft LoRA, AdamW)",
                   f"ratio       baseline / project = {r['ratio']:.3f} (> 1: the project's step is faster)",
                   f"losses      same seeds, {len(r['losses'])} steps each: largest relative difference "
-                  f"{r['loss_max_rel_diff']:.2e}"]
+                  f"{r['loss_max_rel_diff']:.2e}, tolerance {r['loss_tolerance']:.1e}: "
+                  + ("within" if r["loss_within_tolerance"] else "OUTSIDE THE TOLERANCE")]
+    if "peer_rows" in r:
+        lines += peer_report(r)
     if r["device_type"] != "cuda":
         lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
                      "meaningful here; this mode checks that the benchmark runs")
     return "\n".join(lines)
+
+
+def peer_report(r: dict) -> list[str]:
+    """The peer's rows and its ratio, for format_report."""
+    lines = [f"peer        DiffSynth-Studio {r['peer_version']} QwenImageDiT driven as its trainer drives it "
+             "(train/benchmarks/peer.py), micro-batch 1, same workload:"]
+    for row in r["peer_rows"]:
+        if "error" in row:
+            lines.append(f"  {row['variant']:28s} not measured: {row['error']}")
+        else:
+            lines.append(f"  {row['variant']:28s} {row['s_per_step']:.4f} s/step, MFU {100 * row['mfu']:.2f}%, peak "
+                         f"{row['peak_memory_gb']:.2f} GB")
+    lines.append(f"  {'':28s} not measured: {r['peer_not_measured']}")
+    if "peer_ratio" in r:
+        lines.append(f"peer ratio  peer's fastest ({r['peer_fastest']}) / project = {r['peer_ratio']:.3f} "
+                     "(> 1: the project's step is faster)")
+    return lines
 
 
 # ---------------------------------------------------------------- entry
@@ -665,6 +746,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     """Build the model and batch, time the baseline (if asked) and the project's step; the result record."""
     dtype = torch.bfloat16 if d.device.type == "cuda" and not args.tiny else torch.float32
     w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
+    peer_rows = run_peer(args, w, d, dtype) if args.peer else None  # first: its memory is gone before ours is built
     model = build_model(args, d.device, dtype)
     flops_per_gpu = step_flops(model, w.image_tokens, w.text_tokens, args.mode, w.micro_batch)
     model_info = {"model": "tiny" if args.tiny else "full architecture", "num_layers": len(model.transformer_blocks),
@@ -680,10 +762,13 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
         rope.use_real_pairs(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base
         components.check_fp8_device()
-        fp8.convert_frozen_linears(model, keep_transposed=args.fp8_transposed)
+        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
-    return make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
+    record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
+    if peer_rows is not None:
+        add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:

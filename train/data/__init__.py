@@ -1,1 +1,0 @@
-"""The data room of train/ (see README "Layout")."""
