@@ -81,8 +81,8 @@ def run_upstream_stage(cfg: Config, dp: Dist, eng, stage: DecoderStage, source, 
         for micro in range(gas):
             b = source.next_batch()
             if stage.is_first:
-                generator = loop.micro_batch_generator(t.seed, step, micro, cfg, dp, dp.device)
-                kwargs, _, _ = loop.noisy_inputs(b, cfg, generator, scheduler_cfg, dtype)
+                generator = loop.micro_batch_generator(t.seed, step, micro, gas, dp, dp.device)
+                kwargs, _, _ = loop.noisy_inputs(b, t, generator, scheduler_cfg, dtype)
             else:
                 kwargs = {"encoder_hidden_states_mask": b.cond.prompt_mask,
                           "img_shapes": conditioning.img_shapes(b.target_hw, b.cond.reference_shapes,
@@ -96,7 +96,7 @@ def run_upstream_stage(cfg: Config, dp: Dist, eng, stage: DecoderStage, source, 
             eng.backward(surrogate, scale_wrt_gas=False)  # d(surrogate)/d(theta) = g . d(output)/d(theta)
             eng.step()
         step += 1
-        if loop.should_save(step, cfg):
+        if loop.should_save(step, out, t.max_steps):
             checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
     checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
     return step

@@ -79,4 +79,5 @@ def decoder_hook(cfg: Config, d: Dist, module: torch.nn.Module, metrics, start_s
     """loop.train's after_step hook on the decoder stage, its 'before' images rendered; None without a file."""
     if conditioning is None:
         return None
-    return validation.build_hook(cfg, d, module, validation.vae_only(cfg, d), metrics, start_step, conditioning)
+    vae = validation.vae_only(cfg.project.model, d)
+    return validation.build_hook(cfg, d, module, vae, metrics, start_step, conditioning)

@@ -274,9 +274,9 @@ def test_text_to_image_template_and_limits_are_qwen_image_pipelines(tiny_t2i):
 
 
 def _tiny_train_config():
-    from train.config import Config, ProjectConfig
+    from train.config import TrainConfig
 
-    return Config(ProjectConfig(), deepspeed={"gradient_accumulation_steps": 1})
+    return TrainConfig()
 
 
 def test_templates_and_drop_index_match_pipelines(edit_pipe, edit_plus_pipe):

@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from train import validation
-from train.config import Config, ProjectConfig
+from train.config import Config, ProjectConfig, ValidationConfig
 
 TINY_INFERENCE = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
 
@@ -71,13 +71,12 @@ def test_validation_grids_and_unchanged_training(tiny_edit, tmp_path):
 
 
 def test_should_validate():
-    cfg = Config(ProjectConfig(), deepspeed={})
-    cfg.project.train.max_steps = 10
-    assert not any(validation.should_validate(s, cfg) for s in range(1, 11))  # no file: off
-    cfg.project.validation.file = "v.jsonl"
-    assert [s for s in range(1, 11) if validation.should_validate(s, cfg)] == [10]
-    cfg.project.validation.every_steps = 4
-    assert [s for s in range(1, 11) if validation.should_validate(s, cfg)] == [4, 8, 10]
+    v = ValidationConfig()
+    assert not any(validation.should_validate(s, v, 10) for s in range(1, 11))  # no file: off
+    v.file = "v.jsonl"
+    assert [s for s in range(1, 11) if validation.should_validate(s, v, 10)] == [10]
+    v.every_steps = 4
+    assert [s for s in range(1, 11) if validation.should_validate(s, v, 10)] == [4, 8, 10]
 
 
 def test_preserved_training_state_restores_everything():

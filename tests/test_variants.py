@@ -184,8 +184,8 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     got = cache.to_batch(cache.collate([cached[0]]), torch.device("cpu"))
     assert len(got.cond.reference_shapes) == num_refs
     assert got.cond.reference_tokens.shape[1] == sum(h * w for _, h, w in got.cond.reference_shapes)
-    losses = [loop.forward_loss(transformer, b, cfg, torch.Generator().manual_seed(5), scheduler, torch.float32)
-              for b in (online, got)]
+    losses = [loop.forward_loss(transformer, b, cfg.project.train, torch.Generator().manual_seed(5), scheduler,
+                                torch.float32) for b in (online, got)]
     assert torch.equal(losses[0], losses[1])
 
 

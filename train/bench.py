@@ -516,10 +516,12 @@ def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.d
     """One micro-step as train.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
     from torch.profiler import record_function
 
+    t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
+
     def step(i: int) -> torch.Tensor:
         with record_function(PHASES[0]):
-            generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
-            loss = loop.forward_loss(eng, b, cfg, generator, SCHEDULER_CONFIG, dtype)
+            generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
+            loss = loop.forward_loss(eng, b, t, generator, SCHEDULER_CONFIG, dtype)
         with record_function(PHASES[1]):
             eng.backward(loss)
         with record_function(PHASES[2]):
@@ -548,10 +550,12 @@ def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimi
                   d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
     """Plain PyTorch: the same loss (same noise and timesteps per step as the project's step) on the bare
     model under bf16 autocast, loss.backward(), AdamW step, zero_grad."""
+    t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
+
     def step(i: int) -> torch.Tensor:
-        generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
+        generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss = loop.forward_loss(model, b, cfg, generator, SCHEDULER_CONFIG, dtype)
+            loss = loop.forward_loss(model, b, t, generator, SCHEDULER_CONFIG, dtype)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -151,10 +151,11 @@ def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Name
     cfg = bench.make_config(defaults, d.world_size, d.device.type == "cuda", dtype)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     eng.train()
+    t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
 
     def step(b: loop.Batch, i: int) -> None:
-        generator = loop.micro_batch_generator(cfg.project.train.seed, i, 0, cfg, d, d.device)
-        eng.backward(loop.forward_loss(eng, b, cfg, generator, make_tiny.SCHEDULER_CONFIG, dtype))
+        generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
+        eng.backward(loop.forward_loss(eng, b, t, generator, make_tiny.SCHEDULER_CONFIG, dtype))
         eng.step()
         bench._sync(d.device)
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from train import objective
-from train.config import Config
+from train.config import Config, OutputConfig, TrainConfig
 from train.model import conditioning, memory
 from train.model.components import Encoders
 from train.runtime import checkpoint, faults, preempt
@@ -88,10 +88,9 @@ def online_source(loader, encoders: Encoders, variant: str) -> LoaderSource:
     return LoaderSource(loader, encode, encoders)
 
 
-def noisy_inputs(b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype):
+def noisy_inputs(b: Batch, t: TrainConfig, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype):
     """(transformer kwargs, noise, sigmas) of one micro-batch; the draws from `generator` are in a fixed order,
     so any stage that holds the batch and the generator rebuilds the same inputs (model_parallel's cut)."""
-    t = cfg.project.train
     batch_size, num_tokens = b.x0.shape[:2]
     shift = t.shift or objective.dynamic_shift(num_tokens, scheduler_cfg)
     sigmas = objective.sample_sigmas(batch_size, t.timestep_density, generator, shift, t.logit_mean, t.logit_std)
@@ -108,39 +107,41 @@ def noisy_inputs(b: Batch, cfg: Config, generator: torch.Generator, scheduler_cf
     return kwargs, noise, sigmas
 
 
-def forward_loss(model, b: Batch, cfg: Config, generator: torch.Generator, scheduler_cfg: dict,
+def forward_loss(model, b: Batch, t: TrainConfig, generator: torch.Generator, scheduler_cfg: dict,
                  dtype: torch.dtype) -> torch.Tensor:
     """Flow-matching loss of one micro-batch through `model` (the engine or the bare transformer)."""
-    kwargs, noise, sigmas = noisy_inputs(b, cfg, generator, scheduler_cfg, dtype)
+    kwargs, noise, sigmas = noisy_inputs(b, t, generator, scheduler_cfg, dtype)
     pred = model(**kwargs)[0]
-    weights = objective.loss_weights(sigmas, cfg.project.train.loss_weighting)
+    weights = objective.loss_weights(sigmas, t.loss_weighting)
     return objective.flow_loss(pred, objective.velocity_target(b.x0, noise), weights)
 
 
-def micro_batch_generator(seed: int, step: int, micro_step: int, cfg: Config, d: Dist, device) -> torch.Generator:
-    """Noise and timesteps for one micro-batch, seeded by its global slot (step, accumulation index, rank).
+def micro_batch_generator(seed: int, step: int, micro_step: int, gas: int, d: Dist, device) -> torch.Generator:
+    """Noise and timesteps for one micro-batch, seeded by its global slot (step, accumulation index `micro_step`
+    of the `gas` gradient-accumulation steps, rank).
 
     Slot k of optimizer step n is the same sample position whether it runs as rank k of a data-parallel
     world or as accumulation step k of one process, so 2 ranks x GAS 1 and 1 rank x GAS 2 draw the same
     noise for the same samples, and a resumed run needs no generator state.
     """
-    slot = (step * cfg.deepspeed["gradient_accumulation_steps"] + micro_step) * d.world_size + d.rank
+    slot = (step * gas + micro_step) * d.world_size + d.rank
     return torch.Generator(device).manual_seed(seed * 1_000_003 + slot)
 
 
-def should_log(step: int, cfg: Config) -> bool:
-    return step % cfg.project.output.log_every_steps == 0 or step == cfg.project.train.max_steps
+def should_log(step: int, out: OutputConfig, max_steps: int) -> bool:
+    return step % out.log_every_steps == 0 or step == max_steps
 
 
-def should_save(step: int, cfg: Config) -> bool:
-    every = cfg.project.output.save_every_steps
-    return bool(every) and step % every == 0 and step != cfg.project.train.max_steps
+def should_save(step: int, out: OutputConfig, max_steps: int) -> bool:
+    """An intermediate checkpoint (output.save_every_steps); the last step always gets the final save."""
+    every = out.save_every_steps
+    return bool(every) and step % every == 0 and step != max_steps
 
 
-def should_export(step: int, cfg: Config) -> bool:
+def should_export(step: int, out: OutputConfig, max_steps: int) -> bool:
     """An intermediate export (output.export_every_steps); the last step always gets the final export."""
-    every = cfg.project.output.export_every_steps
-    return bool(every) and step % every == 0 and step != cfg.project.train.max_steps
+    every = out.export_every_steps
+    return bool(every) and step % every == 0 and step != max_steps
 
 
 def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
@@ -151,12 +152,12 @@ def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
     return value.item()  # sync point: only at log cadence
 
 
-def oom_message(step: int, b: Batch, cfg: Config) -> str:
+def oom_message(step: int, b: Batch, mode: str) -> str:
     h, w = b.target_hw
     return (
         f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w * 8}x{h * 8} px "
         f"({b.x0.shape[1]} tokens) + {b.cond.reference_tokens.shape[1]} reference tokens, mode "
-        f"{cfg.project.train.mode}. {memory.oom_advice('step', b.x0.shape[0])}"
+        f"{mode}. {memory.oom_advice('step', b.x0.shape[0])}"
     )
 
 
@@ -191,14 +192,14 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
         source.start_epoch(epoch, taken)
         taken = 0
         for batch in source:
-            generator = micro_batch_generator(t.seed, step, micro, cfg, d, d.device)
+            generator = micro_batch_generator(t.seed, step, micro, gas, d, d.device)
             try:
                 faults.maybe_oom(step + 1)
-                loss = faults.maybe_poison_loss(forward_loss(engine, batch, cfg, generator, scheduler_cfg, dtype),
+                loss = faults.maybe_poison_loss(forward_loss(engine, batch, t, generator, scheduler_cfg, dtype),
                                                 step + 1)
                 engine.backward(loss)
             except torch.cuda.OutOfMemoryError as e:
-                raise memory.OutOfMemory(oom_message(step, batch, cfg)) from e
+                raise memory.OutOfMemory(oom_message(step, batch, t.mode)) from e
             engine.step()
             step_loss += loss.detach() / gas
             micro += 1
@@ -222,7 +223,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
                         "qwen_edit.train.max_nonfinite_steps"
                     )
             step_loss.zero_()
-            if should_log(step, cfg) and window_steps:
+            if should_log(step, out, t.max_steps) and window_steps:
                 elapsed = speed.elapsed()
                 record = {"step": step, "epoch": epoch, "variant": trainer_state["variant"],
                           "loss": _mean_over_ranks(window_loss / window_steps, d.group),
@@ -232,10 +233,10 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
                 metrics.log(record)
                 window_loss.zero_()
                 window_steps, last_logged = 0, step
-            if should_save(step, cfg):
+            if should_save(step, out, t.max_steps):
                 checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
             if watch is not None and watch.requested(d.device, d.group):
-                if not should_save(step, cfg):
+                if not should_save(step, out, t.max_steps):
                     checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
                 raise preempt.Preempted(step)
             if after_step is not None:

@@ -160,13 +160,14 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
                else NullMetrics())
     try:
-        encoders = getattr(source, "encoders", None) if conditioning is None else validation.vae_only(cfg, d)
+        encoders = getattr(source, "encoders", None) if conditioning is None else validation.vae_only(p.model, d)
         hook = validation.build_hook(cfg, d, eng.module, encoders, metrics, start_step, conditioning)
 
         def after_step(step: int) -> None:
             if hook is not None:
                 hook(step)
-            if d.is_main and loop.should_export(step, cfg):  # ZeRO-1/2 keep whole weights on every rank
+            # rank 0 alone exports: ZeRO-1/2 keep whole weights on every rank
+            if d.is_main and loop.should_export(step, p.output, p.train.max_steps):
                 path = export_weights(cfg, eng.module, Path(p.output.dir) / "export" / f"step_{step:06d}", variant,
                                       step)
                 metrics.message(f"exported {path}")

@@ -30,16 +30,16 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-from train.config import Config
+from train.config import Config, ModelConfig, ValidationConfig
 from train.model import components, images, memory, pipelines
 from train.runtime.engine import Dist, all_gather_objects
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
 
-def should_validate(step: int, cfg: Config) -> bool:
-    every = cfg.project.validation.every_steps
-    return bool(cfg.project.validation.file) and ((every and step % every == 0) or step == cfg.project.train.max_steps)
+def should_validate(step: int, v: ValidationConfig, max_steps: int) -> bool:
+    every = v.every_steps
+    return bool(v.file) and ((every and step % every == 0) or step == max_steps)
 
 
 @contextlib.contextmanager
@@ -192,9 +192,8 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
     return recorded
 
 
-def vae_only(cfg: Config, d: Dist) -> components.Encoders:
+def vae_only(model: ModelConfig, d: Dist) -> components.Encoders:
     """What replayed validation needs of the encoders: the VAE (to decode)."""
-    model = cfg.project.model
     vae = components.load_vae(model.path, components.encoder_dtype(model.encoder_dtype, d.device), d.device)
     return components.Encoders(text_encoder=None, processor=None, vae=vae)
 
@@ -385,7 +384,7 @@ class Validator:
             saved.write_text(self._fingerprint())
 
     def __call__(self, step: int) -> None:
-        if not should_validate(step, self.cfg):
+        if not should_validate(step, self.cfg.project.validation, self.cfg.project.train.max_steps):
             return
         images = self.render()
         if self.d.is_main:
