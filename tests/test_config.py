@@ -106,6 +106,11 @@ def q(key: str) -> str:
     return f"{PROJECT_KEY}.{key}"
 
 
+def help_of(key: str) -> str:
+    """How a problem with project field `key` ends: its docstring on one line (pydantic's field description)."""
+    return ". Help: " + " ".join(field_docs()[key].split())
+
+
 # --- the fixture itself -------------------------------------------------------------------------------------------
 
 
@@ -206,21 +211,50 @@ def test_unknown_top_level_key(setup):
     ("lora.alpha", False, "expected float, got false"),
     ("data.pin_memory", 1, "expected bool, got 1"),
     ("model.path", 5, "expected str, got 5"),
-    ("lora.target_modules", "attn.to_q", 'expected list, got "attn.to_q"'),
-    ("lora.target_modules", ["attn.to_q", 3], 'expected list, got ["attn.to_q", 3]'),
+    ("lora.target_modules", "attn.to_q", 'expected list[str], got "attn.to_q"'),
+    ("lora.target_modules", ["attn.to_q", 3], 'expected list[str], got ["attn.to_q", 3]'),
+    ("parallel.decoder_cuts", ["30"], 'expected list[int], got ["30"]'),
+    ("data.category_weights", {"faces": "2"}, 'expected dict[str, float], got {"faces": "2"}'),
+    ("train.mode", 1, "expected str, got 1"),
 ])
 def test_wrong_type(setup, key, value, want):
-    """A value of the wrong JSON type names the key, the expected type, the value and the fix (listed first)."""
+    """A value of the wrong JSON type names the key, the expected type, the value, the fix and the field's help
+    (listed first): pydantic converts nothing between JSON types."""
     msg = setup.set(q(key), value).problems()[0]
-    assert msg == f"{q(key)}: {want}; fix its type in the JSON"
+    assert msg == f"{q(key)}: {want}; fix its type in the JSON{help_of(key)}"
+
+
+def test_unknown_key_near_miss_by_spelling(setup):
+    """The suggestion comes from the spelling (difflib), not only from a shared prefix."""
+    msg = setup.set(q("data.pth"), "x").problem()
+    assert msg.startswith(q("data.pth") + ": unknown key (did you mean 'path'?)")
+
+
+def test_every_bad_key_of_a_section_is_listed_and_the_rest_still_checked(setup):
+    """pydantic's errors become one problem per key (two wrong items of one list: one problem); each bad key's
+    default stands in, so the section's other values still go through the range checks, in the same error."""
+    (setup.set(q("lora.rank"), "8").set(q("lora.target_modules"), ["attn.to_q", 3, 4]).set(q("lora.dropout"), 1.0)
+     .set(q("lora.rnk"), 8).set(q("memory"), 3))
+    problems = setup.problems()
+    assert [p.split(":")[0] for p in problems] == [
+        q("lora.rank"), q("lora.target_modules"), q("lora.rnk"), q("memory"), q("lora.dropout")], problems
+    assert problems[-1] == f"{q('lora.dropout')}: must be in [0, 1), got 1.0"
+
+
+def test_project_section_is_typed_by_pydantic():
+    """The sections are pydantic dataclasses: the field help is pydantic's description, read from the docstring."""
+    from train.config import LoraConfig
+
+    assert LoraConfig.__pydantic_fields__["rank"].description == field_docs()["lora.rank"] == "LoRA rank r."
 
 
 @pytest.mark.parametrize("key, value", [("lora.alpha", 16), ("lora.dropout", 0)])
 def test_int_accepted_for_float(setup, key, value):
-    """JSON integers are accepted where a float is expected."""
+    """JSON integers are accepted where a float is expected (and held as a float)."""
     config = setup.set(q(key), value).load()
     section, name = key.split(".")
-    assert getattr(getattr(config.project, section), name) == value
+    got = getattr(getattr(config.project, section), name)
+    assert got == value and isinstance(got, float)
 
 
 @pytest.mark.parametrize("key, value, choices", [
@@ -233,16 +267,16 @@ def test_int_accepted_for_float(setup, key, value):
     ("parallel.mode", "zero3", "zero2, model_parallel"),
 ])
 def test_value_not_in_choices(setup, key, value, choices):
-    """A string outside a field's choices names the key, the value and every allowed value."""
+    """A string outside a field's choices names the key, the value, every allowed value and the field's help."""
     msg = setup.set(q(key), value).problem()
-    assert msg == f"{q(key)}: {value!r} is not one of {choices}"
+    assert msg == f"{q(key)}: {value!r} is not one of {choices}{help_of(key)}"
 
 
 # --- project section: value checks --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("key, value", [
-    ("lora.rank", 0), ("lora.rank", -4), ("lora.alpha", 0), ("lora.alpha", -1.5),
+    ("lora.rank", 0), ("lora.rank", -4), ("lora.alpha", 0.0), ("lora.alpha", -1.5),
     ("train.max_steps", 0), ("output.log_every_steps", 0),
 ])
 def test_must_be_positive(setup, key, value):
@@ -854,9 +888,9 @@ def test_export_every_steps_must_not_be_negative(setup):
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_numbers_are_refused(setup, key, value):
     """NaN and Infinity (Python's json reads them) pass no range check (NaN <= 0 is False): each is named alone."""
-    assert setup.set(key, value).problem() == (f"{key}: {value} is not a finite number; write a finite value"
-                                               if key.startswith(PROJECT_KEY) else
-                                               f"{key}: not a finite number; write a finite value")
+    assert setup.set(key, value).problem() == (
+        f"{key}: {value} is not a finite number; write a finite value{help_of(key.removeprefix(PROJECT_KEY + '.'))}"
+        if key.startswith(PROJECT_KEY) else f"{key}: not a finite number; write a finite value")
 
 
 @pytest.mark.parametrize("key, value, limit", [

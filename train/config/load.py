@@ -1,4 +1,5 @@
-"""Loading a configuration: read the JSON file, apply the command-line overrides, build the typed sections, run
+"""Loading a configuration: read the JSON file, build the typed sections with pydantic (read_project: each of
+pydantic's errors becomes a problem naming the key and the field's help), apply the command-line overrides, run
 every check and raise one ConfigError listing every problem; write the resolved config next to the run.
 """
 
@@ -6,62 +7,107 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
-import math
 import os
 import typing
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Literal
+
+import pydantic
 
 from train.config import checks, textfile
 from train.config import deepspeed as ds_keys
 from train.config.schema import PROJECT_KEY, Config, ConfigError, ProjectConfig, ValidationConfig
 
-
-def _type_ok(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is dict:
-        key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+_PROJECT = pydantic.TypeAdapter(ProjectConfig)
 
 
-def _build(cls, data, path: str, problems: list[str]):
-    """Instantiate dataclass `cls` from `data`, appending a message per problem instead of raising."""
-    if not isinstance(data, dict):
-        problems.append(f"{path}: expected an object, got {type(data).__name__}; write it as {{...}}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            near = [n for n in fields if n[:4] == key[:4]]
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            problems.append(f"{path}.{key}: unknown key{hint}; known keys: {', '.join(fields)}")
-    values = {}
-    for name, f in fields.items():
-        if name not in data:
-            continue
-        hint, value = hints[name], data[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value, f"{path}.{name}", problems)
-        elif isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{path}.{name}: {value} is not a finite number; write a finite value")
-        elif not _type_ok(value, hint):
-            want = getattr(hint, "__name__", str(hint))
-            problems.append(f"{path}.{name}: expected {want}, got {json.dumps(value)}; fix its type in the JSON")
-        elif "choices" in f.metadata and value not in f.metadata["choices"]:
-            problems.append(f"{path}.{name}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
-        else:
-            values[name] = value
-    return cls(**values)
+def read_project(data, problems: list[str]) -> ProjectConfig:
+    """The project section as a ProjectConfig, built and type-checked by pydantic; a problem for each bad key, whose
+    default then stands in for it so that the checks after this one still run (all problems in one error)."""
+    try:
+        return _validate(data)
+    except pydantic.ValidationError as e:
+        errors = e.errors()
+    bad: dict[tuple, dict] = {}  # key path -> its first error (a list with two wrong items is one problem)
+    for error in errors:
+        bad.setdefault(_key_path(error["loc"]), error)
+    problems += [_problem(path, error, data) for path, error in bad.items()]
+    return _validate(_without(data, list(bad)))
+
+
+def _validate(data) -> ProjectConfig:
+    # pydantic's JSON mode, where strict still takes an object for a section (its Python mode wants an instance)
+    # and an integer for a float. The section came from json.loads, so dumping it again loses nothing.
+    return _PROJECT.validate_json(json.dumps(data))
+
+
+def _key_path(loc: tuple) -> tuple:
+    """The key an error is about: a field, an unknown key or a section; an item inside a field's value is its field."""
+    cls = ProjectConfig
+    for i, name in enumerate(loc):
+        info = cls.__pydantic_fields__.get(name)
+        if info is None or not dataclasses.is_dataclass(info.annotation):
+            return loc[: i + 1]
+        cls = info.annotation
+    return loc
+
+
+def _owner(path: tuple) -> type:
+    """The section whose field (or unknown key) `path` names."""
+    cls = ProjectConfig
+    for name in path[:-1]:
+        cls = cls.__pydantic_fields__[name].annotation
+    return cls
+
+
+def _problem(path: tuple, error: dict, data) -> str:
+    """One line for the user: the dotted key, what is wrong, the fix and, for a field, its help."""
+    where = ".".join((PROJECT_KEY, *map(str, path)))
+    if error["type"] in ("dataclass_type", "dataclass_exact_type"):
+        return f"{where}: expected an object, got {type(error['input']).__name__}; write it as {{...}}"
+    known = _owner(path).__pydantic_fields__
+    if path[-1] not in known:
+        near = difflib.get_close_matches(path[-1], known, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        return f"{where}: unknown key{hint}; known keys: {', '.join(known)}"
+    info, value = known[path[-1]], data
+    for name in path:
+        value = value[name]
+    if error["type"] == "finite_number":
+        what = f"{value} is not a finite number; write a finite value"
+    elif error["type"] == "literal_error" and isinstance(value, str):
+        what = f"{value!r} is not one of {', '.join(typing.get_args(info.annotation))}"
+    else:
+        what = f"expected {_type_name(info.annotation)}, got {json.dumps(value)}; fix its type in the JSON"
+    return f"{where}: {what}. Help: {' '.join(info.description.split())}"
+
+
+def _type_name(hint) -> str:
+    """'int', 'list[str]', 'dict[str, float]': a field's type as a message names it (a choice is a str)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "str"
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    return hint.__name__
+
+
+def _without(data, paths: list[tuple]):
+    """A copy of `data` without the keys at `paths` (() = all of it)."""
+    if () in paths:
+        return {}
+    data = json.loads(json.dumps(data))
+    for path in paths:
+        node = data
+        for name in path[:-1]:
+            node = node[name]
+        del node[path[-1]]
+    return data
 
 
 def _explicit(raw: dict) -> set[str]:
@@ -86,7 +132,7 @@ def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
     except (OSError, json.JSONDecodeError, textfile.TextFileError) as e:
         raise ConfigError([f"--config: cannot read {path} as JSON ({e})"]) from e
     problems: list[str] = []
-    project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else raw, PROJECT_KEY, problems)
+    project = read_project(raw.get(PROJECT_KEY, {}) if isinstance(raw, dict) else raw, problems)
     project.validation = ValidationConfig()  # a training config's validation file is no concern of train.infer
     checks.check_inference(project, problems)
     checks.check_offload(project, problems)  # its memory section (budget_gb, margin_gb)
@@ -138,7 +184,7 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     if not isinstance(raw, dict):
         raise ConfigError([f"--ds_config: {path} must hold a JSON object at the top level"])
     problems: list[str] = []
-    project = _build(ProjectConfig, raw.get(PROJECT_KEY, {}), PROJECT_KEY, problems)
+    project = read_project(raw.get(PROJECT_KEY, {}), problems)
     overrides = {"model.path": args.model, "data.path": args.data, "output.dir": args.output_dir,
                  "train.max_steps": args.max_steps, "train.seed": args.seed}
     for dotted, value in overrides.items():

@@ -1,13 +1,16 @@
-"""The configuration's schema: one dataclass per section of the project's `qwen_edit` JSON section, each field
-with its default, its allowed values and its docstring (field_docs reads them for the README table and the tests).
+"""The configuration's schema: one pydantic dataclass per section of the project's `qwen_edit` JSON section, each
+field with its type, its default, its allowed values (a Literal) and its docstring, which pydantic keeps as the
+field's description (the help a problem with the field quotes; field_docs gives them to the README table and tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated, Literal
+
+import pydantic
+import pydantic.dataclasses
 
 PROJECT_KEY = "qwen_edit"
 
@@ -20,25 +23,27 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def choice(*values: str):
-    """Field metadata restricting a str field to `values`."""
-    return {"choices": values}
+# How pydantic reads the project section (train/config/load.py): each JSON type as written (no "8" -> 8, 8.0 -> 8
+# or 1 -> true; an integer is a float), no unknown key, no NaN/Infinity, and the docstring under each field kept
+# as its description.
+SCHEMA = pydantic.ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+section = pydantic.dataclasses.dataclass(config=SCHEMA)
 
 
-@dataclass
+@section
 class ModelConfig:
     path: str = ""
     """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511 or Qwen-Image (model_index.json inside).
     CLI: --model."""
-    variant: str = field(default="auto", metadata=choice("auto", "edit", "edit_plus", "edit_plus_2511", "t2i"))
+    variant: Literal["auto", "edit", "edit_plus", "edit_plus_2511", "t2i"] = "auto"
     """auto reads model_index.json and transformer/config.json; edit = v1 (one reference), edit_plus = 2509
     (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference); an
     explicit value must match the files."""
-    encoder_dtype: str = field(default="auto", metadata=choice("auto", "bfloat16", "float32"))
+    encoder_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
 
 
-@dataclass
+@section
 class DataConfig:
     path: str = ""
     """Directory with metadata.jsonl or metadata.csv and the images it names. CLI: --data."""
@@ -49,7 +54,7 @@ class DataConfig:
     alpha_background: str = "white"
     """Colour that transparent pixels (RGBA, LA, palette transparency) are composited over, for training,
     validation and train.infer: a name ("white", "black") or "#rrggbb"."""
-    bad_rows: str = field(default="stop", metadata=choice("stop", "skip"))
+    bad_rows: Literal["stop", "skip"] = "stop"
     """What to do when the pre-flight check finds bad rows: stop with the report, or skip them (reported)."""
     num_workers: int = 2
     """DataLoader worker processes per rank."""
@@ -57,7 +62,7 @@ class DataConfig:
     """Pin host memory of batches (ignored on CPU)."""
     shuffle: bool = True
     """Shuffle each epoch (seeded by train.seed and the epoch; off = a fixed order; see train/sampling.py)."""
-    cache: str = field(default="off", metadata=choice("off", "auto", "require"))
+    cache: Literal["off", "auto", "require"] = "off"
     """Precomputed latents and prompt embeddings: off encodes online; auto builds the cache when it is missing
     (as python -m train.cache does) and trains from it; require trains from it and stops when it is missing.
     Both refuse a stale cache (built for another model, area, template, data ...) with the reason."""
@@ -69,7 +74,8 @@ class DataConfig:
     """With micro-batch > 1: complete each shape bucket's remainder with repeats of its own rows, so that a row
     alone in its shape (a panorama, a scan) is trained too; off leaves remainders out (each cycle other rows), and
     the log names rows that are then never drawn."""
-    category_weights: dict[str, float] = field(default_factory=dict)
+    # NaN and Infinity pass here and are refused by checks._check_sampling with the category's name.
+    category_weights: dict[str, Annotated[float, pydantic.AllowInfNan(True)]] = field(default_factory=dict)
     """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing.
     Every category in the data needs a weight ("" = rows without a category; 0 leaves a category out)."""
     category_rules: dict[str, str] = field(default_factory=dict)
@@ -81,11 +87,11 @@ class DataConfig:
     """JSON file {"phrase": "replacement"} applied to prompts (whole words, case-insensitive); "" = none."""
     blocked_terms: str = ""
     """Text file, one term per line; prompts containing one are handled by blocked_policy; "" = none."""
-    blocked_policy: str = field(default="drop", metadata=choice("drop", "keep"))
+    blocked_policy: Literal["drop", "keep"] = "drop"
     """drop: rows whose prompt has a blocked term are left out (counted in the report); keep: only reported."""
 
 
-@dataclass
+@section
 class LoraConfig:
     rank: int = 64
     """LoRA rank r."""
@@ -106,15 +112,15 @@ class LoraConfig:
     kohya 'lora_unet_' keys)."""
 
 
-@dataclass
+@section
 class TrainConfig:
-    mode: str = field(default="lora", metadata=choice("lora", "full"))
+    mode: Literal["lora", "full"] = "lora"
     """lora trains adapters on a frozen transformer; full trains every transformer weight."""
     max_steps: int = 1000
     """Optimizer steps to run. CLI: --max_steps."""
     seed: int = 42
     """Seed for LoRA init and data order (same on every rank) and for noise/timesteps (per sample slot). CLI: --seed."""
-    timestep_density: str = field(default="shifted", metadata=choice("shifted", "uniform", "logit_normal"))
+    timestep_density: Literal["shifted", "uniform", "logit_normal"] = "shifted"
     """How noise levels s are drawn; shifted matches the scheduler's inference shift (see objective.py)."""
     shift: float = 0.0
     """Shift for timestep_density=shifted; 0 = the scheduler's dynamic shift for each target size."""
@@ -122,7 +128,7 @@ class TrainConfig:
     """Mean of the normal for timestep_density=logit_normal."""
     logit_std: float = 1.0
     """Std of the normal for timestep_density=logit_normal."""
-    loss_weighting: str = field(default="none", metadata=choice("none", "cosmap"))
+    loss_weighting: Literal["none", "cosmap"] = "none"
     """Per-sample loss weight as a function of s."""
     gradient_checkpointing: bool = False
     """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
@@ -145,7 +151,7 @@ class TrainConfig:
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
 
 
-@dataclass
+@section
 class OutputConfig:
     dir: str = ""
     """Where config, checkpoints, metrics and exports go. CLI: --output_dir."""
@@ -164,9 +170,9 @@ class OutputConfig:
     """Seconds between samples of per-GPU memory and utilisation (nvidia-ml-py) into the metrics; 0 = off."""
 
 
-@dataclass
+@section
 class ParallelConfig:
-    mode: str = field(default="zero2", metadata=choice("zero2", "model_parallel"))
+    mode: Literal["zero2", "model_parallel"] = "zero2"
     """zero2: data parallel with ZeRO; model_parallel: encoder and decoder stages on separate GPUs, pipelined
     (docs/model_parallel.md)."""
     collective_timeout_s: int = 600
@@ -186,7 +192,7 @@ class ParallelConfig:
     measuring the pipeline's gain; training is identical)."""
 
 
-@dataclass
+@section
 class InferenceConfig:
     num_inference_steps: int = 40
     """Denoising steps of the edit pipeline (validation images and train.infer)."""
@@ -202,11 +208,11 @@ class InferenceConfig:
     """Decode in tiles (less memory at large sizes)."""
     vae_slicing: bool = False
     """Decode a batch one image at a time."""
-    cpu_offload: str = field(default="none", metadata=choice("none", "model", "sequential"))
+    cpu_offload: Literal["none", "model", "sequential"] = "none"
     """Move idle components to the CPU: model (whole components) or sequential (layers; slowest, least memory)."""
 
 
-@dataclass
+@section
 class ValidationConfig:
     file: str = ""
     """jsonl of validation edits (edit_image, prompt, optional seed), paths relative to its folder; "" = off."""
@@ -214,9 +220,9 @@ class ValidationConfig:
     """Validation cadence in optimizer steps; 0 = only at the end (when file is set)."""
 
 
-@dataclass
+@section
 class MemoryConfig:
-    plan: str = field(default="auto", metadata=choice("auto", "off"))
+    plan: Literal["auto", "off"] = "auto"
     """auto: on a GPU, before loading, choose what the config leaves unset among train.fp8_base, fp8_transposed,
     compile, gradient_checkpointing, checkpoint_blocks, offload_blocks and data.cache, so that the run fits
     budget_gb and is as fast as it can be there (printed with its predicted peak); off: run the keys as written."""
@@ -227,7 +233,7 @@ class MemoryConfig:
     """Memory the plan keeps free for NCCL, checkpoint saving and fragmentation; 0 = 1.5 GB + 5% of the budget."""
 
 
-@dataclass
+@section
 class ProjectConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -240,7 +246,7 @@ class ProjectConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     project: ProjectConfig
     deepspeed: dict
@@ -263,17 +269,11 @@ class Config:
 
 
 def field_docs(cls=ProjectConfig, prefix: str = "") -> dict[str, str]:
-    """{'model.path': 'docstring', ...} read from the attribute docstrings in this file (for docs and tests)."""
-    import ast
-    import inspect
-
+    """{'model.path': 'docstring', ...}: the descriptions pydantic took from the docstrings under the fields."""
     docs: dict[str, str] = {}
-    hints = typing.get_type_hints(cls)
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[prefix + node.target.id] = nxt.value.value
-    for name, hint in hints.items():
-        if dataclasses.is_dataclass(hint) and not isinstance(hint, types.GenericAlias):
-            docs.update(field_docs(hint, f"{prefix}{name}."))
+    for name, info in cls.__pydantic_fields__.items():
+        if dataclasses.is_dataclass(info.annotation):
+            docs.update(field_docs(info.annotation, f"{prefix}{name}."))
+        else:
+            docs[prefix + name] = info.description
     return docs
