@@ -31,6 +31,7 @@ TINY_LORA = json.loads(TINY_CONFIG.read_text())["qwen_edit"]["lora"]
 FORMATS = {
     "diffusers": ("transformer.{m}.lora_A.weight", "transformer.{m}.lora_B.weight", None),
     "peft": ("base_model.model.{m}.lora_A.default.weight", "base_model.model.{m}.lora_B.default.weight", None),
+    "peft_saved": ("base_model.model.{m}.lora_A.weight", "base_model.model.{m}.lora_B.weight", None),
     "diffsynth": ("{m}.lora_A.default.weight", "{m}.lora_B.default.weight", None),
     "comfyui": ("diffusion_model.{m}.lora_A.weight", "diffusion_model.{m}.lora_B.weight", "diffusion_model.{m}.alpha"),
     "comfyui_down_up": ("diffusion_model.{m}.lora_down.weight", "diffusion_model.{m}.lora_up.weight",
@@ -227,26 +228,73 @@ def test_export_refuses_wrong_paths_and_foreign_checkpoints(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_each_key_format_imports_identically(fmt, known, tiny_edit, tmp_path):
-    """diffusers, PEFT '.default', DiffSynth, ComfyUI (A/B and down/up) and kohya files give the same adapter."""
-    transformer = fresh_transformer(tiny_edit)
-    report = load_via_file(transformer, to_format(known, fmt), tmp_path / "lora.safetensors")
-    assert report.loaded == len(known) and not report.not_in_file and report.rescaled == 0
-    expected = {f"{m}.{s}": w for m, ab in known.items() for s, w in zip(("lora_A", "lora_B"), ab, strict=True)}
-    assert max_diff(adapter_weights(transformer), expected) == 0
+def adapter_updates(transformer) -> dict[str, torch.Tensor]:
+    """{module: B @ A x scaling} of the 'default' adapter: what it adds to each module's weight. Compared instead of A
+    and B, since diffusers' converter may move a file's alpha / rank between them."""
+    return {name: layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+            for name, layer in lora_io.lora_layers(transformer, "default").items()}
 
 
-def test_file_alpha_is_kept_by_rescaling_lora_b(known, tiny_edit, tmp_path):
-    """A kohya file with alpha = 2 x rank into an adapter with alpha = rank: B doubles, A is unchanged."""
-    transformer = fresh_transformer(tiny_edit)
+def file_updates(lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> dict[str, torch.Tensor]:
+    """{module: scale x B @ A} of a LoRA given as {module: (A, B)}."""
+    return {m: scale * b @ a for m, (a, b) in lora.items()}
+
+
+def assert_updates(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exact: bool) -> None:
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:10]
+    for m in want:
+        torch.testing.assert_close(got[m], want[m], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6, msg=m)
+
+
+LAYOUT_CASES = [(fmt, None, None) for fmt in sorted(FORMATS)] + [
+    ("comfyui", 32, None),  # scale 2: diffusers folds it into lora_A
+    ("comfyui_down_up", 4, None),  # scale 1/4: diffusers splits it, 1/2 into each of A and B
+    ("kohya", 3, None),  # scale 3/16: A x 3/8, B x 1/2
+    ("kohya", 32, 8),  # file scale 2 into an adapter of scale 1/2
+]
+
+
+@pytest.mark.parametrize(("fmt", "alpha", "adapter_alpha"), LAYOUT_CASES)
+def test_each_layout_imports_the_files_update(fmt, alpha, adapter_alpha, known, tiny_edit, tmp_path):
+    """diffusers, PEFT ('.default' and saved), DiffSynth, ComfyUI (A/B and down/up) and kohya files, with alpha = rank
+    or not, and into an adapter of another alpha: every module's update B @ A x scale is the file's
+    (alpha / rank) x B @ A, bit for bit when no scale is involved."""
     rank = TINY_LORA["rank"]
-    report = load_via_file(transformer, to_format(known, "kohya", alpha=2 * rank), tmp_path / "lora.safetensors")
-    assert report.rescaled == len(known)
-    weights = adapter_weights(transformer)
-    m = "transformer_blocks.0.img_mlp.net.0.proj"
-    assert torch.equal(weights[f"{m}.lora_A"], known[m][0])
-    assert torch.equal(weights[f"{m}.lora_B"], 2 * known[m][1])
+    transformer = fresh_transformer(tiny_edit, **({"alpha": adapter_alpha} if adapter_alpha else {}))
+    report = load_via_file(transformer, to_format(known, fmt, alpha=alpha), tmp_path / "lora.safetensors")
+    file_scale, adapter_scale = (alpha or rank) / rank, (adapter_alpha or TINY_LORA["alpha"]) / rank
+    assert report.loaded == len(known) and not report.not_in_file
+    assert report.rescaled == (0 if file_scale == adapter_scale == 1 else len(known)), report
+    assert_updates(adapter_updates(transformer), file_updates(known, file_scale),
+                   exact=file_scale == adapter_scale == 1)
+
+
+@TWO_ADAPTERS
+def test_imports_agree_with_load_lora_weights(known, tiny_edit, tmp_path):
+    """A file means the same to lora.init_from as to the pipeline's load_lora_weights (train.infer --lora): kohya
+    and ComfyUI files with alpha != rank, and a diffusers file whose lora_adapter_metadata says lora_alpha = 2 x rank
+    (diffusers scales by it; our own exports write none), give the pipeline's update in an adapter of alpha 8."""
+    from diffusers import DiffusionPipeline, QwenImageEditPipeline
+
+    rank = TINY_LORA["rank"]
+    paths = {}
+    for fmt, alpha in (("kohya", 4), ("comfyui", 40)):
+        paths[fmt] = tmp_path / f"{fmt}.safetensors"
+        save_file(to_format(known, fmt, alpha=alpha), paths[fmt])
+    layers = {f"{m}.{s}.weight": w for m, ab in known.items() for s, w in zip(("lora_A", "lora_B"), ab, strict=True)}
+    QwenImageEditPipeline.save_lora_weights(tmp_path, transformer_lora_layers=layers, weight_name="meta.safetensors",
+                                            transformer_lora_adapter_metadata={
+                                                "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(known)})
+    paths["metadata"] = tmp_path / "meta.safetensors"
+    pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
+    for name, path in paths.items():
+        pipe.load_lora_weights(path.parent, weight_name=path.name, adapter_name=name)
+        theirs = {m: layer.lora_B[name].weight @ layer.lora_A[name].weight * layer.scaling[name]
+                  for m, layer in lora_io.lora_layers(pipe.transformer, name).items()}
+        transformer = fresh_transformer(tiny_edit, alpha=8)
+        assert lora_io.load_into(transformer, path).rescaled == len(known)
+        assert_updates(adapter_updates(transformer), theirs, exact=False)
+    torch.testing.assert_close(theirs["proj_out"], 2 * known["proj_out"][1] @ known["proj_out"][0])
 
 
 def test_rank_mismatch_is_reported(known, tiny_edit, tmp_path):
@@ -272,6 +320,42 @@ def test_unknown_keys_are_reported(known, tiny_edit, tmp_path):
     assert "transformer.not_a_module.lora_A.weight" in msg and "not_a_module.lora_A.weight (module" not in msg
     assert "transformer.norm_out.linear.lora_A.weight (module has no LoRA in this config)" in msg
     assert "target_modules [" in msg and "'proj_out'" in msg and "qwen_edit.lora.target_modules" in msg
+
+
+def test_unknown_keys_of_converted_layouts_are_named_as_written(known, tiny_edit, tmp_path):
+    """In a kohya file, keys diffusers' converter renames are named as the file writes them and as diffusers reads
+    them; keys it cannot read at all (a weight diff, DoRA's magnitude) are named too, nothing is loaded."""
+    sd = to_format(known, "kohya")
+    sd["lora_unet_norm_out_linear.lora_down.weight"] = torch.zeros(16, 4)
+    sd["lora_unet_norm_out_linear.lora_up.weight"] = torch.zeros(4, 16)
+    sd["lora_unet_proj_out.diff"] = torch.zeros(4, 4)
+    sd["lora_unet_img_in.dora_scale"] = torch.ones(1, 4)
+    transformer = fresh_transformer(tiny_edit)
+    before = adapter_weights(transformer)
+    with pytest.raises(lora_io.LoraFileError) as e:
+        load_via_file(transformer, sd, tmp_path / "lora.safetensors")
+    msg = str(e.value)
+    assert "4 keys of" in msg and "match no LoRA module" in msg, msg
+    assert ("lora_unet_norm_out_linear.lora_down.weight (read as transformer.norm_out.linear.lora_A.weight; module "
+            "has no LoRA in this config)") in msg, msg
+    assert "lora_unet_proj_out.diff" in msg and "lora_unet_img_in.dora_scale (DoRA is not supported)" in msg, msg
+    assert max_diff(adapter_weights(transformer), before) == 0
+
+
+@pytest.mark.parametrize("how", ["unpaired", "mixed"])
+def test_incomplete_or_mixed_files_are_refused(how, known, tiny_edit, tmp_path):
+    """A lora_down without its lora_up is named as written; a file mixing lora_A/B and lora_down/up keys (which
+    diffusers' converter reads one at a time) is refused with the converter's reason."""
+    if how == "unpaired":
+        sd = to_format(known, "kohya")
+        del sd["lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight"]
+        match = r"has lora_A without lora_B \(or the reverse\) for lora_unet_transformer_blocks_0_attn_to_q\.lora_down"
+    else:
+        half = dict(list(known.items())[: len(known) // 2])
+        sd = {**to_format(half, "comfyui_down_up"), **to_format(dict(list(known.items())[len(half):]), "comfyui")}
+        match = "diffusers' Qwen-Image LoRA converter cannot read .*a file holds one layout"
+    with pytest.raises(lora_io.LoraFileError, match=match):
+        load_via_file(fresh_transformer(tiny_edit), sd, tmp_path / "lora.safetensors")
 
 
 def test_init_from_must_exist(tiny_edit, tmp_path):
