@@ -16,8 +16,9 @@ import torch
 from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
-from train import config, data, loop
+from train import config, loop
 from train import main as train_main
+from train.data import pairs
 from train.model import components, lora_io
 from train.runtime import checkpoint, engine, outdir
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
@@ -59,7 +60,7 @@ def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None
     variant = components.detect_variant(p.model.path, p.model.variant)
     try:
         rows, loader = train_main.build_data(cfg, d, variant)
-    except data.BadRowsError as e:  # tell the decoder, so that it stops with the same message
+    except pairs.BadRowsError as e:  # tell the decoder, so that it stops with the same message
         sender = transport.Sender(links.to_next, 1)
         sender.send({"kind": "error", "message": str(e)})
         sender.flush()
@@ -103,7 +104,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     try:
         batches_per_epoch = stages.receive_start(links.to_prev, 0)
     except stages.EncoderStopped as e:
-        raise data.BadRowsError(str(e)) from e
+        raise pairs.BadRowsError(str(e)) from e
     sender = None
     if not me.is_last_decoder:  # pass the epoch length on along the cut
         sender = transport.Sender(links.to_next, 1, max_in_flight=cfg.deepspeed["gradient_accumulation_steps"] + 1)
@@ -221,7 +222,7 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
             with outdir.claim(cfg.project.output.dir, resume is not None, overwrite,
                               outdir.is_holder(cfg.deepspeed, d)):
                 run_decoder(cfg, d, plan, me, links, resume, overwrite)
-    except (data.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
+    except (pairs.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
         code = 2
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest

@@ -16,7 +16,8 @@ import torch
 from conftest import REPO, free_port, metrics, run_trainer, write_config
 from safetensors.torch import load_file
 
-from train import cache, config, data, loop
+from train import cache, config, loop
+from train.data import pairs
 from train.model import components, conditioning
 from train.runtime import engine
 
@@ -41,7 +42,7 @@ def load_cfg(tiny: Path, tmp: Path, **changes) -> config.Config:
     return config.load_config(args, 1, has_gpu=False)
 
 
-def data_of(cfg: config.Config) -> tuple[str, list[data.Row], data.EditDataset]:
+def data_of(cfg: config.Config) -> tuple[str, list[pairs.Row], pairs.EditDataset]:
     """Rows and dataset exactly as training reads them (train.main.build_data, as the cache command does)."""
     from train import main as trainer
 
@@ -83,7 +84,7 @@ def test_cached_tensors_equal_online_encoding(built):
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
     for i in range(0, len(rows), 3):
-        online = loop.encode_batch(data.collate([dataset[i]]), encoders, variant)
+        online = loop.encode_batch(pairs.collate([dataset[i]]), encoders, variant)
         got = cache.to_batch(cache.collate([cached[i]]), torch.device("cpu"))
         assert got.target_hw == online.target_hw
         assert got.cond.reference_shapes == online.cond.reference_shapes
@@ -105,7 +106,7 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
     assert lengths[j] > lengths[i], lengths
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
-    online = loop.encode_batch(data.collate([dataset[i], dataset[j]]), encoders, variant)
+    online = loop.encode_batch(pairs.collate([dataset[i], dataset[j]]), encoders, variant)
     got = cache.to_batch(cache.collate([cached[i], cached[j]]), torch.device("cpu"))
     assert torch.equal(got.cond.prompt_mask, online.cond.prompt_mask)
     for a, b in ((got.x0, online.x0), (got.cond.reference_tokens, online.cond.reference_tokens),
@@ -124,7 +125,7 @@ def test_bucket_keys_and_categories(built):
     assert cached.categories() == [None] * len(rows)
 
 
-def refusal(cfg: config.Config, variant: str, rows: list[data.Row], dataset) -> str:
+def refusal(cfg: config.Config, variant: str, rows: list[pairs.Row], dataset) -> str:
     with pytest.raises(cache.CacheError) as e:
         cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=False)
     return str(e.value)

@@ -1,4 +1,4 @@
-"""Tests for train/data.py: every bad-row kind and its message, stop/skip policies, CSV, dataset, collate, loader.
+"""Tests for train/data/pairs.py: every bad-row kind and its message, stop/skip policies, CSV, dataset, collate, loader.
 
 Each test builds a tiny dataset in tmp_path (64x64 PNGs); the bad row is usually line 2, after a good line 1, so
 that a message naming "row 2" / "line 2" proves the number is the row's own 1-based line.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from train.data import BadRowsError, EditDataset, Row, build_loader, check_row, collate, preflight, read_rows
+from train.data.pairs import BadRowsError, EditDataset, Row, build_loader, check_row, collate, preflight, read_rows
 from train.model import conditioning
 
 AREA = 64 * 64

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train.data import EditDataset, preflight
+from train.data.pairs import EditDataset, preflight
 from train.model import images, pipelines
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)

@@ -1,4 +1,4 @@
-"""Tests for train/prompts.py: normalisation, the mapping file, blocked terms, the report, and preflight's use."""
+"""Tests for train/data/prompts.py: normalisation, the mapping file, blocked terms, the report, and preflight's use."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 from test_data import good, write_jsonl
 
-from train.data import BadRowsError, Row, preflight
-from train.prompts import PromptProcessor, load_blocked_terms, load_mapping, normalize
+from train.data.pairs import BadRowsError, Row, preflight
+from train.data.prompts import PromptProcessor, load_blocked_terms, load_mapping, normalize
 
 
 def rows_of(*prompts: str) -> list[Row]:

@@ -1,4 +1,4 @@
-"""Tests for train/sampling.py and the dataset side of it (bucket keys, categories) in train/data.py.
+"""Tests for train/data/sampling.py and the dataset side of it (bucket keys, categories) in train/data/pairs.py.
 
 Pure Python on synthetic bucket keys except where a dataset or the loader is the point; one end-to-end run
 (marked slow) trains micro-batches of 2 through train/main.py on a dataset with three shape buckets.
@@ -16,9 +16,9 @@ from conftest import run_trainer, write_config
 from PIL import Image
 from test_data import good, png, write_jsonl
 
-from train.data import BadRowsError, EditDataset, assign_categories, build_loader, preflight, read_rows
+from train.data.pairs import BadRowsError, EditDataset, assign_categories, build_loader, preflight, read_rows
+from train.data.sampling import BucketBatchSampler, apportion
 from train.loop import LoaderSource, start_position
-from train.sampling import BucketBatchSampler, apportion
 
 AREA = 64 * 64
 
@@ -332,7 +332,7 @@ def test_bucket_fill_draws_every_row_every_epoch(shuffle):
 def test_never_drawn_rows_are_named_in_the_log(tmp_path):
     """The loader's log names every row that can never be drawn, by line and target, with the fixes; a weight-0
     category is left out on purpose and not listed."""
-    from train.data import sampling_summary
+    from train.data.pairs import sampling_summary
 
     rows = [good(tmp_path, i) for i in range(1, 6)]
     png(tmp_path / "t5.png", size=(128, 32))  # a panorama target: a shape of its own

@@ -10,7 +10,7 @@ from PIL import Image
 from test_data import good, png, write_jsonl
 
 from train.config import textfile
-from train.data import BadRowsError, preflight, read_rows
+from train.data.pairs import BadRowsError, preflight, read_rows
 from train.model import pipelines
 
 

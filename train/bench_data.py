@@ -6,7 +6,7 @@
 
 Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own loader, sampler and sources):
 
-- online: `data.EditDataset` (decode + resize) -> `loop.online_source` (Qwen2.5-VL + VAE encode) on the device;
+- online: `pairs.EditDataset` (decode + resize) -> `loop.online_source` (Qwen2.5-VL + VAE encode) on the device;
 - cached: the rows are first precomputed with `cache.write_cache` (timed too), the encoders are freed, then
   `cache.CachedDataset` (read the shard) -> `cache.to_batch` (to the device).
 
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from train import bench, cache, data, loop, make_tiny
+from train import bench, cache, loop, make_tiny
+from train.data import pairs
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
@@ -104,8 +105,8 @@ def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dty
         prompts = [json.loads(line)["prompt"] for line in (work / "data" / "metadata.jsonl").read_text().splitlines()]
         encoders = full_encoders(make_tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts]),
                                  device, dtype)
-    rows, _ = data.read_rows(work / "data")
-    dataset = data.EditDataset(work / "data", rows, args.variant, args.area, 384 * 384 if not args.tiny else 64 * 64)
+    rows, _ = pairs.read_rows(work / "data")
+    dataset = pairs.EditDataset(work / "data", rows, args.variant, args.area, 384 * 384 if not args.tiny else 64 * 64)
     transformer = build_transformer(args, work, device, dtype) if args.train_step else None
     return rows, dataset, encoders, transformer
 
@@ -176,8 +177,8 @@ def time_source(source: loop.LoaderSource, step, warmup: int, samples: int) -> d
     return {"samples_per_s": samples / elapsed, "data_wait_fraction": source.take_wait_s() / elapsed}
 
 
-def make_loader(dataset, args: argparse.Namespace, collate_fn=data.collate):
-    return data.build_loader(dataset, 1, 0, 1, bench.SEED, args.num_workers, True, False, collate_fn=collate_fn)
+def make_loader(dataset, args: argparse.Namespace, collate_fn=pairs.collate):
+    return pairs.build_loader(dataset, 1, 0, 1, bench.SEED, args.num_workers, True, False, collate_fn=collate_fn)
 
 
 def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:

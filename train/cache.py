@@ -40,7 +40,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model_parallel.plan import check_parallel
-from train import config, data, loop
+from train import config, loop
+from train.data import pairs
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output, print0
@@ -92,7 +93,7 @@ def model_files_digest(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def rows_digest(data_dir: str | Path, rows: list[data.Row]) -> str:
+def rows_digest(data_dir: str | Path, rows: list[pairs.Row]) -> str:
     """Hash of the metadata file and of every row's prompt and image files (size and mtime, not content)."""
     data_dir = Path(data_dir)
     h = hashlib.sha256()
@@ -107,7 +108,7 @@ def rows_digest(data_dir: str | Path, rows: list[data.Row]) -> str:
     return h.hexdigest()[:16]
 
 
-def dependencies(cfg: config.Config, variant: str, rows: list[data.Row], dtype: torch.dtype) -> dict[str, str]:
+def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype: torch.dtype) -> dict[str, str]:
     """{dependency: value or hash} of everything the cached tensors depend on; keys name what to change."""
     import diffusers
     import transformers
@@ -176,7 +177,7 @@ def encode_share(directory: Path, dataset, encoders: components.Encoders, varian
     from tqdm import tqdm
 
     share = torch.utils.data.Subset(dataset, range(d.rank, len(dataset), d.world_size))
-    loader = torch.utils.data.DataLoader(share, batch_size=1, num_workers=num_workers, collate_fn=data.collate)
+    loader = torch.utils.data.DataLoader(share, batch_size=1, num_workers=num_workers, collate_fn=pairs.collate)
     records, tensors, pending, part = [], {}, [], 0
     for raw in tqdm(loader, desc="encoding", unit="sample", disable=not d.is_main, dynamic_ncols=True):
         b = loop.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
@@ -195,7 +196,7 @@ def encode_share(directory: Path, dataset, encoders: components.Encoders, varian
     return records
 
 
-def write_index(directory: Path, records: list[dict], rows: list[data.Row], wanted: dict[str, str],
+def write_index(directory: Path, records: list[dict], rows: list[pairs.Row], wanted: dict[str, str],
                 variant: str, world_size: int) -> None:
     """index.json, written last through a temporary file and a rename (its presence marks a finished cache)."""
     category = {row.line: row.category for row in rows}
@@ -208,18 +209,18 @@ def write_index(directory: Path, records: list[dict], rows: list[data.Row], want
     tmp.replace(directory / INDEX)
 
 
-def write_cache(directory: Path, dataset, rows: list[data.Row], encoders: components.Encoders, variant: str,
+def write_cache(directory: Path, dataset, rows: list[pairs.Row], encoders: components.Encoders, variant: str,
                 wanted: dict[str, str], d: engine.Dist, num_workers: int = 0) -> None:
     """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last."""
     directory = Path(directory)
     _prepare_dir(directory, d)
-    records = data.gather_lists(encode_share(directory, dataset, encoders, variant, d, num_workers))
+    records = pairs.gather_lists(encode_share(directory, dataset, encoders, variant, d, num_workers))
     if d.is_main:
         write_index(directory, records, rows, wanted, variant, d.world_size)
     engine.barrier()
 
 
-def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row], dataset,
+def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], dataset,
           wanted: dict[str, str]) -> None:
     """Load the frozen encoders, write the cache, free the encoders (their memory returns before training)."""
     p = cfg.project
@@ -234,7 +235,7 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row]
         torch.cuda.empty_cache()
 
 
-def ensure(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row], dataset, rebuild_stale: bool):
+def ensure(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], dataset, rebuild_stale: bool):
     """The index of a cache built for exactly this run's inputs; builds it when missing (data.cache = "auto",
     or always from the command), rebuilds a stale one only when `rebuild_stale` (the command), else refuses."""
     p = cfg.project
@@ -260,7 +261,7 @@ def ensure(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row
 class CachedDataset(torch.utils.data.Dataset):
     """The cached samples of `rows`, in their order (so the sampler picks the same samples as online)."""
 
-    def __init__(self, directory: str | Path, index: dict, rows: list[data.Row]):
+    def __init__(self, directory: str | Path, index: dict, rows: list[pairs.Row]):
         self.directory = Path(directory)
         by_line = {s["line"]: s for s in index["samples"]}
         missing = [row.line for row in rows if row.line not in by_line]
@@ -274,7 +275,7 @@ class CachedDataset(torch.utils.data.Dataset):
         return len(self.samples)
 
     def bucket_keys(self) -> list[tuple[tuple[int, int], ...]]:
-        """Per sample: latent (h, w) of the target, then of each reference (as data.EditDataset.bucket_keys)."""
+        """Per sample: latent (h, w) of the target, then of each reference (as pairs.EditDataset.bucket_keys)."""
         return [(tuple(s["target_hw"]), *((2 * r[1], 2 * r[2]) for r in s["reference_shapes"]))
                 for s in self.samples]
 
@@ -317,7 +318,8 @@ def to_batch(raw: dict, device: torch.device) -> loop.Batch:
     return loop.Batch(raw["x0"].to(device, non_blocking=True).float(), tuple(raw["target_hw"]), cond)
 
 
-def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row], dataset) -> loop.LoaderSource:
+def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
+                  dataset) -> loop.LoaderSource:
     """Training input from the cache (built first when missing and data.cache = "auto"); no encoder is loaded.
 
     `dataset` is the online EditDataset of `rows`, used only to build a missing cache.
@@ -327,7 +329,7 @@ def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[d
     cached = CachedDataset(cache_dir(cfg), index, rows)
     print0(f"training from the cache in {cache_dir(cfg)} ({len(cached)} samples); the VL encoder and VAE are "
            "not loaded", rank=d.rank)
-    loader = data.build_loader(cached, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed, p.data.num_workers,
+    loader = pairs.build_loader(cached, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed, p.data.num_workers,
                                p.data.pin_memory, p.data.shuffle, collate_fn=collate, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
     return loop.LoaderSource(loader, lambda raw: to_batch(raw, d.device))
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         index = ensure(cfg, d, variant, rows, loader.dataset, rebuild_stale=True)
         verb = "up to date" if index == before else "written"
         print0(f"cache {verb}: {cache_dir(cfg)} ({index['num_samples']} samples)", rank=d.rank)
-    except (data.BadRowsError, CacheError, components.ModelError) as e:
+    except (pairs.BadRowsError, CacheError, components.ModelError) as e:
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

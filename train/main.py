@@ -19,7 +19,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from model_parallel.plan import check_parallel
-from train import cache, config, data, loop, prompts, validation
+from train import cache, config, loop, validation
+from train.data import pairs, prompts
 from train.model import components, fp8, lora_io, memory, streaming
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, engine, gpumon, outdir, preempt
@@ -37,16 +38,16 @@ def vl_processor(model_dir: str):
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     p = cfg.project
     processor = prompts.PromptProcessor.from_config(p.data)
-    rows = data.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
+    rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
                           condition_area=p.data.condition_area, tokens=vl_processor(p.model.path))
-    dataset = data.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
+    dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background)
-    loader = data.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
+    loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
-    print0(f"{processor.report.summary()}\n{data.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
+    print0(f"{processor.report.summary()}\n{pairs.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
     without = sum(not r.references for r in rows)
     if without and variant != "t2i":
         print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
@@ -80,7 +81,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     return transformer
 
 
-def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[data.Row], loader) -> loop.LoaderSource:
+def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], loader) -> loop.LoaderSource:
     """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online."""
     if cfg.project.data.cache != "off":
         return cache.cached_source(cfg, d, variant, rows, loader.dataset)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         with outdir.claim(cfg.project.output.dir, args.resume is not None, args.overwrite,
                           outdir.is_holder(cfg.deepspeed, d)):
             run(cfg, d, args.resume, args.overwrite)
-    except (data.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
+    except (pairs.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
             outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2

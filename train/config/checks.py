@@ -24,7 +24,7 @@ def _check_cache(cfg: ProjectConfig, problems: list[str]) -> None:
 
 
 def _check_sampling(cfg: ProjectConfig, problems: list[str]) -> None:
-    """Category balancing and the prompt-processing files (train/sampling.py, train/prompts.py)."""
+    """Category balancing and the prompt-processing files (train/data/sampling.py, train/data/prompts.py)."""
     d, p = cfg.data, f"{PROJECT_KEY}.data"
     for name, weight in d.category_weights.items():
         if not (math.isfinite(weight) and weight >= 0):

@@ -61,7 +61,7 @@ class DataConfig:
     pin_memory: bool = True
     """Pin host memory of batches (ignored on CPU)."""
     shuffle: bool = True
-    """Shuffle each epoch (seeded by train.seed and the epoch; off = a fixed order; see train/sampling.py)."""
+    """Shuffle each epoch (seeded by train.seed and the epoch; off = a fixed order; see train/data/sampling.py)."""
     cache: Literal["off", "auto", "require"] = "off"
     """Precomputed latents and prompt embeddings: off encodes online; auto builds the cache when it is missing
     (as python -m train.cache does) and trains from it; require trains from it and stops when it is missing.

@@ -6,9 +6,9 @@ an edit model trains on it without a reference). Paths are relative to the data 
 training (each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
 each row and file, or are skipped and counted when data.bad_rows = "skip". Nothing is dropped silently.
 
-Before the checks, prompts are processed (train/prompts.py: normalised, mapped, blocked rows dropped or kept)
+Before the checks, prompts are processed (train/data/prompts.py: normalised, mapped, blocked rows dropped or kept)
 and rows without a `category` value get one from data.category_rules. The loader's batch sampler
-(train/sampling.py) groups samples into shape buckets and balances categories.
+(train/data/sampling.py) groups samples into shape buckets and balances categories.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
-from train import prompts, sampling
 from train.config import textfile
+from train.data import prompts, sampling
 from train.model import conditioning, images
 from train.runtime import engine
 from train.runtime.metrics import print0
@@ -415,7 +415,7 @@ def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_s
                  category_weights: dict[str, float] | None = None, bucket_fill: bool = False) -> DataLoader:
     """Micro-batches of this rank's share; `collate_fn` stacks them (train.cache passes its own).
 
-    The batch sampler (train/sampling.py) keeps each micro-batch inside one shape bucket (`buckets`, from
+    The batch sampler (train/data/sampling.py) keeps each micro-batch inside one shape bucket (`buckets`, from
     dataset.bucket_keys()), completes bucket remainders with repeats when `bucket_fill`, and draws categories by
     `category_weights` (dataset.categories()) when given.
     """

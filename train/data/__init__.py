@@ -1,0 +1,1 @@
+"""The data room of train/ (see README "Layout")."""
