@@ -4,12 +4,7 @@ The key layouts are read as the Qwen-Image pipelines read them: `QwenImageEditPi
 Qwen-Image pipeline inherits it from diffusers' QwenImageLoraLoaderMixin; it calls lora_conversion_utils'
 `_convert_non_diffusers_qwen_lora_to_diffusers`) turns the file into diffusers keys, and peft's
 `set_peft_model_state_dict` puts them into the adapter, as `load_lora_weights` does. So a file means the same here
-as in `train.infer --lora`. Layouts (README "Exporting a checkpoint" lists them for users):
-
-    diffusers   transformer.X.lora_A.weight / .lora_B.weight              (our own export)
-    PEFT        base_model.model.X.lora_A.default.weight, X.lora_A.default.weight (DiffSynth-Studio)
-    ComfyUI     diffusion_model.X.lora_A.weight, or .lora_down/.lora_up.weight, with X.alpha
-    kohya       lora_unet_<X with '.' -> '_'>.lora_down.weight / .lora_up.weight / .alpha
+as in `train.infer --lora`. README "Exporting a checkpoint" lists the layouts this covers.
 
 What stays here is what diffusers does not do before it loads: refuse damaged values, name keys that land
 nowhere (diffusers warns, or drops them) and ranks that differ from the config (diffusers would make a new adapter
@@ -18,7 +13,7 @@ of the file's rank), and keep the file's scale in an adapter of another alpha.
 Scale: the converter folds each `.alpha` into the weights (alpha / rank, split between lora_A and lora_B), and
 diffusers' `lora_adapter_metadata` lora_alpha scales on top of that as the pipeline's adapter would; with
 neither, the scale is 1 (alpha = rank). When that differs from the adapter's own scale (qwen_edit.lora.alpha /
-rank), lora_B is rescaled so that the update B @ A x scale of the file is kept exactly.
+rank), lora_B is rescaled so that the file's update B @ A x scale is kept (to the rounding of those factors).
 """
 
 from __future__ import annotations
@@ -160,7 +155,8 @@ def partner(key: str) -> str:
 
 
 def unpaired(keys: list[str]) -> list[str]:
-    """lora_A/lora_down keys without their lora_B/lora_up (or the reverse), as written in the file."""
+    """lora_A/lora_down keys without their lora_B/lora_up (or the reverse), as written in the file: the converter
+    fails on them with a KeyError or with its own renamed key, so they are found here first."""
     present = set(keys)
     return sorted(k for k in keys if key_kind(k) in ("A", "B") and partner(k) not in present)
 
