@@ -114,7 +114,7 @@ case "$cmd" in
     use_active_env; env_defaults
     # DeepSpeed's single-node runner exits on SIGTERM without passing it on, and the ranks trained on: run it in a
     # process group of its own and forward SIGTERM/SIGINT to that whole group, whose ranks save a checkpoint and
-    # stop (train/preempt.py). Wait until the runner has really exited, then exit with its status.
+    # stop (train/runtime/preempt.py). Wait until the runner has really exited, then exit with its status.
     set -m
     "$DS" "$@" &
     ds_pid=$!

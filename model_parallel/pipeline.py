@@ -18,11 +18,11 @@ import torch
 
 from model_parallel import transport
 from model_parallel.split import Activations, DecoderStage
-from train import loop
 from train.config import Config
 from train.model import conditioning
 from train.runtime import checkpoint
 from train.runtime.engine import Dist
+from train.trainer import loop
 
 _ACTS = ("act_img", "act_txt", "act_temb")
 

@@ -16,12 +16,13 @@ import torch
 from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
-from train import config, loop
+from train import config
 from train import main as train_main
 from train.data import pairs
 from train.model import components, lora_io
 from train.runtime import checkpoint, engine, outdir
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
+from train.trainer import loop
 
 
 def num_blocks(model_dir: str) -> int:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from model_parallel import transport
-from train import loop
 from train.config import Config
+from train.trainer import loop
 
 
 def slow_stage_s(stage: str) -> float:

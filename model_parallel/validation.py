@@ -3,9 +3,9 @@ the decoder stage.
 
 The encoder stage holds the text encoder and the VAE, the decoder stage the transformer being trained. Once, at
 start, each pipeline's encoder records the conditioning of its share of validation.file
-(`train.validation.encode_requests`: prompt embeddings and masks, reference latents, as diffusers' pipeline
+(`train.trainer.validation.encode_requests`: prompt embeddings and masks, reference latents, as diffusers' pipeline
 computes them) and sends it after its opening message. The decoder loads only a VAE (to decode latents to
-images) and renders with the live transformer through `train.validation.Validator`, which replays the
+images) and renders with the live transformer through `train.trainer.validation.Validator`, which replays the
 recordings instead of encoding: the same cadence, grids, tensorboard images and 'before' images as the ZeRO-2
 mode. Pipeline p renders items p::P (as rank p of the ZeRO-2 mode would); decoder rank 0 writes the grids.
 A decoder cut is refused by config validation: every denoising step would have to cross the stages.
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from model_parallel import transport
-from train import validation
 from train.config import Config
 from train.model import components
 from train.runtime.engine import Dist
+from train.trainer import validation
 
 
 def conditioning_message(recorded: dict[int, validation.Recorded]) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -16,10 +16,11 @@ import torch
 from conftest import REPO, free_port, metrics, run_trainer, write_config
 from safetensors.torch import load_file
 
-from train import cache, config, loop
+from train import cache, config
 from train.data import pairs
 from train.model import components, conditioning
 from train.runtime import engine
+from train.trainer import loop
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -191,8 +191,8 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
     and the transformer called with the trainer's inputs (loop.noisy_inputs' layout: noisy target then the
     references; img_shapes from train.model.conditioning) returns the pipeline's own prediction. The 2509 weights (the
     same tiny weights without zero_cond_t) predict something else for the same inputs, so the test sees the key."""
-    from train import loop
     from train.model import components
+    from train.trainer import loop
 
     pipe = load_pipeline(tiny_edit_plus_2511)
     assert isinstance(pipe, QwenImageEditPlusPipeline) and pipe.transformer.config.zero_cond_t

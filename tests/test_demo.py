@@ -43,10 +43,10 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     import torch
     from PIL import Image
 
-    from train import validation
     from train.config import LoraConfig, ModelConfig
     from train.model import components
     from train.runtime import checkpoint
+    from train.trainer import validation
 
     tiny_edit = request.getfixturevalue(tiny_name)
     num_columns = 3 if tiny_name == "tiny_t2i" else 4

@@ -14,11 +14,12 @@ from conftest import write_config
 from test_validation import TINY_INFERENCE, check_validated_run
 
 from model_parallel import plan
-from train import config, validation
+from train import config
 from train.config import Config, ProjectConfig
 from train.model import components
 from train.runtime.engine import Dist
 from train.runtime.metrics import NullMetrics
+from train.trainer import validation
 
 
 def edits_file(tiny: Path, path: Path, num_edits: int = 3, references: bool = True) -> Path:

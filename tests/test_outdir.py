@@ -28,7 +28,7 @@ def test_second_claim_is_refused_until_the_first_ends(tmp_path):
 
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     """SIGKILL the process holding the lock (no clean-up runs): the directory is free at once."""
-    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom train import outdir\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom train.runtime import outdir\n"
                                f"with outdir.claim({str(tmp_path)!r}, False, False, True):\n"
                                "    print('held', flush=True)\n    time.sleep(600)\n"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -1,4 +1,4 @@
-"""Validation images during training (train/validation.py): grids at the configured steps from 2 ranks, and
+"""Validation images during training (train/trainer/validation.py): grids at the configured steps from 2 ranks, and
 training that is bitwise unchanged by them."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from conftest import metrics, run_trainer, write_config
 from PIL import Image
 from safetensors.torch import load_file
 
-from train import validation
 from train.config import Config, ProjectConfig, ValidationConfig
+from train.trainer import validation
 
 TINY_INFERENCE = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
 

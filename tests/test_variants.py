@@ -168,8 +168,9 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     (loop.forward_loss, the same noise; 2511: the zero_cond_t transformer)."""
     from test_cache import WORLD_OF_ONE, copy_tiny, data_of, load_cfg
 
-    from train import cache, loop
+    from train import cache
     from train.data import pairs
+    from train.trainer import loop
 
     cfg = load_cfg(copy_tiny(request.getfixturevalue(tiny_name), tmp_path, num_rows=3), tmp_path)
     assert data_of(cfg)[0] == variant
@@ -226,10 +227,11 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
     QwenImageEditPlusPipeline renders from the 2511 directory, with guidance (negative prompt) on."""
     from test_validation import TINY_INFERENCE
 
-    from train import config, validation
+    from train import config
     from train.config import Config, ProjectConfig
     from train.runtime.engine import Dist
     from train.runtime.metrics import NullMetrics
+    from train.trainer import validation
 
     edits_file, edits = _edits(tiny_2511, tmp_path)
     cfg = Config(ProjectConfig(), deepspeed={})

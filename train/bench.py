@@ -3,10 +3,10 @@
     python -m train.bench [--tiny] [--mode lora|full] [--checkpointing none|full] [--compile] [--baseline] ...
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
 
-What is timed is exactly what `train.loop.train` runs per micro-step: `train.loop.forward_loss` on a
-`train.loop.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and `engine.step()`
-on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is built from
-synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
+What is timed is exactly what `train.trainer.loop.train` runs per micro-step: `train.trainer.loop.forward_loss` on a
+`train.trainer.loop.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and
+`engine.step()` on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is
+built from synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
 separately, and the latent/embedding cache (another issue) removes it from training altogether.
 
@@ -61,13 +61,13 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 import torch.distributed as dist
 
-from train import loop
 from train.benchmarks import fp8_impls, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.make_tiny import SCHEDULER_CONFIG
 from train.model import components, conditioning, rope
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
+from train.trainer import loop
 
 # Qwen-Image(-Edit) transformer, as in the released transformer/config.json.
 FULL_ARCH = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -513,7 +513,7 @@ def oom_hint(w: Workload) -> str:
 
 
 def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
-    """One micro-step as train.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
+    """One micro-step as train.trainer.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
     from torch.profiler import record_function
 
     t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]

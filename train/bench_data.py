@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-from train import bench, cache, loop, make_tiny
+from train import bench, cache, make_tiny
 from train.data import pairs
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
+from train.trainer import loop
 
 # Qwen2.5-VL-7B-Instruct's config.json (the text_encoder of Qwen-Image-Edit), vocabulary and token ids aside.
 VL_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -7,7 +7,7 @@
 train/main.py when the cache is missing. The cache lives in `data.cache_dir` ("" = OUTPUT/cache).
 
 Each rank encodes its strided share of the rows (rank, rank + N, ...) with the frozen encoders exactly as
-online training does (`train.loop.encode_batch`, one sample per call, so nothing is padded) and writes
+online training does (`train.trainer.loop.encode_batch`, one sample per call, so nothing is padded) and writes
 `shard-RRRRR-of-NNNNN-PPPP.safetensors` files (a new part every ~2 GB so no rank holds more in memory).
 Rank 0 writes `index.json` last and atomically, once every rank has finished: a directory without it is an
 unfinished cache and counts as missing. Tensors per sample (row line `n`), in the encoder dtype:
@@ -40,11 +40,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model_parallel.plan import check_parallel
-from train import config, loop
+from train import config
 from train.data import pairs
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output, print0
+from train.trainer import loop
 
 INDEX = "index.json"
 FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py)

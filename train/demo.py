@@ -63,7 +63,7 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     from train.config import PROJECT_KEY
     from train.model.conditioning import pipeline_areas
     from train.model.images import open_rgb
-    from train.validation import make_grid
+    from train.trainer.validation import make_grid
 
     cfg = json.loads((workdir / "run" / "config.json").read_text())[PROJECT_KEY]
     rows = [json.loads(line) for line in (workdir / "data" / "metadata.jsonl").read_text().splitlines()][:num_rows]

@@ -19,12 +19,13 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from model_parallel.plan import check_parallel
-from train import cache, config, loop, validation
+from train import cache, config
 from train.data import pairs, prompts
 from train.model import components, fp8, lora_io, memory, streaming
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, engine, gpumon, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, prefix_rank_output, print0
+from train.trainer import loop, validation
 
 
 def vl_processor(model_dir: str):

@@ -1,6 +1,6 @@
 """diffusers' edit pipelines for validation images and batch inference: build, LoRAs, memory, placement, one edit.
 
-The same code path serves `train.validation` (the live, LoRA-wrapped transformer of a training run plus its
+The same code path serves `train.trainer.validation` (the live, LoRA-wrapped transformer of a training run plus its
 already-loaded encoders) and `train.infer` (a model directory, optional LoRA files). Every edit draws its noise
 from its own CPU `torch.Generator` seeded per request, so an image depends on its request only: not on the device,
 the process that renders it, or the number of processes.

@@ -260,7 +260,7 @@ def make_grid(references: list[list[Image.Image]], columns: dict[str, list[Image
 
 
 class Validator:
-    """The after_step hook of train.loop.train; also renders the 'before' column when built.
+    """The after_step hook of train.trainer.loop.train; also renders the 'before' column when built.
 
     `conditioning`: this rank's share of the edits as `encode_requests` recorded them elsewhere; then
     `encoders` needs only its VAE (for decoding), and the pipeline replays the recordings instead of encoding.

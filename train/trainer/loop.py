@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train import objective
 from train.config import Config, OutputConfig, TrainConfig
 from train.model import conditioning, memory
 from train.model.components import Encoders
 from train.runtime import checkpoint, faults, preempt
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.metrics import Throughput, peak_memory_gb
+from train.trainer import objective
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The trainer room of train/ (see README "Layout")."""
