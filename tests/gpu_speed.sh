@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Speed benchmark in one GPU call (issue 16), one H200: the project's fastest step (docs/performance.md) against
+# DiffSynth-Studio's (the peer, train/benchmarks/peer.py) and against torchao's fp8 linears on the same workload,
+# the 2509 two-reference workload, micro-batch 2 in one bucket, and the 50-step loss curves of the kept levers
+# against the plain bf16 loop (with the tolerance). Each row is one `python -m train.bench` run: its record is
+# $OUT/<row>.jsonl, its log $OUT/<row>.log; $OUT/summary.txt is the table of every row.
+# Rows run in the order of ROWS until the time budget is spent; a row that would not fit is skipped (and listed).
+# Usage (repo root, on a CUDA host with the project and its bench extra installed, or a wheelhouse on PYTHONPATH):
+#   OUT=/tmp/speed bash tests/gpu_speed.sh
+#   BUDGET_S=540 STEPS=8 WARMUP=4 ROWS="peer refs2" OUT=/tmp/speed bash tests/gpu_speed.sh
+# EXTRA is appended to every benchmark command (EXTRA=--tiny: a CPU dry run of the script itself).
+set -uo pipefail
+out=${OUT:-/tmp/gpu_speed}
+budget=${BUDGET_S:-540}
+steps=${STEPS:-8}
+warmup=${WARMUP:-4}
+rows=${ROWS:-"peer torchao_training torchao_inference refs2 curves microbatch2 peer_more"}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+start=$(date +%s)
+python - <<'PY' 2>&1 | tee "$out/versions.txt"
+import importlib.metadata as md
+for name in ("torch", "deepspeed", "diffusers", "peft", "torchao", "diffsynth", "einops", "comfy-kitchen"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "MISSING")
+import torch
+print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+PY
+
+# The project's fastest configuration (docs/performance.md), LoRA r64 on the 8 attention projections.
+fast=(--compile --fp8_base --fp8_transposed --zero_stage 1 --lora_targets attn)
+timing=(--steps "$steps" --warmup "$warmup")
+
+run_row() {  # NAME SECONDS_IT_NEEDS BENCH_ARGS...: run when the budget has that much left
+  local name=$1 need=$2
+  shift 2
+  local left=$(( budget - ($(date +%s) - start) ))
+  if [ "$left" -lt "$need" ]; then
+    echo "$name: skipped, $left s of the budget left and it needs about $need s" | tee -a "$out/skipped.txt"
+    return
+  fi
+  local t0 rc=0
+  t0=$(date +%s)
+  echo "== $name: python -m train.bench $*" | tee -a "$out/commands.txt"
+  # shellcheck disable=SC2086
+  timeout "$left" python -m train.bench "$@" ${EXTRA:-} --json "$out/$name.jsonl" > "$out/$name.log" 2>&1 || rc=$?
+  echo "$name: rc $rc, $(( $(date +%s) - t0 )) s" | tee -a "$out/commands.txt"
+  if [ "$rc" != 0 ]; then
+    echo "$name: failed (rc $rc; 124 = out of budget): $(grep -E 'Error|error' "$out/$name.log" | tail -1 | cut -c1-200)" \
+      | tee -a "$out/failed.txt"
+  fi
+}
+
+for row in $rows; do
+  case "$row" in
+    peer)  # the comparison itself: ours and the peer's fastest candidates in one process, same workload
+      run_row peer 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
+        --peer_variants bf16:compile,bf16:eager,torchao_fp8_w8a16:compile ;;
+    torchao_training)  # torchao.float8 rowwise training linears in place of train/fp8.py
+      run_row torchao_training 110 --compile --fp8_base --fp8_impl torchao_training --zero_stage 1 \
+        --lora_targets attn "${timing[@]}" ;;
+    torchao_inference)  # torchao's fp8 inference linears (W8A8 dynamic rowwise): does it train at all?
+      run_row torchao_inference 90 --compile --fp8_base --fp8_impl torchao_inference --zero_stage 1 \
+        --lora_targets attn "${timing[@]}" ;;
+    refs2)  # the 2509 workload: two 1 MP references (12.5k tokens)
+      run_row refs2 200 "${fast[@]}" --refs 2 "${timing[@]}" --peer diffsynth --peer_variants bf16:compile ;;
+    curves)  # 50 steps of the kept levers against the plain bf16 compiled loop, same seeds: the loss tolerance
+      run_row curves 200 "${fast[@]}" --baseline --steps 45 --warmup 5 ;;
+    microbatch2)  # two samples of one shape bucket per step
+      run_row microbatch2 100 "${fast[@]}" --micro_batch 2 "${timing[@]}" ;;
+    peer_more)  # the peer's other candidates: its compile_pipeline default (dynamic) and int8 weight-only
+      run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
+        --peer_variants bf16:compile_dynamic,torchao_int8_w8a16:compile ;;
+    *) echo "unknown row $row (rows: peer torchao_training torchao_inference refs2 curves microbatch2 peer_more)" ;;
+  esac
+done
+
+python - "$out" <<'PY' | tee "$out/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(f"{'row':18s} {'configuration':54s} {'s/step':>8s} {'MFU':>6s} {'GB':>6s}  note")
+for path in sorted(out.glob("*.jsonl")):
+    lines = path.read_text().splitlines()
+    if not lines:
+        continue
+    r = json.loads(lines[-1])
+    opts = [f"refs {r['refs']}", f"mb {r['micro_batch']}"]
+    opts += [f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "")] if r["fp8_base"] else ["bf16"]
+    opts += ["compiled" if r["compile"] else "eager", f"ZeRO-{r['zero_stage']}"]
+    print(f"{path.stem:18s} {'project: ' + ', '.join(opts):54s} {r['s_per_step']:8.4f} {100 * r['mfu']:5.1f}% "
+          f"{r['peak_memory_gb']:6.1f}  {r['tokens_per_sample']} tokens/sample")
+    if "ratio" in r:
+        ok = "within" if r["loss_within_tolerance"] else "OUTSIDE"
+        print(f"{'':18s} {'plain PyTorch loop, bf16':54s} {r['baseline_s_per_step']:8.4f} {100 * r['baseline_mfu']:5.1f}% "
+              f"{r['baseline_peak_memory_gb']:6.1f}  plain/project {r['ratio']:.3f}; {len(r['losses'])}-step loss "
+              f"curves: max rel diff {r['loss_max_rel_diff']:.2e}, tolerance {r['loss_tolerance']:.0e}: {ok}")
+    for p in r.get("peer_rows", []):
+        if "error" in p:
+            print(f"{'':18s} {'peer ' + p['variant']:54s} {'-':>8s} {'-':>6s} {'-':>6s}  {p['error'][:90]}")
+        else:
+            print(f"{'':18s} {'peer ' + p['variant']:54s} {p['s_per_step']:8.4f} {100 * p['mfu']:5.1f}% "
+                  f"{p['peak_memory_gb']:6.1f}  project is {p['s_per_step'] / r['s_per_step']:.3f}x faster")
+    if "peer_ratio" in r:
+        print(f"{'':18s} peer's fastest ({r['peer_fastest']}) / project = {r['peer_ratio']:.3f} (goal >= 1.3)")
+for name in ("failed.txt", "skipped.txt"):
+    if (out / name).is_file():
+        print((out / name).read_text().strip())
+PY
+echo "total $(( $(date +%s) - start )) s of the $budget s budget"
