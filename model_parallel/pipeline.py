@@ -19,6 +19,7 @@ import torch
 from model_parallel import transport
 from model_parallel.split import Activations, DecoderStage
 from train.config import Config
+from train.data import sources
 from train.model import conditioning
 from train.runtime import checkpoint
 from train.runtime.engine import Dist
@@ -27,7 +28,7 @@ from train.trainer import loop
 _ACTS = ("act_img", "act_txt", "act_temb")
 
 
-def activation_message(b: loop.Batch, x: Activations) -> tuple[dict, dict]:
+def activation_message(b: sources.Batch, x: Activations) -> tuple[dict, dict]:
     """The micro-batch and this stage's output, for the next stage."""
     meta, tensors = transport.batch_message(b)
     return meta, {**tensors, **dict(zip(_ACTS, x, strict=True))}
@@ -53,7 +54,7 @@ class _SendGradients(torch.autograd.Function):
 def receiving_converter(stage: DecoderStage, device: torch.device, grad_sender: transport.Sender):
     """For stages after the first: a message -> its Batch, with the activations put into the stage's inbox."""
 
-    def convert(meta: dict, tensors: dict) -> loop.Batch:
+    def convert(meta: dict, tensors: dict) -> sources.Batch:
         acts = [tensors.pop(k).to(device).requires_grad_() for k in _ACTS]
         stage.inbox = _SendGradients.apply(grad_sender, *acts)
         return transport.message_batch(meta, tensors, device)

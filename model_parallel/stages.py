@@ -24,6 +24,7 @@ import torch
 
 from model_parallel import transport
 from train.config import Config
+from train.data import sources
 from train.trainer import loop
 
 
@@ -42,7 +43,7 @@ def num_micro_batches(cfg: Config, start_step: int) -> int:
     return (cfg.project.train.max_steps - start_step) * cfg.deepspeed["gradient_accumulation_steps"]
 
 
-def _micro_batches(source: loop.LoaderSource, epoch: int, skip: int):
+def _micro_batches(source: sources.LoaderSource, epoch: int, skip: int):
     """The source's micro-batches from (epoch, skip) on, across epochs; each is encoded when it is asked for."""
     while True:
         source.start_epoch(epoch, skip)
@@ -59,7 +60,7 @@ def _await_request(link, peer: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_encoder(cfg: Config, source: loop.LoaderSource, link, peer: int,
+def run_encoder(cfg: Config, source: sources.LoaderSource, link, peer: int,
                 opening: Callable[[], list[tuple[dict, dict]]] | None = None) -> dict:
     """Encode and send every micro-batch the decoder will train on; returns {busy_s, idle_s, micro_batches}.
 
@@ -169,7 +170,7 @@ class ReceivingSource:
         wait, self._wait_s = self._wait_s, 0.0
         return wait
 
-    def next_batch(self) -> loop.Batch:
+    def next_batch(self) -> sources.Batch:
         """The next micro-batch (blocks while the queue is empty; that time is the decoder's idle time)."""
         if self.delay and self.delivered:
             time.sleep(self.delay)  # test hook: a slower decoder (counted as busy, as compute would be)

@@ -17,10 +17,9 @@ from conftest import REPO, free_port, metrics, run_trainer, write_config
 from safetensors.torch import load_file
 
 from train import cache, config
-from train.data import pairs
+from train.data import pairs, sources
 from train.model import components, conditioning
 from train.runtime import engine
-from train.trainer import loop
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -79,13 +78,13 @@ def built(request, tmp_path_factory):
 
 
 def test_cached_tensors_equal_online_encoding(built):
-    """Every cached sample equals loop.encode_batch on the same row exactly (CPU fp32, micro-batch 1)."""
+    """Every cached sample equals sources.encode_batch on the same row exactly (CPU fp32, micro-batch 1)."""
     cfg, variant, rows, dataset, index = built
     assert index["num_samples"] == len(rows) and [s["line"] for s in index["samples"]] == [r.line for r in rows]
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
     for i in range(0, len(rows), 3):
-        online = loop.encode_batch(pairs.collate([dataset[i]]), encoders, variant)
+        online = sources.encode_batch(pairs.collate([dataset[i]]), encoders, variant)
         got = cache.to_batch(cache.collate([cached[i]]), torch.device("cpu"))
         assert got.target_hw == online.target_hw
         assert got.cond.reference_shapes == online.cond.reference_shapes
@@ -107,7 +106,7 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
     assert lengths[j] > lengths[i], lengths
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
-    online = loop.encode_batch(pairs.collate([dataset[i], dataset[j]]), encoders, variant)
+    online = sources.encode_batch(pairs.collate([dataset[i], dataset[j]]), encoders, variant)
     got = cache.to_batch(cache.collate([cached[i], cached[j]]), torch.device("cpu"))
     assert torch.equal(got.cond.prompt_mask, online.cond.prompt_mask)
     for a, b in ((got.x0, online.x0), (got.cond.reference_tokens, online.cond.reference_tokens),

@@ -191,6 +191,7 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
     and the transformer called with the trainer's inputs (loop.noisy_inputs' layout: noisy target then the
     references; img_shapes from train.model.conditioning) returns the pipeline's own prediction. The 2509 weights (the
     same tiny weights without zero_cond_t) predict something else for the same inputs, so the test sees the key."""
+    from train.data import sources
     from train.model import components
     from train.trainer import loop
 
@@ -211,7 +212,7 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
     kwargs = {"hidden_states": torch.cat([noisy, cond.reference_tokens], dim=1), "timestep": recorded["timestep"],
               "encoder_hidden_states": cond.prompt_embeds, "encoder_hidden_states_mask": cond.prompt_mask,
               "img_shapes": C.img_shapes(hw, cond.reference_shapes, 1), "return_dict": False}
-    layout, _, _ = loop.noisy_inputs(loop.Batch(noisy.float(), hw, cond), _tiny_train_config(), torch.Generator(),
+    layout, _, _ = loop.noisy_inputs(sources.Batch(noisy.float(), hw, cond), _tiny_train_config(), torch.Generator(),
                                      components.scheduler_config(tiny_edit_plus_2511 / "model"), torch.float32)
     assert layout.keys() == kwargs.keys() and layout["img_shapes"] == kwargs["img_shapes"]
     assert torch.equal(layout["hidden_states"][:, num_target:], kwargs["hidden_states"][:, num_target:])

@@ -18,7 +18,8 @@ from test_data import good, png, write_jsonl
 
 from train.data.pairs import BadRowsError, EditDataset, assign_categories, build_loader, preflight, read_rows
 from train.data.sampling import BucketBatchSampler, apportion
-from train.trainer.loop import LoaderSource, start_position
+from train.data.sources import LoaderSource
+from train.trainer.loop import start_position
 
 AREA = 64 * 64
 

@@ -169,7 +169,7 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     from test_cache import WORLD_OF_ONE, copy_tiny, data_of, load_cfg
 
     from train import cache
-    from train.data import pairs
+    from train.data import pairs, sources
     from train.trainer import loop
 
     cfg = load_cfg(copy_tiny(request.getfixturevalue(tiny_name), tmp_path, num_rows=3), tmp_path)
@@ -182,7 +182,7 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     assert transformer.config.zero_cond_t == (variant == "edit_plus_2511")
     scheduler = components.scheduler_config(cfg.project.model.path)
     cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
-    online = loop.encode_batch(pairs.collate([dataset[0]]), encoders, variant)
+    online = sources.encode_batch(pairs.collate([dataset[0]]), encoders, variant)
     got = cache.to_batch(cache.collate([cached[0]]), torch.device("cpu"))
     assert len(got.cond.reference_shapes) == num_refs
     assert got.cond.reference_tokens.shape[1] == sum(h * w for _, h, w in got.cond.reference_shapes)

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from train.benchmarks import fp8_impls, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
+from train.data import sources
 from train.make_tiny import SCHEDULER_CONFIG
 from train.model import components, conditioning, rope
 from train.runtime import engine
@@ -325,8 +326,8 @@ def mfu(flops_per_step: float, s_per_step: float, num_gpus: int, peak_tflops: fl
 
 
 def synthetic_batch(w: Workload, model: torch.nn.Module, device: torch.device, cond_dtype: torch.dtype,
-                    text_mask: bool) -> loop.Batch:
-    """A loop.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
+                    text_mask: bool) -> sources.Batch:
+    """A sources.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
     g = torch.Generator(device).manual_seed(SEED)
     channels, joint_dim = model.config.in_channels, model.config.joint_attention_dim
     x0 = torch.randn(w.micro_batch, w.target_tokens, channels, generator=g, device=device)
@@ -335,7 +336,7 @@ def synthetic_batch(w: Workload, model: torch.nn.Module, device: torch.device, c
     mask = torch.ones(w.micro_batch, w.text_tokens, dtype=torch.long, device=device) if text_mask else None
     h, w_ = w.latent_hw
     cond = conditioning.Conditioning(embeds, mask, refs, [(1, h // 2, w_ // 2)] * w.refs)
-    return loop.Batch(x0, (h, w_), cond)
+    return sources.Batch(x0, (h, w_), cond)
 
 
 def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype: torch.dtype) -> Config:
@@ -512,7 +513,8 @@ def oom_hint(w: Workload) -> str:
             "try --checkpointing full, a smaller --area or --micro_batch, or --num_layers N")
 
 
-def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+def project_step(eng, b: sources.Batch, cfg: Config, d: engine.Dist,
+                 dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
     """One micro-step as train.trainer.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
     from torch.profiler import record_function
 
@@ -531,7 +533,7 @@ def project_step(eng, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.d
     return step
 
 
-def run_project(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
+def run_project(model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
                 args: argparse.Namespace, w: Workload) -> Phase:
     """Build the DeepSpeed engine over `model` (train.runtime.engine.build_engine) and time its step."""
     eng, _ = engine.build_engine(model, cfg.deepspeed)
@@ -546,7 +548,7 @@ def run_project(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Di
         raise RuntimeError(oom_hint(w)) from e
 
 
-def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimizer, cfg: Config,
+def baseline_step(model: torch.nn.Module, b: sources.Batch, opt: torch.optim.Optimizer, cfg: Config,
                   d: engine.Dist, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
     """Plain PyTorch: the same loss (same noise and timesteps per step as the project's step) on the bare
     model under bf16 autocast, loss.backward(), AdamW step, zero_grad."""
@@ -564,7 +566,7 @@ def baseline_step(model: torch.nn.Module, b: loop.Batch, opt: torch.optim.Optimi
     return step
 
 
-def run_baseline(model: torch.nn.Module, b: loop.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
+def run_baseline(model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype,
                  args: argparse.Namespace, w: Workload) -> Phase:
     """Time the plain loop (LoRA parameters in fp32), then put the LoRA weights back to their initial values
     (so the project's loop starts from the same point) and free the optimizer state and gradients."""

@@ -6,7 +6,7 @@
 
 Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own loader, sampler and sources):
 
-- online: `pairs.EditDataset` (decode + resize) -> `loop.online_source` (Qwen2.5-VL + VAE encode) on the device;
+- online: `pairs.EditDataset` (decode + resize) -> `sources.online_source` (Qwen2.5-VL + VAE encode) on the device;
 - cached: the rows are first precomputed with `cache.write_cache` (timed too), the encoders are freed, then
   `cache.CachedDataset` (read the shard) -> `cache.to_batch` (to the device).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from train import bench, cache, make_tiny
-from train.data import pairs
+from train.data import pairs, sources
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
@@ -155,7 +155,7 @@ def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Name
     eng.train()
     t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
 
-    def step(b: loop.Batch, i: int) -> None:
+    def step(b: sources.Batch, i: int) -> None:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
         eng.backward(loop.forward_loss(eng, b, t, generator, make_tiny.SCHEDULER_CONFIG, dtype))
         eng.step()
@@ -164,7 +164,7 @@ def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Name
     return step
 
 
-def time_source(source: loop.LoaderSource, step, warmup: int, samples: int) -> dict:
+def time_source(source: sources.LoaderSource, step, warmup: int, samples: int) -> dict:
     """samples/s over `samples` micro-batches after `warmup`, and the fraction of that time spent in the loader."""
     source.start_epoch(0, 0)
     it = iter(source)
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     record = {**encoder_stats(encoders), "encoder_gpu_memory_gb": 0.0}
     with_encoders = free(d.device)
     step = step_fn(transformer, d, dtype, args)
-    online = time_source(loop.online_source(make_loader(dataset, args), encoders, args.variant), step,
+    online = time_source(sources.online_source(make_loader(dataset, args), encoders, args.variant), step,
                          args.warmup, args.samples)
     start = time.perf_counter()
     cache.write_cache(work / "cache", dataset, rows, encoders, args.variant, {"bench": "bench_data"}, d,
@@ -200,7 +200,8 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     record["encoder_gpu_memory_gb"] = before_free - free(d.device)  # what training from the cache never holds
     index = cache.read_index(work / "cache")
     cached_ds = cache.CachedDataset(work / "cache", index, rows)
-    source = loop.LoaderSource(make_loader(cached_ds, args, cache.collate), lambda raw: cache.to_batch(raw, d.device))
+    source = sources.LoaderSource(make_loader(cached_ds, args, cache.collate),
+                                  lambda raw: cache.to_batch(raw, d.device))
     cached = time_source(source, step, args.warmup, args.samples)
     cache_bytes = sum(f.stat().st_size for f in (work / "cache").glob("shard-*"))
     w = bench.make_workload(args.area, 1, 1, 1)

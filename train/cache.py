@@ -41,11 +41,10 @@ from safetensors.torch import save_file
 
 from model_parallel.plan import check_parallel
 from train import config
-from train.data import pairs
+from train.data import pairs, sources
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output, print0
-from train.trainer import loop
 
 INDEX = "index.json"
 FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py)
@@ -181,7 +180,7 @@ def encode_share(directory: Path, dataset, encoders: components.Encoders, varian
     loader = torch.utils.data.DataLoader(share, batch_size=1, num_workers=num_workers, collate_fn=pairs.collate)
     records, tensors, pending, part = [], {}, [], 0
     for raw in tqdm(loader, desc="encoding", unit="sample", disable=not d.is_main, dynamic_ncols=True):
-        b = loop.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
+        b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
         line, dtype = raw["lines"][0], b.cond.reference_tokens.dtype
         sample = {"x0": b.x0[0].to(dtype), "ref": b.cond.reference_tokens[0], "embeds": b.cond.prompt_embeds[0]}
         tensors.update({f"{line}.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in sample.items()})
@@ -310,17 +309,17 @@ def collate(samples: list[dict]) -> dict:
             "reference_shapes": samples[0]["reference_shapes"], "lines": lines}
 
 
-def to_batch(raw: dict, device: torch.device) -> loop.Batch:
-    """A collated cached micro-batch on the training device, as loop.encode_batch returns the same samples."""
+def to_batch(raw: dict, device: torch.device) -> sources.Batch:
+    """A collated cached micro-batch on the training device, as sources.encode_batch returns the same samples."""
     mask = None if raw["mask"] is None else raw["mask"].to(device, non_blocking=True)
     shapes = [tuple(s) for s in raw["reference_shapes"]]  # tuples again: pinning memory turns them into lists
     cond = conditioning.Conditioning(raw["embeds"].to(device, non_blocking=True), mask,
                                      raw["ref"].to(device, non_blocking=True), shapes)
-    return loop.Batch(raw["x0"].to(device, non_blocking=True).float(), tuple(raw["target_hw"]), cond)
+    return sources.Batch(raw["x0"].to(device, non_blocking=True).float(), tuple(raw["target_hw"]), cond)
 
 
 def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
-                  dataset) -> loop.LoaderSource:
+                  dataset) -> sources.LoaderSource:
     """Training input from the cache (built first when missing and data.cache = "auto"); no encoder is loaded.
 
     `dataset` is the online EditDataset of `rows`, used only to build a missing cache.
@@ -333,7 +332,7 @@ def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[p
     loader = pairs.build_loader(cached, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed, p.data.num_workers,
                                p.data.pin_memory, p.data.shuffle, collate_fn=collate, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
-    return loop.LoaderSource(loader, lambda raw: to_batch(raw, d.device))
+    return sources.LoaderSource(loader, lambda raw: to_batch(raw, d.device))
 
 
 # ---------------------------------------------------------------- command

@@ -20,7 +20,7 @@ import torch
 
 from model_parallel.plan import check_parallel
 from train import cache, config
-from train.data import pairs, prompts
+from train.data import pairs, prompts, sources
 from train.model import components, fp8, lora_io, memory, streaming
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, engine, gpumon, outdir, preempt
@@ -82,14 +82,15 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     return transformer
 
 
-def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], loader) -> loop.LoaderSource:
+def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
+                 loader) -> sources.LoaderSource:
     """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online."""
     if cfg.project.data.cache != "off":
         return cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     encoders = components.load_encoders(p.model.path, dtype, d.device)
-    return loop.online_source(loader, encoders, variant)
+    return sources.online_source(loader, encoders, variant)
 
 
 def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step: int) -> Path:

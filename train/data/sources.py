@@ -1,0 +1,85 @@
+"""What the training loop reads: `Batch` (a micro-batch as the transformer takes it) and the source protocol
+(`LoaderSource`: a DataLoader whose raw batches are turned into `Batch`es), with the online source that encodes
+images with the frozen encoders on the fly. The latent cache (train/data/latent_cache.py) is the other source.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from train.model import conditioning, memory
+from train.model.components import Encoders
+
+
+@dataclass
+class Batch:
+    """A micro-batch as the transformer takes it (all on the training device)."""
+
+    x0: torch.Tensor  # B L 4C packed clean target latents, float32
+    target_hw: tuple[int, int]  # latent height, width of the target
+    cond: conditioning.Conditioning
+
+
+def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
+    """Frozen encoders: prompt embeddings, target and reference latents (no gradients)."""
+    embeds, mask = conditioning.encode_prompts(
+        encoders.text_encoder, encoders.processor, batch["prompts"], batch["vl_images"], variant
+    )
+    target = conditioning.encode_latents(encoders.vae, batch["target"])
+    ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"],
+                                                            len(batch["prompts"]))
+    cond = conditioning.Conditioning(embeds, mask, ref_tokens, ref_shapes)
+    return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
+
+
+class LoaderSource:
+    """Micro-batches read by a DataLoader and turned into `Batch`es by `to_batch` (e.g. the frozen encoders).
+
+    The loop takes any source with this shape: len() = micro-batches per epoch, start_epoch(epoch, skip)
+    before each epoch (skip = micro-batches of it already trained, on resume), iteration yielding `Batch`es on
+    the training device, and take_wait_s() = seconds spent blocked on input since the last call. `encoders`: the
+    frozen encoders it uses, if any (validation renders with them instead of loading a second copy).
+    """
+
+    def __init__(self, loader, to_batch: Callable[[dict], Batch], encoders: Encoders | None = None):
+        self.loader, self.to_batch, self.encoders = loader, to_batch, encoders
+        self._wait_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def start_epoch(self, epoch: int, skip: int) -> None:
+        self.loader.batch_sampler.set_epoch(epoch)
+        self.loader.batch_sampler.skip_next(skip)  # counted in micro-batches (sampling.BucketBatchSampler)
+
+    def take_wait_s(self) -> float:
+        wait, self._wait_s = self._wait_s, 0.0
+        return wait
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                raw = next(it)
+            except StopIteration:
+                return
+            self._wait_s += time.perf_counter() - t0
+            yield self.to_batch(raw)
+
+
+def online_source(loader, encoders: Encoders, variant: str) -> LoaderSource:
+    """Images from the loader, encoded on the fly by the frozen encoders."""
+
+    def encode(raw: dict) -> Batch:
+        try:
+            return encode_batch(raw, encoders, variant)
+        except torch.cuda.OutOfMemoryError as e:
+            raise memory.OutOfMemory(f"CUDA out of memory while encoding a micro-batch of {len(raw['prompts'])} "
+                                     f"online. {memory.oom_advice('encode', len(raw['prompts']))}") from e
+
+    return LoaderSource(loader, encode, encoders)
