@@ -616,7 +616,8 @@ def add_peer(record: dict, rows: list[dict], flops_per_gpu: float, peak_tflops: 
     timed = [r for r in rows if "error" not in r]
     for r in timed:
         r["mfu"] = mfu(flops_per_gpu, r["s_per_step"], 1, peak_tflops)
-    record.update(peer="diffsynth", peer_version=peer.version(), peer_rows=rows, peer_not_measured=peer.UNAVAILABLE)
+    record.update(peer="diffsynth", peer_version=peer.version(), peer_rows=rows,
+                  peer_not_measured=peer.not_measured())
     if timed:
         fastest = min(timed, key=lambda r: r["s_per_step"])
         record.update(peer_fastest=fastest["variant"], peer_fastest_s_per_step=fastest["s_per_step"],

@@ -52,8 +52,6 @@ TESTED_VERSION = "2.1.12"  # the version this driver was written against (setup.
 MODES = ("eager", "compile", "compile_dynamic")
 DEFAULT_VARIANTS = ("bf16:compile", "bf16:compile_dynamic", "bf16:eager", "torchao_fp8_w8a16:compile",
                     "torchao_int8_w8a16:compile")
-# Not measurable here: comfy-kitchen (DiffSynth's fp8 W8A8 training backend) does not install from PyPI.
-UNAVAILABLE = "comfy_kitchen_fp8_w8a8 (comfy-kitchen, fp8 forward and dequantised backward): not installable"
 TRAIN_TIMESTEPS = 1000
 LR, WEIGHT_DECAY = 1e-4, 0.01  # the shell scripts' --learning_rate 1e-4; the parser's --weight_decay default
 LATENT_CHANNELS = 16  # the VAE's latent channels; the DiT packs 2x2 of them into 64
@@ -76,6 +74,15 @@ def package_dir() -> Path:
 
 def version() -> str:
     return importlib.metadata.version("diffsynth")
+
+
+def not_measured() -> str:
+    """What the rows leave out: DiffSynth's fp8-compute training method, whose backend (comfy-kitchen) does not
+    install from PyPI, unless it is installed (then a `comfy_kitchen_fp8_w8a8:eager` variant measures it)."""
+    if importlib.util.find_spec("comfy_kitchen") is not None:
+        return "comfy_kitchen_fp8_w8a8: comfy-kitchen is installed; add comfy_kitchen_fp8_w8a8:eager to --peer_variants"
+    return ("comfy_kitchen_fp8_w8a8 (fp8 forward, dequantised backward, not compileable): comfy-kitchen is not "
+            "installed (not installable from PyPI)")
 
 
 def load(name: str) -> types.ModuleType:
@@ -349,7 +356,7 @@ def run_variants(variants: list[Variant], time_step: Callable[[Callable[[int], t
             setup = build(variant, **build_kwargs)
             row.update(trainable_params=setup.trainable_params, total_params=setup.total_params,
                        **time_step(setup.step))
-        except (ImportError, ValueError, RuntimeError, NotImplementedError, AssertionError) as e:
+        except (ImportError, ValueError, TypeError, RuntimeError, NotImplementedError, AssertionError) as e:
             # RuntimeError covers CUDA out of memory and inductor failures; the row says what happened
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         finally:
