@@ -137,3 +137,90 @@ def test_explicit_keys_of_a_config(tmp_path):
     path.write_text('{"qwen_edit": {"inference": {"cpu_offload": "none"}, "memory": {"budget_gb": 24}}}')
     assert config.explicit_keys(path) == {"inference.cpu_offload", "memory.budget_gb"}
     assert config.explicit_keys(None) == set()
+
+
+def test_optimizer_offload_is_the_last_resort(full_sizes):
+    """At 16 GB only DeepSpeed's optimizer offload fits 8.4k tokens (the LoRA r64 state, 6.8 GB, is what does not):
+    it is chosen, its predicted peak is the same setting's without it minus 12 bytes per LoRA parameter, and the
+    host step is charged; at 24 GB a setting without it fits, and it is not chosen."""
+    m = measured(8_448)
+    margin = memory.margin_bytes(0, 16 * GB)
+    c, p = memory.choose(full_sizes, m, 16 * GB, margin, {}, fp8_ok=True, online=False)
+    assert c.offload_optimizer and p.peak_bytes <= 16 * GB - margin
+    on_gpu = memory.predict(full_sizes, m, memory.Choice(c.fp8_base, c.fp8_transposed, c.checkpointed, c.offloaded,
+                                                         c.cached))
+    lowered = full_sizes.lora_params * (memory.LORA_STATE_BYTES - memory.LORA_OFFLOADED_STATE_BYTES)
+    assert on_gpu.peak_bytes - p.peak_bytes == pytest.approx(lowered)
+    assert lowered == pytest.approx(5.1 * GB, rel=0.01)
+    assert p.step_s == on_gpu.step_s and on_gpu.optimizer_s == 0
+    assert p.optimizer_s == pytest.approx(full_sizes.lora_params * (30 / 10e9 + 4 / 25e9))  # ~1.34 s
+    assert "optimizer state in host memory" in memory.describe(c, 60)
+    # nothing without it fits 16 GB: with the offload ruled out the plan refuses
+    with pytest.raises(memory.PlanError):
+        memory.choose(full_sizes, m, 16 * GB, margin, {memory.OFFLOAD_KEY: False}, fp8_ok=True, online=False)
+    c24, _ = memory.choose(full_sizes, m, 24 * GB, memory.margin_bytes(0, 24 * GB), {}, fp8_ok=True, online=False)
+    assert not c24.offload_optimizer and c24.offloaded > 0  # block offloading first: it costs less time
+
+
+def test_offload_key_of_the_deepspeed_config_is_left_alone(full_sizes):
+    """zero_optimization.offload_optimizer in the config pins the plan either way (and is counted); apply() writes
+    the offload into the DeepSpeed section only when the config does not set it, as DeepSpeed reads it."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from train.config import Config, ProjectConfig
+
+    m = measured(8_448)
+    pinned, p = memory.choose(full_sizes, m, 141 * GB, 8.55 * GB, {memory.OFFLOAD_KEY: True}, fp8_ok=True,
+                              online=False)
+    free, q = memory.choose(full_sizes, m, 141 * GB, 8.55 * GB, {}, fp8_ok=True, online=False)
+    assert pinned.offload_optimizer and not free.offload_optimizer and p.peak_bytes < q.peak_bytes
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(full_sizes, m, 16 * GB, 2.3 * GB, {memory.OFFLOAD_KEY: False}, fp8_ok=True, online=False)
+    assert "offload_optimizer" not in str(e.value)  # the user turned it off: no advice to turn it on
+
+    def config(zero: dict) -> Config:
+        ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+        return Config(project=ProjectConfig(), deepspeed=ds)
+
+    cfg = config({"stage": 2})
+    assert memory.OFFLOAD_KEY not in memory.fixed_settings(cfg)
+    memory.apply(cfg, memory.Choice(True, True, 60, 60, True, offload_optimizer=True), 60)
+    assert cfg.deepspeed["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                   "pin_memory": True}}
+    assert DeepSpeedConfig(cfg.deepspeed).zero_config.offload_optimizer.device == "cpu"
+    assert cfg.project.train.offload_blocks == 60 and cfg.project.train.fp8_base
+    memory.apply(on := config({"stage": 2}), memory.Choice(True, True, 60, 0, True), 60)
+    assert "offload_optimizer" not in on.deepspeed["zero_optimization"]
+    for zero, offloaded in (({"stage": 2, "offload_optimizer": {"device": "none"}}, False),
+                            ({"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": False}}, True),
+                            ({"stage": 2, "cpu_offload": True}, True)):  # DeepSpeed's deprecated spelling
+        cfg = config(zero)
+        assert memory.fixed_settings(cfg)[memory.OFFLOAD_KEY] is offloaded
+        memory.apply(cfg, memory.Choice(True, True, 60, 60, True, offload_optimizer=True), 60)
+        assert cfg.deepspeed["zero_optimization"] == zero
+
+
+def test_optimizer_offload_needs_adam_zero_and_host_memory(full_sizes):
+    """An optimizer DeepSpeed cannot step on the host (not Adam/AdamW), ZeRO stage 0 or a host without the room
+    rule the offload out: the plan refuses as before, saying that the offload would fit and why it cannot be used."""
+    ds = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}
+    assert memory.offload_blocker(ds, full_sizes, 64 * GB) is None
+    assert memory.offload_blocker({**ds, "optimizer": {"type": "Adam"}}, full_sizes, 64 * GB) is None
+    lion = memory.offload_blocker({**ds, "optimizer": {"type": "Lion"}}, full_sizes, 64 * GB)
+    assert 'optimizer.type "Lion"' in lion and "AdamW" in lion
+    assert "stage is 0" in memory.offload_blocker({"optimizer": {"type": "AdamW"}}, full_sizes, 64 * GB)
+    host = memory.offload_blocker(ds, full_sizes, 4 * GB)  # 425 M parameters x 18 bytes: 7.6 GB
+    assert "7.6 GB of host memory" in host and "4.0 GB" in host
+    assert memory.offload_blocker(ds, full_sizes, 4 * GB, ranks_per_node=1, world_size=2) is None  # half each
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(full_sizes, measured(8_448), 16 * GB, 2.3 * GB, {}, fp8_ok=True, online=False,
+                      offload_blocker=lion)
+    text = str(e.value)
+    assert "nothing fits the memory budget: 16.0 GB" in text and "needs 18.6 GB" in text  # the best without it
+    assert "optimizer offload (zero_optimization.offload_optimizer) the run would fit" in text
+    assert "needs 13.5 GB, of 13.7 GB" in text and 'optimizer.type "Lion"' in text
+    with pytest.raises(memory.PlanError) as e:  # too small even with the offload: said so
+        memory.choose(full_sizes, measured(8_448), 12 * GB, 2.1 * GB, {}, fp8_ok=True, online=False,
+                      offload_blocker=lion)
+    assert "would still not fit" in str(e.value)

@@ -22,12 +22,24 @@ when it fits), activation checkpointing of the first N blocks, offloading the fr
 blocks to pinned host memory (train/model/offload.py), and for online encoding, training from the cache instead (the
 encoders then never share the GPU with training). A key set in the config is never changed. Without a GPU there
 is nothing to plan: the config runs as written.
+
+The last resort, tried only when no setting of those knobs fits: DeepSpeed's own optimizer offload
+(zero_optimization.offload_optimizer = {device: cpu, pin_memory: true}, ZeRO stage 1 or 2). The fp32 master
+weights, the Adam moments and the fp32 gradient partition then live in pinned host memory and DeepSpeedCPUAdam
+steps there; the GPU keeps the bf16 weights and gradients of what trains (a LoRA parameter's 16 bytes become 4).
+Its price is the host step, charged per optimizer step as HOST_ADAM_BYTES per trainable parameter at
+HOST_BYTES_PER_S (an allowance for the host's memory bandwidth, not a measurement) plus the bf16 gradients down and
+weights up over PCIe (measured rate): ~1.3 s for LoRA r64 on the default targets, on top of the step. It is offered
+only for Adam/AdamW (what DeepSpeed offloads to DeepSpeedCPUAdam), at ZeRO stage 1 or 2, when the host has the
+memory for it, and when the DeepSpeed config does not set zero_optimization.offload_optimizer itself (then the
+plan counts what it says).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +53,23 @@ GB = 1e9
 # model's, so 14 more. Plus DeepSpeed's gradient bucket (reduce_bucket_size bf16 elements).
 LORA_STATE_BYTES = 16
 FULL_STATE_BYTES = 14
+# With DeepSpeed's optimizer offload the master, moments and fp32 gradients are in host memory: a LoRA parameter
+# keeps its bf16 weight and gradient on the GPU, a full fine-tune's weight its bf16 gradient (the weight is counted
+# with the model's). The host holds HOST_STATE_BYTES per parameter (fp32 master, gradient and two moments, and
+# DeepSpeed's pinned bf16 copy of the updated weights).
+LORA_OFFLOADED_STATE_BYTES = 4
+FULL_OFFLOADED_STATE_BYTES = 2
+HOST_STATE_BYTES = 18
+# The host optimizer step: DeepSpeedCPUAdam reads the fp32 weight, gradient and moments and writes weight, moments
+# and the bf16 copy (30 bytes per parameter) at an allowance for a many-core host's memory bandwidth.
+HOST_ADAM_BYTES = 30
+HOST_BYTES_PER_S = 10e9
+OFFLOADABLE_OPTIMIZERS = ("adam", "adamw")  # DeepSpeed steps these on the host with DeepSpeedCPUAdam
 BUCKET_BYTES = 2e8 * 2
 ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
 PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
              "train.checkpoint_blocks", "train.offload_blocks", "data.cache")
+OFFLOAD_KEY = "zero_optimization.offload_optimizer"  # DeepSpeed's key: in `fixed` when its config sets it
 
 
 class PlanError(ValueError):
@@ -66,10 +91,19 @@ class Sizes:
     full: bool = False  # every weight trains (train.mode = "full"): optimizer state for all of them
 
     @property
+    def trainable_params(self) -> int:
+        return self.num_blocks * self.block_params + self.other_params if self.full else self.lora_params
+
+    @property
     def state_bytes(self) -> float:
-        if self.full:
-            return (self.num_blocks * self.block_params + self.other_params) * FULL_STATE_BYTES
-        return self.lora_params * LORA_STATE_BYTES
+        return self.gpu_state_bytes(offload_optimizer=False)
+
+    def gpu_state_bytes(self, offload_optimizer: bool) -> float:
+        """The trainable parameters' bytes on the GPU beyond the model's weights, with or without DeepSpeed's
+        optimizer offload."""
+        per = ((FULL_OFFLOADED_STATE_BYTES if offload_optimizer else FULL_STATE_BYTES) if self.full else
+               (LORA_OFFLOADED_STATE_BYTES if offload_optimizer else LORA_STATE_BYTES))
+        return self.trainable_params * per
 
 
 @dataclass(frozen=True)
@@ -93,12 +127,14 @@ class Choice:
     checkpointed: int  # the first N blocks recompute (0 = none)
     offloaded: int  # the first K blocks' frozen weights live on the host (K <= N)
     cached: bool  # train from the cache (no encoder on the GPU while training)
+    offload_optimizer: bool = False  # DeepSpeed's optimizer offload: master, moments, fp32 grads on the host
 
 
 @dataclass(frozen=True)
 class Prediction:
     peak_bytes: float
-    step_s: float
+    step_s: float  # per micro-batch, in the blocks
+    optimizer_s: float = 0.0  # per optimizer step on the host (offload_optimizer only)
 
 
 def _block_bytes(s: Sizes, c: Choice, dtype_bytes: int) -> float:
@@ -115,7 +151,7 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     resident = s.num_blocks - c.offloaded
     weights = s.other_params * dtype_bytes + resident * (block + transposed) + c.offloaded * max(offloaded_block, 0)
     slots = 2 * block if c.offloaded else 0
-    states = s.state_bytes + BUCKET_BYTES
+    states = s.gpu_state_bytes(c.offload_optimizer) + BUCKET_BYTES
     encoders = 0 if c.cached else s.encoder_bytes
     # With checkpointing the pass's transient holds one block's recomputed activations too.
     transient = m.transient_bytes
@@ -130,7 +166,13 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     # Without the transposed copy the backward transposes each fp8 token weight: one read and write of it.
     transpose_s = 0.0 if not c.fp8_base or c.fp8_transposed else resident * 2 * s.block_token_params / 2e12
     step = s.num_blocks * m.fwd_bwd_s + c.checkpointed * m.fwd_s + stall + transpose_s
-    return Prediction(peak, step)
+    return Prediction(peak, step, host_step_s(s, m) if c.offload_optimizer else 0.0)
+
+
+def host_step_s(s: Sizes, m: Measured) -> float:
+    """Seconds of one optimizer step offloaded to the host: DeepSpeedCPUAdam over every trainable parameter, the
+    bf16 gradients copied down and the updated bf16 weights up (the module docstring)."""
+    return s.trainable_params * (HOST_ADAM_BYTES / HOST_BYTES_PER_S + 2 * 2 / m.h2d_bytes_per_s)
 
 
 def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
@@ -149,6 +191,7 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
     cached = [fixed["data.cache"] != "off"] if "data.cache" in fixed else ([False, True] if online else [True])
     if not online:
         cached = [True]
+    offloads = [fixed[OFFLOAD_KEY]] if OFFLOAD_KEY in fixed else [False, True]
     for fp8_base in fp8s:
         if fp8_base and not fp8_ok:
             continue
@@ -160,33 +203,57 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
                 for off in offs:
                     if off <= ck:
                         for cache in cached:
-                            yield Choice(fp8_base, fp8_t, ck, off, cache)
+                            for opt in offloads:
+                                yield Choice(fp8_base, fp8_t, ck, off, cache, opt)
 
 
 def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixed: dict, fp8_ok: bool,
-           online: bool) -> tuple[Choice, Prediction]:
+           online: bool, offload_blocker: str | None = None) -> tuple[Choice, Prediction]:
     """The fastest candidate whose predicted peak fits budget - margin (ties: the smaller peak). Online encoding,
     when that is the config's, is kept while its best step is within ONLINE_SLACK of the best cached one (the
-    cache costs a pass over the data and disk space). PlanError with the smallest peak found when nothing fits."""
+    cache costs a pass over the data and disk space). DeepSpeed's optimizer offload comes last: only when no
+    candidate without it fits, and only when `offload_blocker` is None (else it says why DeepSpeed cannot offload
+    this run's optimizer; a config that sets the key itself pins it in `fixed` instead). PlanError with the smallest
+    peak found when nothing fits, and what the offload would need when only it is missing."""
     allowed = list(candidates(s, fixed, fp8_ok, online))
     if not allowed:
         raise PlanError("the config's explicit settings leave no candidate to plan (see qwen_edit.memory)")
     scored = [(c, predict(s, m, c)) for c in allowed]
-    fits = [(c, p) for c, p in scored if p.peak_bytes <= budget_bytes - margin_bytes]
-    best = {cached: min((x for x in fits if x[0].cached == cached), key=lambda x: (x[1].step_s, x[1].peak_bytes),
-                        default=None) for cached in (False, True)}
-    if best[False] and (not best[True] or best[False][1].step_s <= ONLINE_SLACK * best[True][1].step_s):
-        return best[False]
-    if best[True]:
-        return best[True]
-    c, p = min(scored, key=lambda x: x[1].peak_bytes)
+    room = budget_bytes - margin_bytes
+    on_gpu = [x for x in scored if not x[0].offload_optimizer]
+    offloaded = [x for x in scored if x[0].offload_optimizer]
+    usable = on_gpu + (offloaded if offload_blocker is None or OFFLOAD_KEY in fixed else [])
+    for group in (on_gpu, usable):
+        best = _fastest([x for x in group if x[1].peak_bytes <= room])
+        if best:
+            return best
+    c, p = min(usable or scored, key=lambda x: x[1].peak_bytes)
+    unused = "" if offload_blocker is None or OFFLOAD_KEY in fixed or not offloaded else _unused_offload(
+        offloaded, room, s.num_blocks, offload_blocker)
     raise PlanError(
         f"nothing fits the memory budget: {budget_bytes / GB:.1f} GB with a {margin_bytes / GB:.1f} GB margin; "
-        f"the smallest setting allowed ({describe(c, s.num_blocks)}) needs {p.peak_bytes / GB:.1f} GB. Lower "
+        f"the smallest setting allowed ({describe(c, s.num_blocks)}) needs {p.peak_bytes / GB:.1f} GB.{unused} Lower "
         "qwen_edit.data.area or the micro-batch, a lower qwen_edit.lora.rank, remove settings that pin the "
         "plan (train.fp8_base false, train.gradient_checkpointing false, data.cache off), or use a bigger GPU "
         "or the model-parallel mode"
     )
+
+
+def _fastest(fits: list) -> tuple[Choice, Prediction] | None:
+    """choose's pick among candidates that fit: online while within ONLINE_SLACK of the cached step, else cached."""
+    best = {cached: min((x for x in fits if x[0].cached == cached), key=lambda x: (x[1].step_s, x[1].peak_bytes),
+                        default=None) for cached in (False, True)}
+    if best[False] and (not best[True] or best[False][1].step_s <= ONLINE_SLACK * best[True][1].step_s):
+        return best[False]
+    return best[True]
+
+
+def _unused_offload(offloaded: list, room: float, num_blocks: int, blocker: str) -> str:
+    """The sentence of a PlanError about the optimizer offload the plan could not use."""
+    c, p = min(offloaded, key=lambda x: x[1].peak_bytes)
+    verdict = "would fit" if p.peak_bytes <= room else "would still not fit"
+    return (f" With DeepSpeed's optimizer offload (zero_optimization.offload_optimizer) the run {verdict}: "
+            f"{describe(c, num_blocks)} needs {p.peak_bytes / GB:.1f} GB, of {room / GB:.1f} GB; but {blocker}.")
 
 
 def describe(c: Choice, num_blocks: int) -> str:
@@ -196,7 +263,9 @@ def describe(c: Choice, num_blocks: int) -> str:
         "all blocks checkpointed" if c.checkpointed >= num_blocks else f"first {c.checkpointed} blocks checkpointed")
     off = f", first {c.offloaded} blocks offloaded to host memory" if c.offloaded else ""
     enc = "from the cache" if c.cached else "online encoding"
-    return f"{fp8}, {ck}{off}, {enc}"
+    opt = ", optimizer state in host memory (DeepSpeed offload_optimizer, Adam steps on the CPU)" if (
+        c.offload_optimizer) else ""
+    return f"{fp8}, {ck}{off}, {enc}{opt}"
 
 
 def settings(c: Choice, num_blocks: int) -> dict:
@@ -408,14 +477,53 @@ def margin_bytes(margin_gb: float, budget: float) -> float:
 
 
 def fixed_settings(cfg) -> dict:
-    """{dotted key: value} of the plan's knobs that the config sets itself (cfg.explicit)."""
+    """{dotted key: value} of the plan's knobs that the config sets itself (cfg.explicit), and OFFLOAD_KEY: whether
+    the optimizer is offloaded, when the DeepSpeed section says so itself."""
     p = cfg.project
-    return {k: getattr(getattr(p, k.split(".")[0]), k.split(".")[1]) for k in PLAN_KEYS if k in cfg.explicit}
+    fixed = {k: getattr(getattr(p, k.split(".")[0]), k.split(".")[1]) for k in PLAN_KEYS if k in cfg.explicit}
+    offloaded = configured_offload(cfg.deepspeed)
+    if offloaded is not None:
+        fixed[OFFLOAD_KEY] = offloaded
+    return fixed
+
+
+def configured_offload(ds: dict) -> bool | None:
+    """Whether DeepSpeed's section offloads the optimizer (offload_optimizer.device cpu or nvme, or the deprecated
+    cpu_offload); None when it does not say."""
+    zero = ds.get("zero_optimization") or {}
+    if "offload_optimizer" in zero:
+        return (zero["offload_optimizer"] or {}).get("device", "none") in ("cpu", "nvme")
+    if "cpu_offload" in zero:
+        return bool(zero["cpu_offload"])
+    return None
+
+
+def offload_blocker(ds: dict, s: Sizes, host_available: float, ranks_per_node: int = 1,
+                    world_size: int = 1) -> str | None:
+    """Why DeepSpeed's optimizer offload cannot serve this run (None: it can): the optimizer is not Adam/AdamW
+    (DeepSpeedCPUAdam), the ZeRO stage is not 1 or 2, or the host lacks the memory for the state (each rank holds
+    its 1/world_size partition, HOST_STATE_BYTES per parameter)."""
+    optimizer = ds.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() not in OFFLOADABLE_OPTIMIZERS:
+        return (f"optimizer.type {json.dumps(optimizer.get('type'))} is not one DeepSpeed steps on the host with "
+                "DeepSpeedCPUAdam (Adam, AdamW); use \"AdamW\" to allow it")
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (1, 2):
+        return f"zero_optimization.stage is {stage}; DeepSpeed offloads the optimizer of ZeRO stage 1 or 2"
+    need = s.trainable_params * HOST_STATE_BYTES * ranks_per_node / world_size
+    if need > host_available:
+        return (f"its state needs {need / GB:.1f} GB of host memory on this node and {host_available / GB:.1f} GB "
+                "is available")
+    return None
 
 
 def apply(cfg, c: Choice, num_blocks: int) -> None:
-    """Write the plan's choice into the config's free knobs (explicit ones are already equal or untouched)."""
+    """Write the plan's choice into the config's free knobs (explicit ones are already equal or untouched); the
+    optimizer offload goes into the DeepSpeed section the engine is built with."""
     p = cfg.project
+    if c.offload_optimizer and configured_offload(cfg.deepspeed) is None:
+        zero = cfg.deepspeed.setdefault("zero_optimization", {})
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     values = settings(c, num_blocks)
     if c.cached and p.data.cache == "off":
         values["data.cache"] = "auto"
@@ -465,18 +573,38 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     gathered = all_gather_objects((budget, measured))
     budget, measured = min(b for b, _ in gathered), gathered[0][1]
     margin = margin_bytes(p.memory.margin_gb, budget)
-    choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online)
+    blocker = offload_blocker(cfg.deepspeed, sizes, _host_available(), _ranks_per_node(), cfg.world_size)
+    choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker)
     apply(cfg, choice, sizes.num_blocks)
     torch.cuda.reset_peak_memory_stats(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
            f"largest micro-batch {tokens} tokens -> {describe(choice, sizes.num_blocks)}"
            f"{', compiled blocks' if p.train.compile else ''}; predicted peak {pred.peak_bytes / GB:.1f} GB, "
-           f"~{pred.step_s:.2f} s per micro-batch in the blocks. Keys set in the config are kept; "
-           "qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
+           f"~{pred.step_s:.2f} s per micro-batch in the blocks{_host_note(pred)}. Keys set in the config are "
+           "kept; qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
     return {"budget_gb": budget / GB, "margin_gb": margin / GB, "tokens": tokens,
             "choice": describe(choice, sizes.num_blocks), "predicted_peak_gb": pred.peak_bytes / GB,
+            "offload_optimizer": choice.offload_optimizer, "predicted_host_step_s": pred.optimizer_s,
             "measured": dict(measured.__dict__)}
+
+
+def _host_note(pred: Prediction) -> str:
+    if not pred.optimizer_s:
+        return ""
+    return (f", plus ~{pred.optimizer_s:.1f} s per optimizer step on the host (DeepSpeedCPUAdam; an allowance, "
+            "see qwen_edit.memory in docs/performance.md): zero_optimization.offload_optimizer was the only way to fit")
+
+
+def _host_available() -> float:
+    import psutil  # a dependency of DeepSpeed's
+
+    return float(psutil.virtual_memory().available)
+
+
+def _ranks_per_node() -> int:
+    env = os.environ
+    return int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
 
 
 def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> Measured:
