@@ -5,7 +5,8 @@
 # against the plain bf16 loop (with the tolerance). Each row is one `python -m train.bench` run: its record is
 # $OUT/<row>.jsonl, its log $OUT/<row>.log; $OUT/summary.txt is the table of every row.
 # Rows run in the order of ROWS until the time budget is spent; a row that would not fit is skipped (and listed).
-# Usage (repo root, on a CUDA host with the project and its bench extra installed, or a wheelhouse on PYTHONPATH):
+# Usage (repo root, on a CUDA host with the project and its bench extra installed, or a wheelhouse on PYTHONPATH
+# that holds diffsynth==2.1.12, einops and torchao==0.18.0 too; this script installs nothing):
 #   OUT=/tmp/speed bash tests/gpu_speed.sh
 #   BUDGET_S=540 STEPS=8 WARMUP=4 ROWS="peer refs2" OUT=/tmp/speed bash tests/gpu_speed.sh
 # EXTRA is appended to every benchmark command (EXTRA=--tiny: a CPU dry run of the script itself).
