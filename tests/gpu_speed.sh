@@ -15,7 +15,7 @@ out=${OUT:-/tmp/gpu_speed}
 budget=${BUDGET_S:-540}
 steps=${STEPS:-8}
 warmup=${WARMUP:-4}
-rows=${ROWS:-"peer torchao_training torchao_inference refs2 curves microbatch2 peer_more"}
+rows=${ROWS:-"peer torchao_training torchao_inference refs2 z2511 curves microbatch2 peer_more"}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 start=$(date +%s)
@@ -67,6 +67,8 @@ for row in $rows; do
         --lora_targets attn "${timing[@]}" ;;
     refs2)  # the 2509 workload: two 1 MP references (12.5k tokens)
       run_row refs2 200 "${fast[@]}" --refs 2 "${timing[@]}" --peer diffsynth --peer_variants bf16:compile ;;
+    z2511)  # Qwen-Image-Edit-2511 (zero_cond_t): the doubled timestep batch, against the peer's 2511 path
+      run_row z2511 200 "${fast[@]}" --zero_cond_t "${timing[@]}" --peer diffsynth --peer_variants bf16:compile ;;
     curves)  # 50 steps of the kept levers against the plain bf16 compiled loop, same seeds: the loss tolerance
       run_row curves 200 "${fast[@]}" --baseline --steps 45 --warmup 5 ;;
     microbatch2)  # two samples of one shape bucket per step
@@ -74,7 +76,7 @@ for row in $rows; do
     peer_more)  # the peer's other candidates: its compile_pipeline default (dynamic) and int8 weight-only
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_int8_w8a16:compile ;;
-    *) echo "unknown row $row (rows: peer torchao_training torchao_inference refs2 curves microbatch2 peer_more)" ;;
+    *) echo "unknown row $row (rows: peer torchao_training torchao_inference refs2 z2511 curves microbatch2 peer_more)" ;;
   esac
 done
 
