@@ -16,8 +16,8 @@ import torch
 from conftest import REPO, free_port, metrics, run_trainer, write_config
 from safetensors.torch import load_file
 
-from train import cache, config
-from train.data import pairs, sources
+from train import config
+from train.data import latent_cache, pairs, sources
 from train.model import components, conditioning
 from train.runtime import engine
 
@@ -73,7 +73,7 @@ def built(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     cfg = load_cfg(copy_tiny(request.getfixturevalue(request.param), tmp, num_rows=12, longer_prompt=1), tmp)
     variant, rows, dataset = data_of(cfg)
-    index = cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
+    index = latent_cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
     return cfg, variant, rows, dataset, index
 
 
@@ -82,10 +82,10 @@ def test_cached_tensors_equal_online_encoding(built):
     cfg, variant, rows, dataset, index = built
     assert index["num_samples"] == len(rows) and [s["line"] for s in index["samples"]] == [r.line for r in rows]
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
-    cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
+    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     for i in range(0, len(rows), 3):
         online = sources.encode_batch(pairs.collate([dataset[i]]), encoders, variant)
-        got = cache.to_batch(cache.collate([cached[i]]), torch.device("cpu"))
+        got = latent_cache.to_batch(latent_cache.collate([cached[i]]), torch.device("cpu"))
         assert got.target_hw == online.target_hw
         assert got.cond.reference_shapes == online.cond.reference_shapes
         assert len(got.cond.reference_shapes) == (2 if variant == "edit_plus" else 1)
@@ -105,9 +105,9 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
     i, j = 0, 1
     assert lengths[j] > lengths[i], lengths
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
-    cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
+    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     online = sources.encode_batch(pairs.collate([dataset[i], dataset[j]]), encoders, variant)
-    got = cache.to_batch(cache.collate([cached[i], cached[j]]), torch.device("cpu"))
+    got = latent_cache.to_batch(latent_cache.collate([cached[i], cached[j]]), torch.device("cpu"))
     assert torch.equal(got.cond.prompt_mask, online.cond.prompt_mask)
     for a, b in ((got.x0, online.x0), (got.cond.reference_tokens, online.cond.reference_tokens),
                  (got.cond.prompt_embeds, online.cond.prompt_embeds)):
@@ -118,7 +118,7 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
 def test_bucket_keys_and_categories(built):
     """One hashable per sample (target grid + reference grids) and one category (None: no category column)."""
     cfg, _, rows, _, index = built
-    cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
+    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     keys = cached.bucket_keys()
     assert len(keys) == len(rows) and len(set(keys)) >= 1 and all(hash(k) is not None for k in keys)
     assert keys[0][0] == tuple(index["samples"][0]["target_hw"])
@@ -126,8 +126,8 @@ def test_bucket_keys_and_categories(built):
 
 
 def refusal(cfg: config.Config, variant: str, rows: list[pairs.Row], dataset) -> str:
-    with pytest.raises(cache.CacheError) as e:
-        cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=False)
+    with pytest.raises(latent_cache.CacheError) as e:
+        latent_cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=False)
     return str(e.value)
 
 
@@ -161,11 +161,11 @@ def test_changed_image_and_model_file_are_refused(tiny_edit, tmp_path):
     shutil.copytree(tiny_edit / "model", tiny / "model")
     cfg = load_cfg(tiny, tmp_path)
     variant, rows, dataset = data_of(cfg)
-    cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
+    latent_cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
     image = tiny / "data" / rows[3].target
     image.write_bytes(image.read_bytes() + b"\0")  # PNG readers ignore trailing bytes: still a valid row
     assert "data rows and image files" in refusal(cfg, variant, rows, dataset)
-    cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)  # the command's rebuild
+    latent_cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)  # the command's rebuild
     vae_config = tiny / "model" / "vae" / "config.json"
     vae_config.write_text(vae_config.read_text().replace("\n", "\n ", 1))
     assert "model files" in refusal(cfg, variant, rows, dataset)
@@ -176,9 +176,9 @@ def test_unfinished_cache_counts_as_missing(built, tmp_path):
     cfg, variant, rows, dataset, _ = built
     directory = tmp_path / "partial"
     directory.mkdir()
-    for shard in cache.cache_dir(cfg).glob("shard-*"):
+    for shard in latent_cache.cache_dir(cfg).glob("shard-*"):
         (directory / shard.name).write_bytes(shard.read_bytes())
-    assert cache.read_index(directory) is None
+    assert latent_cache.read_index(directory) is None
     cfg.project.data.cache, cfg.project.data.cache_dir = "require", str(directory)
     try:
         message = refusal(cfg, variant, rows, dataset)

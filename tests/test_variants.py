@@ -168,22 +168,21 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     (loop.forward_loss, the same noise; 2511: the zero_cond_t transformer)."""
     from test_cache import WORLD_OF_ONE, copy_tiny, data_of, load_cfg
 
-    from train import cache
-    from train.data import pairs, sources
+    from train.data import latent_cache, pairs, sources
     from train.trainer import loop
 
     cfg = load_cfg(copy_tiny(request.getfixturevalue(tiny_name), tmp_path, num_rows=3), tmp_path)
     assert data_of(cfg)[0] == variant
     _, rows, dataset = data_of(cfg)
-    index = cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
+    index = latent_cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
     assert index["variant"] == variant
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
     transformer = components.load_transformer(cfg.project.model, torch.float32)
     assert transformer.config.zero_cond_t == (variant == "edit_plus_2511")
     scheduler = components.scheduler_config(cfg.project.model.path)
-    cached = cache.CachedDataset(cache.cache_dir(cfg), index, rows)
+    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     online = sources.encode_batch(pairs.collate([dataset[0]]), encoders, variant)
-    got = cache.to_batch(cache.collate([cached[0]]), torch.device("cpu"))
+    got = latent_cache.to_batch(latent_cache.collate([cached[0]]), torch.device("cpu"))
     assert len(got.cond.reference_shapes) == num_refs
     assert got.cond.reference_tokens.shape[1] == sum(h * w for _, h, w in got.cond.reference_shapes)
     losses = [loop.forward_loss(transformer, b, cfg.project.train, torch.Generator().manual_seed(5), scheduler,

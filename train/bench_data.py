@@ -7,8 +7,8 @@
 Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own loader, sampler and sources):
 
 - online: `pairs.EditDataset` (decode + resize) -> `sources.online_source` (Qwen2.5-VL + VAE encode) on the device;
-- cached: the rows are first precomputed with `cache.write_cache` (timed too), the encoders are freed, then
-  `cache.CachedDataset` (read the shard) -> `cache.to_batch` (to the device).
+- cached: the rows are first precomputed with `latent_cache.write_cache` (timed too), the encoders are freed, then
+  `latent_cache.CachedDataset` (read the shard) -> `latent_cache.to_batch` (to the device).
 
 Each reports samples/s and the fraction of the time spent waiting for the loader. With `--train_step` every
 micro-batch also runs the trainer's step (`loop.forward_loss`, `engine.backward`, `engine.step` on the ZeRO-2
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from train import bench, cache, make_tiny
-from train.data import pairs, sources
+from train import bench, make_tiny
+from train.data import latent_cache, pairs, sources
 from train.model import components, conditioning
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
@@ -192,16 +192,16 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     online = time_source(sources.online_source(make_loader(dataset, args), encoders, args.variant), step,
                          args.warmup, args.samples)
     start = time.perf_counter()
-    cache.write_cache(work / "cache", dataset, rows, encoders, args.variant, {"bench": "bench_data"}, d,
+    latent_cache.write_cache(work / "cache", dataset, rows, encoders, args.variant, {"bench": "bench_data"}, d,
                       args.num_workers)
     precompute_s = time.perf_counter() - start
     before_free = free(d.device)
     del encoders
     record["encoder_gpu_memory_gb"] = before_free - free(d.device)  # what training from the cache never holds
-    index = cache.read_index(work / "cache")
-    cached_ds = cache.CachedDataset(work / "cache", index, rows)
-    source = sources.LoaderSource(make_loader(cached_ds, args, cache.collate),
-                                  lambda raw: cache.to_batch(raw, d.device))
+    index = latent_cache.read_index(work / "cache")
+    cached_ds = latent_cache.CachedDataset(work / "cache", index, rows)
+    source = sources.LoaderSource(make_loader(cached_ds, args, latent_cache.collate),
+                                  lambda raw: latent_cache.to_batch(raw, d.device))
     cached = time_source(source, step, args.warmup, args.samples)
     cache_bytes = sum(f.stat().st_size for f in (work / "cache").glob("shard-*"))
     w = bench.make_workload(args.area, 1, 1, 1)

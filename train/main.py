@@ -19,8 +19,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from model_parallel.plan import check_parallel
-from train import cache, config
-from train.data import pairs, prompts, sources
+from train import config
+from train.data import latent_cache, pairs, prompts, sources
 from train.model import components, fp8, lora_io, memory, streaming
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, engine, gpumon, outdir, preempt
@@ -86,7 +86,7 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
                  loader) -> sources.LoaderSource:
     """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online."""
     if cfg.project.data.cache != "off":
-        return cache.cached_source(cfg, d, variant, rows, loader.dataset)
+        return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     encoders = components.load_encoders(p.model.path, dtype, d.device)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         with outdir.claim(cfg.project.output.dir, args.resume is not None, args.overwrite,
                           outdir.is_holder(cfg.deepspeed, d)):
             run(cfg, d, args.resume, args.overwrite)
-    except (pairs.BadRowsError, cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
+    except (pairs.BadRowsError, latent_cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
             outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2

@@ -1,0 +1,329 @@
+"""Precomputed target/reference latents and prompt embeddings, so that training loads only the transformer.
+
+Built by the command train/cache.py, or inside a training run when `qwen_edit.data.cache = "auto"` and the
+cache is missing. The cache lives in `data.cache_dir` ("" = OUTPUT/cache).
+
+Each rank encodes its strided share of the rows (rank, rank + N, ...) with the frozen encoders exactly as
+online training does (`train.trainer.loop.encode_batch`, one sample per call, so nothing is padded) and writes
+`shard-RRRRR-of-NNNNN-PPPP.safetensors` files (a new part every ~2 GB so no rank holds more in memory).
+Rank 0 writes `index.json` last and atomically, once every rank has finished: a directory without it is an
+unfinished cache and counts as missing. Tensors per sample (row line `n`), in the encoder dtype:
+
+    n.x0      L 4C   packed target latents (normalised VAE posterior mode; training takes them as float32)
+    n.ref     Lr 4C  packed references, one after the other
+    n.embeds  T D    Qwen2.5-VL last hidden states of the instruction, template prefix dropped, no padding
+
+The index records per sample its line, file, shapes and category, and `depends_on`: every input the tensors
+depend on (model component files, variant, resolution policy, prompt template, encoder dtype, prompt
+processing, the data rows and image files, library versions). Training compares it with the current run and
+refuses a cache built for other inputs with a message naming each changed dependency and the fix; it is
+never used or rebuilt silently.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from train import config
+from train.data import pairs, sources
+from train.model import components, conditioning
+from train.runtime import engine
+from train.runtime.metrics import print0
+
+INDEX = "index.json"
+FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py)
+PART_BYTES = 2 << 30  # a rank starts a new shard part after this many bytes of tensors
+# Model components whose files the encodings depend on; files with these suffixes are large weights and are
+# identified by name and size (reading 16 GB to hash it would take minutes), all others by content.
+COMPONENTS = ("text_encoder", "vae", "processor", "tokenizer")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class CacheError(ValueError):
+    """A cache that is missing (data.cache = "require") or was built for other inputs; the message says the fix."""
+
+
+def cache_dir(cfg: config.Config) -> Path:
+    """qwen_edit.data.cache_dir, or OUTPUT/cache when it is empty."""
+    p = cfg.project
+    return Path(p.data.cache_dir or Path(p.output.dir) / "cache")
+
+
+# ---------------------------------------------------------------- what the cache depends on
+
+
+def _sha(payload: bytes | str) -> str:
+    return hashlib.sha256(payload.encode() if isinstance(payload, str) else payload).hexdigest()[:16]
+
+
+def _file_sha(path: str) -> str:
+    """Content hash of an optional settings file ("" = not set)."""
+    return _sha(Path(path).read_bytes()) if path and Path(path).is_file() else f"none ({path!r})"
+
+
+def model_files_digest(model_dir: str | Path) -> str:
+    """Hash of the encoder components: config/tokenizer files by content, weight files by name and size."""
+    h = hashlib.sha256()
+    model_dir = Path(model_dir)
+    for component in COMPONENTS:
+        for path in sorted((model_dir / component).rglob("*")):
+            if not path.is_file():
+                continue
+            h.update(str(path.relative_to(model_dir)).encode())
+            if path.suffix in WEIGHT_SUFFIXES:
+                h.update(str(path.stat().st_size).encode())
+            else:
+                h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def rows_digest(data_dir: str | Path, rows: list[pairs.Row]) -> str:
+    """Hash of the metadata file and of every row's prompt and image files (size and mtime, not content)."""
+    data_dir = Path(data_dir)
+    h = hashlib.sha256()
+    for name in ("metadata.jsonl", "metadata.csv"):
+        if (data_dir / name).is_file():
+            h.update(name.encode() + (data_dir / name).read_bytes())
+    for row in rows:
+        h.update(json.dumps([row.line, row.target, row.references, row.prompt]).encode())
+        for name in (row.target, *row.references):
+            st = (data_dir / name).stat()
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype: torch.dtype) -> dict[str, str]:
+    """{dependency: value or hash} of everything the cached tensors depend on; keys name what to change."""
+    import diffusers
+    import transformers
+
+    d = cfg.project.data
+    templates = json.dumps([conditioning.PROMPT_TEMPLATES, conditioning.DROP_IDX, conditioning.T2I_TEMPLATE,
+                            conditioning.T2I_DROP_IDX, conditioning.T2I_MAX_SEQUENCE_LENGTH], sort_keys=True)
+    processing = json.dumps({"normalize_prompts": d.normalize_prompts, "prompt_mapping": _file_sha(d.prompt_mapping),
+                             "blocked_terms": _file_sha(d.blocked_terms), "blocked_policy": d.blocked_policy})
+    return {
+        "format": str(FORMAT),
+        "model files (text_encoder, vae, processor, tokenizer)": model_files_digest(cfg.project.model.path),
+        "variant": variant,
+        "model.encoder_dtype": str(dtype).removeprefix("torch."),
+        "data.area": str(d.area),
+        "data.condition_area": str(d.condition_area),
+        "data.alpha_background": d.alpha_background,
+        "prompt template (train/model/conditioning.py)": _sha(templates),
+        "prompt processing (data.normalize_prompts, prompt_mapping, blocked_terms, blocked_policy)": _sha(processing),
+        "data rows and image files": rows_digest(d.path, rows),
+        "library versions": f"diffusers {diffusers.__version__}, transformers {transformers.__version__}",
+    }
+
+
+def read_index(directory: Path) -> dict | None:
+    """The finished cache's index, or None when there is none (no cache, or an unfinished one)."""
+    path = Path(directory) / INDEX
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stale_message(directory: Path, index: dict, wanted: dict[str, str]) -> str | None:
+    """None when the cache was built for exactly `wanted`; otherwise the refusal naming each change and the fix."""
+    have = index.get("depends_on", {})
+    changed = [f"{key}: cache {have.get(key, '(not recorded)')!r}, now {value!r}"
+               for key, value in wanted.items() if have.get(key) != value]
+    if not changed:
+        return None
+    listing = "\n".join(f"  - {c}" for c in changed)
+    return (f"the cache in {directory} was built for other inputs, so it is not used:\n{listing}\n"
+            f"Rebuild it: delete {directory} (data.cache = \"auto\" then rebuilds it), or run "
+            "python -m train.cache with this run's arguments")
+
+
+# ---------------------------------------------------------------- building
+
+
+def _write_part(directory: Path, rank: int, world_size: int, part: int, tensors: dict) -> str:
+    name = f"shard-{rank:05d}-of-{world_size:05d}-{part:04d}.safetensors"
+    save_file(tensors, str(directory / name), metadata={"format": f"qwen_edit cache {FORMAT}"})
+    return name
+
+
+def _prepare_dir(directory: Path, d: engine.Dist) -> None:
+    """Rank 0 removes the index (the cache is unfinished from here on) and old shards; then all ranks go on."""
+    if d.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / INDEX).unlink(missing_ok=True)
+        for old in directory.glob("shard-*.safetensors"):
+            old.unlink()
+    engine.barrier()
+
+
+def encode_share(directory: Path, dataset, encoders: components.Encoders, variant: str, d: engine.Dist,
+                 num_workers: int = 0) -> list[dict]:
+    """Encode dataset items rank, rank + world, ... into this rank's shard parts; their index records."""
+    from tqdm import tqdm
+
+    share = torch.utils.data.Subset(dataset, range(d.rank, len(dataset), d.world_size))
+    loader = torch.utils.data.DataLoader(share, batch_size=1, num_workers=num_workers, collate_fn=pairs.collate)
+    records, tensors, pending, part = [], {}, [], 0
+    for raw in tqdm(loader, desc="encoding", unit="sample", disable=not d.is_main, dynamic_ncols=True):
+        b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
+        line, dtype = raw["lines"][0], b.cond.reference_tokens.dtype
+        sample = {"x0": b.x0[0].to(dtype), "ref": b.cond.reference_tokens[0], "embeds": b.cond.prompt_embeds[0]}
+        tensors.update({f"{line}.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in sample.items()})
+        pending.append({"line": line, "target_hw": list(b.target_hw), "prompt_tokens": sample["embeds"].shape[0],
+                        "reference_shapes": [list(s) for s in b.cond.reference_shapes]})
+        if sum(t.nbytes for t in tensors.values()) >= PART_BYTES:
+            name = _write_part(directory, d.rank, d.world_size, part, tensors)
+            records += [{**r, "file": name} for r in pending]
+            tensors, pending, part = {}, [], part + 1
+    if tensors:
+        name = _write_part(directory, d.rank, d.world_size, part, tensors)
+        records += [{**r, "file": name} for r in pending]
+    return records
+
+
+def write_index(directory: Path, records: list[dict], rows: list[pairs.Row], wanted: dict[str, str],
+                variant: str, world_size: int) -> None:
+    """index.json, written last through a temporary file and a rename (its presence marks a finished cache)."""
+    category = {row.line: row.category for row in rows}
+    by_line = {r["line"]: r for r in records}
+    samples = [{**by_line[row.line], "category": category[row.line]} for row in rows]
+    index = {"format": FORMAT, "variant": variant, "world_size": world_size, "num_samples": len(samples),
+             "depends_on": wanted, "samples": samples}
+    tmp = directory / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1) + "\n")
+    tmp.replace(directory / INDEX)
+
+
+def write_cache(directory: Path, dataset, rows: list[pairs.Row], encoders: components.Encoders, variant: str,
+                wanted: dict[str, str], d: engine.Dist, num_workers: int = 0) -> None:
+    """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last."""
+    directory = Path(directory)
+    _prepare_dir(directory, d)
+    records = pairs.gather_lists(encode_share(directory, dataset, encoders, variant, d, num_workers))
+    if d.is_main:
+        write_index(directory, records, rows, wanted, variant, d.world_size)
+    engine.barrier()
+
+
+def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], dataset,
+          wanted: dict[str, str]) -> None:
+    """Load the frozen encoders, write the cache, free the encoders (their memory returns before training)."""
+    p = cfg.project
+    directory = cache_dir(cfg)
+    print0(f"building the cache of {len(rows)} rows in {directory} on {d.world_size} rank(s)", rank=d.rank)
+    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device)
+    write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
+    del encoders
+    gc.collect()
+    if d.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ensure(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], dataset, rebuild_stale: bool):
+    """The index of a cache built for exactly this run's inputs; builds it when missing (data.cache = "auto",
+    or always from the command), rebuilds a stale one only when `rebuild_stale` (the command), else refuses."""
+    p = cfg.project
+    directory = cache_dir(cfg)
+    wanted = dependencies(cfg, variant, rows, components.encoder_dtype(p.model.encoder_dtype, d.device))
+    index = read_index(directory)
+    if index is None and p.data.cache == "require" and not rebuild_stale:
+        raise CacheError(f"qwen_edit.data.cache is \"require\" but {directory} holds no finished cache (no {INDEX}); "
+                         "build it first with python -m train.cache and this run's arguments, or set data.cache to "
+                         "\"auto\" to build it before training")
+    stale = index is not None and stale_message(directory, index, wanted)
+    if stale and not rebuild_stale:
+        raise CacheError(stale)
+    if index is None or stale:
+        build(cfg, d, variant, rows, dataset, wanted)
+        index = read_index(directory)
+    return index
+
+
+# ---------------------------------------------------------------- reading
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """The cached samples of `rows`, in their order (so the sampler picks the same samples as online)."""
+
+    def __init__(self, directory: str | Path, index: dict, rows: list[pairs.Row]):
+        self.directory = Path(directory)
+        by_line = {s["line"]: s for s in index["samples"]}
+        missing = [row.line for row in rows if row.line not in by_line]
+        if missing:  # the rows digest makes this unreachable unless the index was edited by hand
+            raise CacheError(f"{self.directory}/{INDEX} lacks rows {missing[:10]}; rebuild the cache")
+        self.samples = [by_line[row.line] for row in rows]
+        self._categories = [row.category for row in rows]  # the run's own (category_rules may have changed)
+        self._files: dict[str, object] = {}  # opened lazily, so each DataLoader worker maps its own
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def bucket_keys(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per sample: latent (h, w) of the target, then of each reference (as pairs.EditDataset.bucket_keys)."""
+        return [(tuple(s["target_hw"]), *((2 * r[1], 2 * r[2]) for r in s["reference_shapes"]))
+                for s in self.samples]
+
+    def categories(self) -> list[str | None]:
+        return list(self._categories)
+
+    def __getitem__(self, i: int) -> dict:
+        s = self.samples[i]
+        if s["file"] not in self._files:
+            self._files[s["file"]] = safe_open(str(self.directory / s["file"]), framework="pt")
+        f = self._files[s["file"]]
+        tensors = {k: f.get_tensor(f"{s['line']}.{k}") for k in ("x0", "ref", "embeds")}
+        return {**tensors, "target_hw": tuple(s["target_hw"]), "line": s["line"],
+                "reference_shapes": [tuple(r) for r in s["reference_shapes"]]}
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack cached samples; prompts are right-padded with a mask as encode_prompts pads them (None if equal)."""
+    lines = [s["line"] for s in samples]
+    grids = {(s["target_hw"], tuple(s["reference_shapes"])) for s in samples}
+    if len(grids) > 1:
+        raise ValueError(f"micro-batch of rows {lines} mixes latent sizes (target, references) {sorted(grids)}; "
+                         "use train_micro_batch_size_per_gpu = 1 or data.buckets = true")
+    lengths = [s["embeds"].shape[0] for s in samples]
+    longest = max(lengths)
+    embeds = torch.stack([torch.cat([s["embeds"], s["embeds"].new_zeros(longest - n, s["embeds"].shape[1])])
+                          for s, n in zip(samples, lengths, strict=True)])
+    mask = None if len(set(lengths)) == 1 else torch.stack([torch.arange(longest) < n for n in lengths]).long()
+    return {"x0": torch.stack([s["x0"] for s in samples]), "ref": torch.stack([s["ref"] for s in samples]),
+            "embeds": embeds, "mask": mask, "target_hw": samples[0]["target_hw"],
+            "reference_shapes": samples[0]["reference_shapes"], "lines": lines}
+
+
+def to_batch(raw: dict, device: torch.device) -> sources.Batch:
+    """A collated cached micro-batch on the training device, as sources.encode_batch returns the same samples."""
+    mask = None if raw["mask"] is None else raw["mask"].to(device, non_blocking=True)
+    shapes = [tuple(s) for s in raw["reference_shapes"]]  # tuples again: pinning memory turns them into lists
+    cond = conditioning.Conditioning(raw["embeds"].to(device, non_blocking=True), mask,
+                                     raw["ref"].to(device, non_blocking=True), shapes)
+    return sources.Batch(raw["x0"].to(device, non_blocking=True).float(), tuple(raw["target_hw"]), cond)
+
+
+def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
+                  dataset) -> sources.LoaderSource:
+    """Training input from the cache (built first when missing and data.cache = "auto"); no encoder is loaded.
+
+    `dataset` is the online EditDataset of `rows`, used only to build a missing cache.
+    """
+    p = cfg.project
+    index = ensure(cfg, d, variant, rows, dataset, rebuild_stale=False)
+    cached = CachedDataset(cache_dir(cfg), index, rows)
+    print0(f"training from the cache in {cache_dir(cfg)} ({len(cached)} samples); the VL encoder and VAE are "
+           "not loaded", rank=d.rank)
+    loader = pairs.build_loader(cached, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed, p.data.num_workers,
+                               p.data.pin_memory, p.data.shuffle, collate_fn=collate, buckets=p.data.buckets,
+                               category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
+    return sources.LoaderSource(loader, lambda raw: to_batch(raw, d.device))
+
+
+# ---------------------------------------------------------------- command
