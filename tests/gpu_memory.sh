@@ -4,7 +4,7 @@
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl) and the
 # median step time after the first two steps. docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
-#   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24" STEPS=8 bash tests/gpu_memory.sh
+#   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
 set -euo pipefail
 out=${OUT:-/tmp/gpu_memory}
@@ -54,7 +54,8 @@ if m.is_file():
 s = run / "summary.json"
 if s.is_file():
     plan = json.loads(s.read_text()).get("memory_plan") or {}
-    rec.update({k: plan.get(k) for k in ("choice", "predicted_peak_gb", "budget_gb", "tokens")})
+    rec.update({k: plan.get(k) for k in ("choice", "predicted_peak_gb", "budget_gb", "tokens", "offload_optimizer",
+                                        "predicted_host_step_s")})
 print(json.dumps(rec))
 PY
     tail -n 1 "$out/memory.jsonl"

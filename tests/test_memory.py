@@ -113,6 +113,7 @@ def test_largest_bucket_and_text_bound():
 def test_oom_advice_names_each_phases_settings():
     step = memory.oom_advice("step", 1)
     assert "gradient_checkpointing = true" in step and "offload_blocks" in step and "micro_batch" not in step
+    assert "zero_optimization.offload_optimizer" in step
     assert "train_micro_batch_size_per_gpu = 1" in memory.oom_advice("step", 2)
     assert "fp8_base" in memory.oom_advice("load", 1) and "data.cache" in memory.oom_advice("load", 1)
     assert "data.cache \"auto\"" in memory.oom_advice("encode", 1)

@@ -272,3 +272,29 @@ def test_speed_options_keep_the_numbers(tiny_edit, tmp_path, plain_run, changes,
     assert diff < weight_tol, diff
     if changes.get("fp8_base"):  # the option really ran: quantised weights cannot give bitwise the same losses
         assert losses != plain_losses
+
+
+def test_optimizer_offload_trains_like_the_plain_run_and_resumes_exactly(tiny_edit, tmp_path, plain_run):
+    """zero_optimization.offload_optimizer as the memory plan writes it ({device: cpu, pin_memory: true}): DeepSpeed
+    keeps the fp32 master weights, gradients and Adam moments in host memory and steps there (on CPU with torch's
+    AdamW, tiny_cpu.json's torch_adam; on a GPU with DeepSpeedCPUAdam). 3 steps train like the plain run; resumed
+    from global_step2, step 3's loss and the exported LoRA are exactly the uninterrupted run's."""
+    cfg = write_config(tmp_path / "cfg.json", **{"zero_optimization.offload_optimizer": {"device": "cpu",
+                                                                                         "pin_memory": True},
+                                                 "qwen_edit.output.log_every_steps": 1,
+                                                 "qwen_edit.output.save_every_steps": 2})
+    out = tmp_path / "run"
+    proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3"))
+    check(proc)
+    assert "optimizer offload: fp32 master weights, gradients and AdamW's state in host memory" in proc.stdout
+    losses, weights = [r["loss"] for r in metrics(out)], load_file(out / "export" / LORA_FILE)
+    plain_losses, plain_weights = plain_run
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert max((weights[k] - plain_weights[k]).abs().max().item() for k in weights) < 1e-5
+    saved = json.loads((out / "config.json").read_text())["zero_optimization"]["offload_optimizer"]
+    assert saved == {"device": "cpu", "pin_memory": True}
+    check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3", "--resume", "global_step2")))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert [r["loss"] for r in metrics(out)] == losses
+    resumed = load_file(out / "export" / LORA_FILE)
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)

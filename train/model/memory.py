@@ -593,7 +593,7 @@ def _host_note(pred: Prediction) -> str:
     if not pred.optimizer_s:
         return ""
     return (f", plus ~{pred.optimizer_s:.1f} s per optimizer step on the host (DeepSpeedCPUAdam; an allowance, "
-            "see qwen_edit.memory in docs/performance.md): zero_optimization.offload_optimizer was the only way to fit")
+            "docs/performance.md 'The last resort'): zero_optimization.offload_optimizer was the only way to fit")
 
 
 def _host_available() -> float:
@@ -646,7 +646,8 @@ _LOWER = {
     "step": ("qwen_edit.train.gradient_checkpointing = true (checkpoint_blocks 0 = every block), "
              "train.offload_blocks = N (the first N blocks' frozen weights in host memory), train.fp8_base = true, "
              "a smaller qwen_edit.data.area, a lower qwen_edit.lora.rank, or memory.plan \"auto\" with those keys "
-             "left out of the config"),
+             "left out of the config; last, zero_optimization.offload_optimizer = {\"device\": \"cpu\"} (the "
+             "optimizer state in host memory, a slower step)"),
     "validation": ("a smaller qwen_edit.inference.area, inference.vae_tiling = true, data.cache \"off\" (with the "
                    "cache, validation loads the encoders beside the training model), or validation.file \"\" and "
                    "render the export afterwards with python -m train.infer"),

@@ -133,6 +133,12 @@ def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
                                                       mpu=mpu)
+    if getattr(engine.optimizer, "cpu_offload", False):  # ZeRO-Offload: the memory plan's last resort, or the config's
+        from train.runtime.metrics import print0
+
+        print0(f"optimizer offload: fp32 master weights, gradients and {type(engine.basic_optimizer).__name__}'s "
+               "state in host memory, stepped on the CPU (zero_optimization.offload_optimizer)",
+               rank=engine.global_rank)
     return engine, lr_scheduler
 
 
