@@ -3,29 +3,69 @@
 QWEN_EDIT_FAIL_SAVE_AT=N      the save of step N raises ENOSPC after every rank wrote its files, before commit
 QWEN_EDIT_NAN_LOSS_AT=N,M     the loss of optimizer steps N, M (1-based) is replaced by NaN
 QWEN_EDIT_OOM_AT=N            step N raises torch.cuda.OutOfMemoryError
+
+The training loop reads these once, into a `FaultPlan`, before its first step, and wraps its loss function only
+when a step fault is requested: a normal run's hot loop neither parses the environment nor calls into this module.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
+FAIL_SAVE_AT, NAN_LOSS_AT, OOM_AT = "QWEN_EDIT_FAIL_SAVE_AT", "QWEN_EDIT_NAN_LOSS_AT", "QWEN_EDIT_OOM_AT"
 
-def _steps(name: str) -> set[int]:
-    return {int(s) for s in os.environ.get(name, "").split(",") if s.strip()}
+StepLoss = Callable[..., torch.Tensor]
+"""loss_of(step, *args): the loss of one micro-batch of optimizer step `step` (1-based)."""
+
+
+def _steps(environ: Mapping[str, str], name: str) -> frozenset[int]:
+    text = environ.get(name, "")
+    try:
+        return frozenset(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: not a comma-separated list of optimizer steps (e.g. 2,3); fix it or "
+                         "unset it") from None
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The optimizer steps (1-based) whose save fails, whose loss is NaN, that run out of memory; empty normally."""
+
+    fail_save_at: frozenset[int] = frozenset()
+    nan_loss_at: frozenset[int] = frozenset()
+    oom_at: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultPlan:
+        """The plan the QWEN_EDIT_* variables of `environ` (None = os.environ) ask for."""
+        environ = os.environ if environ is None else environ
+        return cls(_steps(environ, FAIL_SAVE_AT), _steps(environ, NAN_LOSS_AT), _steps(environ, OOM_AT))
+
+    def around_loss(self, loss_of: StepLoss) -> StepLoss:
+        """`loss_of` itself when no step fault is requested; otherwise a wrapper that raises the injected OOM
+        before the forward of a step in `oom_at` and turns the loss of a step in `nan_loss_at` into NaN."""
+        if not (self.oom_at or self.nan_loss_at):
+            return loss_of
+
+        def faulty(step: int, *args, **kwargs) -> torch.Tensor:
+            if step in self.oom_at:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+            loss = loss_of(step, *args, **kwargs)
+            return loss * float("nan") if step in self.nan_loss_at else loss
+
+        return faulty
+
+    def check_save(self, step: int) -> None:
+        """Raise the injected ENOSPC when the save of `step` is asked to fail."""
+        if step in self.fail_save_at:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
 def maybe_fail_save(step: int) -> None:
-    if step in _steps("QWEN_EDIT_FAIL_SAVE_AT"):
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
-
-
-def maybe_poison_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
-    return loss * float("nan") if step in _steps("QWEN_EDIT_NAN_LOSS_AT") else loss
-
-
-def maybe_oom(step: int) -> None:
-    if step in _steps("QWEN_EDIT_OOM_AT"):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+    """checkpoint.save's hook: runs once per save (never per micro-step), so it reads the environment each time."""
+    FaultPlan.from_env().check_save(step)

@@ -98,6 +98,89 @@ def start_position(start_step: int, gas: int, batches_per_epoch: int) -> tuple[i
     return divmod(start_step * gas, batches_per_epoch)
 
 
+def _engine_loss(engine, t: TrainConfig, scheduler_cfg: dict, dtype: torch.dtype) -> faults.StepLoss:
+    """loss_of(step, batch, generator): forward_loss through the engine. `step` (1-based) is what
+    faults.FaultPlan.around_loss keys on when a run injects faults; the plain loss does not need it."""
+
+    def loss_of(step: int, b: Batch, generator: torch.Generator) -> torch.Tensor:
+        return forward_loss(engine, b, t, generator, scheduler_cfg, dtype)
+
+    return loss_of
+
+
+def _backward(engine, loss_of: faults.StepLoss, b: Batch, generator: torch.Generator, step: int,
+              mode: str) -> torch.Tensor:
+    """Loss and backward of one micro-batch of optimizer step `step` + 1 (`step` steps are done); a CUDA OOM
+    becomes memory.OutOfMemory naming the micro-batch and the settings that help."""
+    try:
+        loss = loss_of(step + 1, b, generator)
+        engine.backward(loss)
+    except torch.cuda.OutOfMemoryError as e:
+        raise memory.OutOfMemory(oom_message(step, b, mode)) from e
+    return loss
+
+
+class _Window:
+    """What the next log record reports: the losses of the optimizer steps applied since the last record (summed
+    on the device, no sync per step), their samples and tokens; and the run's count of skipped steps."""
+
+    def __init__(self, device: torch.device, start_step: int, gas: int, max_nonfinite_steps: int):
+        self.loss = torch.zeros((), device=device)  # sum over the applied steps of the window
+        self.step_loss = torch.zeros((), device=device)  # the optimizer step in progress
+        self.num_steps, self.skipped, self.last_logged = 0, 0, start_step
+        self.gas, self.max_nonfinite_steps = gas, max_nonfinite_steps
+        self.speed = Throughput()
+
+    def add(self, loss: torch.Tensor, b: Batch, world_size: int) -> None:
+        """One micro-batch of this rank (the world trains `world_size` of them at once)."""
+        self.step_loss += loss.detach() / self.gas
+        tokens = b.x0.shape[1] + b.cond.reference_tokens.shape[1] + b.cond.prompt_embeds.shape[1]
+        self.speed.add(b.x0.shape[0] * world_size, b.x0.shape[0] * tokens * world_size)
+
+    def end_step(self, step: int, applied: bool, metrics) -> None:
+        """Optimizer step `step` is done (`applied`: DeepSpeed updated the weights); too many skipped steps raise
+        NonFiniteError."""
+        if applied:
+            self.loss += self.step_loss
+            self.num_steps += 1
+        else:  # DeepSpeed found a NaN/inf gradient norm and skipped the update
+            self.skipped += 1
+            metrics.message(f"warning: step {step} skipped: non-finite loss or gradient norm "
+                            f"({self.skipped} of at most {self.max_nonfinite_steps})")
+            if self.skipped > self.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.skipped} optimizer steps had a NaN/inf loss or gradient norm (last at step {step}); "
+                    "stopping. Lower the learning rate, check the data, or raise "
+                    "qwen_edit.train.max_nonfinite_steps"
+                )
+        self.step_loss.zero_()
+
+    def record(self, step: int, epoch: int, variant: str, engine, source, d: Dist) -> dict:
+        """The log record of `step` (a collective: every rank calls it), then a new window from `step`."""
+        elapsed = self.speed.elapsed()
+        record = {"step": step, "epoch": epoch, "variant": variant,
+                  "loss": _mean_over_ranks(self.loss / self.num_steps, d.group),
+                  "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": self.skipped,
+                  "data_wait_fraction": source.take_wait_s() / elapsed,
+                  **self.speed.read(step - self.last_logged), "peak_memory_gb": peak_memory_gb(d.device)}
+        self.loss.zero_()
+        self.num_steps, self.last_logged = 0, step
+        return record
+
+
+def _save_when_due(engine, step: int, max_steps: int, out: OutputConfig, trainer_state: dict, watch,
+                   d: Dist) -> None:
+    """The checkpoint of the save cadence; on a preemption request (`watch`, a collective) every rank saves the
+    step just finished, if the cadence did not, and raises preempt.Preempted."""
+    due = should_save(step, out, max_steps)
+    if due:
+        checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
+    if watch is not None and watch.requested(d.device, d.group):
+        if not due:
+            checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
+        raise preempt.Preempted(step)
+
+
 def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, trainer_state: dict,
           start_step: int = 0, after_step: Callable[[int], None] | None = None, watch=None) -> int:
     """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end.
@@ -107,13 +190,13 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
     the step just finished and raises preempt.Preempted.
     """
     t, out = cfg.project.train, cfg.project.output
-    dtype = getattr(torch, cfg.precision)
     gas = cfg.deepspeed["gradient_accumulation_steps"]
+    # the fault-injection variables are read here, once; their hooks wrap the loss only when a fault is requested
+    loss_of = faults.FaultPlan.from_env().around_loss(
+        _engine_loss(engine, t, scheduler_cfg, getattr(torch, cfg.precision)))
     epoch, taken = start_position(start_step, gas, len(source))  # resume inside the epoch where it stopped
-    step, last_logged, micro, skipped = start_step, start_step, 0, 0
-    window_loss, window_steps = torch.zeros((), device=d.device), 0
-    step_loss = torch.zeros((), device=d.device)
-    speed = Throughput()
+    step, micro = start_step, 0
+    window = _Window(d.device, start_step, gas, t.max_nonfinite_steps)
     engine.train()
     source.take_wait_s()
     while step < t.max_steps:
@@ -121,52 +204,18 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
         taken = 0
         for batch in source:
             generator = micro_batch_generator(t.seed, step, micro, gas, d, d.device)
-            try:
-                faults.maybe_oom(step + 1)
-                loss = faults.maybe_poison_loss(forward_loss(engine, batch, t, generator, scheduler_cfg, dtype),
-                                                step + 1)
-                engine.backward(loss)
-            except torch.cuda.OutOfMemoryError as e:
-                raise memory.OutOfMemory(oom_message(step, batch, t.mode)) from e
+            loss = _backward(engine, loss_of, batch, generator, step, t.mode)
             engine.step()
-            step_loss += loss.detach() / gas
+            window.add(loss, batch, d.world_size)
             micro += 1
-            tokens = batch.x0.shape[1] + batch.cond.reference_tokens.shape[1] + batch.cond.prompt_embeds.shape[1]
-            speed.add(batch.x0.shape[0] * d.world_size, batch.x0.shape[0] * tokens * d.world_size)
             if micro < gas:
                 continue
             step, micro = step + 1, 0
             metrics.step()
-            if engine.was_step_applied():
-                window_loss += step_loss
-                window_steps += 1
-            else:  # DeepSpeed found a NaN/inf gradient norm and skipped the update
-                skipped += 1
-                metrics.message(f"warning: step {step} skipped: non-finite loss or gradient norm "
-                                f"({skipped} of at most {t.max_nonfinite_steps})")
-                if skipped > t.max_nonfinite_steps:
-                    raise NonFiniteError(
-                        f"{skipped} optimizer steps had a NaN/inf loss or gradient norm (last at step {step}); "
-                        "stopping. Lower the learning rate, check the data, or raise "
-                        "qwen_edit.train.max_nonfinite_steps"
-                    )
-            step_loss.zero_()
-            if should_log(step, out, t.max_steps) and window_steps:
-                elapsed = speed.elapsed()
-                record = {"step": step, "epoch": epoch, "variant": trainer_state["variant"],
-                          "loss": _mean_over_ranks(window_loss / window_steps, d.group),
-                          "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": skipped,
-                          "data_wait_fraction": source.take_wait_s() / elapsed,
-                          **speed.read(step - last_logged), "peak_memory_gb": peak_memory_gb(d.device)}
-                metrics.log(record)
-                window_loss.zero_()
-                window_steps, last_logged = 0, step
-            if should_save(step, out, t.max_steps):
-                checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
-            if watch is not None and watch.requested(d.device, d.group):
-                if not should_save(step, out, t.max_steps):
-                    checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
-                raise preempt.Preempted(step)
+            window.end_step(step, engine.was_step_applied(), metrics)
+            if should_log(step, out, t.max_steps) and window.num_steps:
+                metrics.log(window.record(step, epoch, trainer_state["variant"], engine, source, d))
+            _save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
             if after_step is not None:
                 after_step(step)
             if step >= t.max_steps:
