@@ -37,8 +37,7 @@ def build_plan(cfg: config.Config) -> placement.Plan:
                                 num_blocks(cfg.project.model.path), torch.cuda.device_count(), local)
 
 
-def parallel_layout(cfg: config.Config, world_size: int) -> dict:
-    par = cfg.project.parallel
+def parallel_layout(par: config.ParallelConfig, world_size: int) -> dict:
     return {"mode": par.mode, "world_size": world_size, "stages": len(par.stages), "decoder_cuts": par.decoder_cuts}
 
 
@@ -49,7 +48,7 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
         return None, 0, {}
     tag, state = checkpoint.resolve_tag(cfg.project.output.dir, resume)
     checkpoint.check_world_size(state, world_size, tag)
-    saved, now = state.get("parallel"), parallel_layout(cfg, world_size)
+    saved, now = state.get("parallel"), parallel_layout(cfg.project.parallel, world_size)
     if saved != now:
         raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
                                      "the same qwen_edit.parallel settings, or export and start anew (see README)")
@@ -96,20 +95,71 @@ def build_stage(cfg: config.Config, plan: placement.Plan, me: placement.Placemen
     return eng, transformer, dp
 
 
-def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: placement.Placement,
-                links: worlds.Links, resume: str | None, overwrite: bool = False) -> None:
-    p = cfg.project
-    world_size = len(plan.placements)
-    variant = components.detect_variant(p.model.path, p.model.variant)
-    tag, start_step, changes = resume_point(cfg, world_size, resume)
+def _open_cut(gas: int, me: placement.Placement, links: worlds.Links) -> tuple[int, transport.Sender | None]:
+    """(micro-batches per epoch, the sender to the next stage or None): the encoder's opening message (its bad rows
+    stop this stage with the same message); a stage before the last passes the epoch length on along the cut."""
     try:
         batches_per_epoch = stages.receive_start(links.to_prev, 0)
     except stages.EncoderStopped as e:
         raise pairs.BadRowsError(str(e)) from e
-    sender = None
-    if not me.is_last_decoder:  # pass the epoch length on along the cut
-        sender = transport.Sender(links.to_next, 1, max_in_flight=cfg.deepspeed["gradient_accumulation_steps"] + 1)
-        sender.send({"kind": "start", "batches_per_epoch": batches_per_epoch})
+    if me.is_last_decoder:
+        return batches_per_epoch, None
+    sender = transport.Sender(links.to_next, 1, max_in_flight=gas + 1)  # a step's micro-batches and one more
+    sender.send({"kind": "start", "batches_per_epoch": batches_per_epoch})
+    return batches_per_epoch, sender
+
+
+def _receiving_source(cfg: config.Config, me: placement.Placement, links: worlds.Links, module: torch.nn.Module,
+                      device: torch.device, batches_per_epoch: int, start_step: int):
+    """(micro-batches from the previous stage, validation conditioning or None, gradient converter or None).
+    The first decoder stage receives the conditioning and tells the encoder where to start; a later stage sends
+    the gradients of what it received back along the cut."""
+    p = cfg.project
+    if me.is_first_decoder:
+        # only the first decoder stage: the config refuses a decoder cut with validation
+        conditioning = mp_validation.receive_conditioning(p.validation, links.to_prev, 0)
+        stages.send_ready(links.to_prev, 0, start_step)
+        convert = None
+    else:
+        conditioning = None
+        convert = pipeline.receiving_converter(module, device, transport.Sender(links.grads_to_prev, 0, 10**6))
+    source = stages.ReceivingSource(links.to_prev, 0, device, batches_per_epoch,
+                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert,
+                                    overlap=p.parallel.overlap or not me.is_first_decoder)
+    return source, conditioning, convert
+
+
+def _close_links(source: stages.ReceivingSource, sender: transport.Sender | None, convert) -> dict:
+    """Drain the links after the last step; returns the encoder's closing statistics."""
+    upstream_stats = source.close()
+    if sender is not None:
+        sender.send(upstream_stats)  # the encoder's closing statistics travel on to the last stage
+        sender.flush()
+    if convert is not None:
+        convert.grad_sender.flush()
+    return upstream_stats
+
+
+def _summary(par: config.ParallelConfig, world_size: int, variant: str, steps: int, digests: list[str], wall: float,
+             source: stages.ReceivingSource, upstream_stats: dict) -> dict:
+    """summary.json of a model-parallel run: steps, placement, the last stage's waits, the encoder's statistics."""
+    waited = source.wait_s_total + source.first_wait_s
+    return {"steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
+            "parallel": parallel_layout(par, world_size), "overlap": par.overlap,
+            "decoder_wall_s": wall, "decoder_wait_s": waited, "decoder_wait_after_first_s": source.wait_s_total,
+            "decoder_busy_fraction": 1 - waited / wall,
+            "encoder": {k: v for k, v in upstream_stats.items() if k != "kind"}}
+
+
+def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: placement.Placement,
+                links: worlds.Links, resume: str | None, overwrite: bool = False) -> None:
+    """One decoder stage: build it, resume it, train it (the last stage runs loop.train, the others the
+    pipeline's upstream schedule), check the replicas agree, then rank 0 writes the summary and the export."""
+    p = cfg.project
+    world_size = len(plan.placements)
+    variant = components.detect_variant(p.model.path, p.model.variant)
+    tag, start_step, changes = resume_point(cfg, world_size, resume)
+    batches_per_epoch, sender = _open_cut(cfg.deepspeed["gradient_accumulation_steps"], me, links)
     eng, transformer, dp = build_stage(cfg, plan, me, d)
     if tag is not None:
         checkpoint.load(eng, p.output.dir, tag)
@@ -117,17 +167,9 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     train_main.start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],
-                     "parallel": parallel_layout(cfg, world_size), "config": config.to_dict(cfg)}
-    if me.is_first_decoder:
-        conditioning = mp_validation.receive_conditioning(cfg, links.to_prev, 0)  # config: no cut with validation
-        stages.send_ready(links.to_prev, 0, start_step)
-        convert = None
-    else:
-        conditioning = None
-        convert = pipeline.receiving_converter(eng.module, d.device, transport.Sender(links.grads_to_prev, 0, 10**6))
-    source = stages.ReceivingSource(links.to_prev, 0, d.device, batches_per_epoch,
-                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert,
-                                    overlap=p.parallel.overlap or not me.is_first_decoder)
+                     "parallel": parallel_layout(cfg.project.parallel, world_size), "config": config.to_dict(cfg)}
+    source, conditioning, convert = _receiving_source(cfg, me, links, eng.module, d.device, batches_per_epoch,
+                                                      start_step)
     scheduler_cfg = components.scheduler_config(p.model.path)
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
                else NullMetrics())  # decoder rank 0 is the last stage of pipeline 0
@@ -145,24 +187,14 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     if d.is_main:
         curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
         print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged")
-    upstream_stats = source.close()
-    if sender is not None:
-        sender.send(upstream_stats)  # the encoder's closing statistics travel on to the last stage
-        sender.flush()
-    if convert is not None:
-        convert.grad_sender.flush()
+    upstream_stats = _close_links(source, sender, convert)
     digests = loop.replica_digests(eng.module, dp.group)
     if len(set(digests)) != 1:
         raise RuntimeError(f"trainable weights differ between decoder replicas after training: {digests}")
     weights = exported_weights(transformer, p.train.mode, plan.num_stages > 2, me)
     if d.is_main:
-        train_main.write_summary(p.output.dir, {
-            "steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
-            "parallel": parallel_layout(cfg, world_size), "overlap": p.parallel.overlap,
-            "decoder_wall_s": wall, "decoder_wait_s": source.wait_s_total + source.first_wait_s,
-            "decoder_wait_after_first_s": source.wait_s_total,
-            "decoder_busy_fraction": 1 - (source.wait_s_total + source.first_wait_s) / wall,
-            "encoder": {k: v for k, v in upstream_stats.items() if k != "kind"}})
+        train_main.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
+                                                        upstream_stats))
         export(cfg, transformer, weights, checkpoint.export_metadata(config.to_dict(cfg), variant, steps))
 
 

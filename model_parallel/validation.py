@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from model_parallel import transport
-from train.config import Config
+from train.config import Config, ValidationConfig
 from train.model import components
 from train.runtime.engine import Dist
 from train.trainer import validation
@@ -67,9 +67,9 @@ def encoder_opening(cfg: Config, d: Dist, encoders: components.Encoders | None) 
     return [conditioning_message(validation.encode_requests(cfg, encoders, d.rank, d.world_size))]
 
 
-def receive_conditioning(cfg: Config, link, peer: int) -> dict[int, validation.Recorded] | None:
+def receive_conditioning(v: ValidationConfig, link, peer: int) -> dict[int, validation.Recorded] | None:
     """Decoder side: the encoder's validation conditioning (None without validation.file)."""
-    if not cfg.project.validation.file:
+    if not v.file:
         return None
     return message_conditioning(*transport.recv(link, peer))
 

@@ -108,12 +108,12 @@ def write_summary(out_dir: str, summary: dict) -> None:
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def resume_point(cfg: config.Config, d: engine.Dist, resume: str | None) -> tuple[str | None, int, dict]:
-    """(tag, step, trainer_state) to resume from, checked before any model loads; (None, 0, {}) for a fresh
-    run."""
+def resume_point(out_dir: str, d: engine.Dist, resume: str | None) -> tuple[str | None, int, dict]:
+    """(tag, step, trainer_state) to resume from in `out_dir` (output.dir), checked before any model loads;
+    (None, 0, {}) for a fresh run."""
     if resume is None:
         return None, 0, {}
-    tag, state = checkpoint.resolve_tag(cfg.project.output.dir, resume)
+    tag, state = checkpoint.resolve_tag(out_dir, resume)
     checkpoint.check_world_size(state, d.world_size, tag)
     return tag, state["step"], state
 
@@ -138,7 +138,7 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
     variant = components.detect_variant(p.model.path, p.model.variant)
-    tag, start_step, saved = resume_point(cfg, d, resume)
+    tag, start_step, saved = resume_point(p.output.dir, d, resume)
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
