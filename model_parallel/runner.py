@@ -1,6 +1,6 @@
 """Entry of the model-parallel mode: place this process, build its stage, run it, tear down.
 
-The decoder stages reuse the ZeRO-2 mode's pieces unchanged (train.main's builders, loop.train, checkpoint,
+The decoder stages reuse the ZeRO-2 mode's pieces unchanged (train.trainer.build's builders, loop.train, checkpoint,
 exports): only their source of micro-batches differs (stages.ReceivingSource instead of the loader + encoders).
 """
 
@@ -17,12 +17,11 @@ from model_parallel import pipeline, stages, transport, worlds
 from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
 from train import config
-from train import main as train_main
 from train.data import pairs
 from train.model import components, lora_io
 from train.runtime import checkpoint, engine, outdir
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
-from train.trainer import loop
+from train.trainer import build, loop
 
 
 def num_blocks(model_dir: str) -> int:
@@ -59,13 +58,13 @@ def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None
     p = cfg.project
     variant = components.detect_variant(p.model.path, p.model.variant)
     try:
-        rows, loader = train_main.build_data(cfg, d, variant)
+        rows, loader = build.build_data(cfg, d, variant)
     except pairs.BadRowsError as e:  # tell the decoder, so that it stops with the same message
         sender = transport.Sender(links.to_next, 1)
         sender.send({"kind": "error", "message": str(e)})
         sender.flush()
         raise
-    source = train_main.build_source(cfg, d, variant, rows, loader)  # the frozen encoders (or the cache)
+    source = build.build_source(cfg, d, variant, rows, loader)  # the frozen encoders (or the cache)
     stats = stages.run_encoder(cfg, source, links.to_next, peer=1, opening=lambda: mp_validation.encoder_opening(
         cfg, d, getattr(source, "encoders", None)))
     peak = (f", peak memory {torch.cuda.max_memory_allocated(d.device) / 1e9:.2f} GB (torch max allocated)"
@@ -80,7 +79,7 @@ def build_stage(cfg: config.Config, plan: placement.Plan, me: placement.Placemen
     One decoder stage trains the plain transformer exactly as the ZeRO-2 mode does (same checkpoint layout);
     a cut wraps this stage's blocks in split.DecoderStage and gives DeepSpeed the stage/replica groups.
     """
-    transformer = train_main.build_transformer(cfg)
+    transformer = build.build_transformer(cfg)
     if plan.num_stages == 2:
         eng, _ = engine.build_engine(transformer, cfg.deepspeed)
         return eng, transformer, d
@@ -164,7 +163,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     if tag is not None:
         checkpoint.load(eng, p.output.dir, tag)
         print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
-    train_main.start_writing(cfg, d, overwrite, start_step, changes)
+    build.start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],
                      "parallel": parallel_layout(cfg.project.parallel, world_size), "config": config.to_dict(cfg)}
@@ -193,7 +192,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
         raise RuntimeError(f"trainable weights differ between decoder replicas after training: {digests}")
     weights = exported_weights(transformer, p.train.mode, plan.num_stages > 2, me)
     if d.is_main:
-        train_main.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
+        build.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
                                                         upstream_stats))
         export(cfg, transformer, weights, checkpoint.export_metadata(config.to_dict(cfg), variant, steps))
 

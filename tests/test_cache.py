@@ -43,11 +43,11 @@ def load_cfg(tiny: Path, tmp: Path, **changes) -> config.Config:
 
 
 def data_of(cfg: config.Config) -> tuple[str, list[pairs.Row], pairs.EditDataset]:
-    """Rows and dataset exactly as training reads them (train.main.build_data, as the cache command does)."""
-    from train import main as trainer
+    """Rows and dataset exactly as training reads them (train.trainer.build.build_data, as the cache command does)."""
+    from train.trainer import build
 
     variant = components.detect_variant(cfg.project.model.path)
-    rows, loader = trainer.build_data(cfg, WORLD_OF_ONE, variant)
+    rows, loader = build.build_data(cfg, WORLD_OF_ONE, variant)
     return variant, rows, loader.dataset
 
 

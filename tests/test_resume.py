@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import TINY_CONFIG
 
-from train import main as train_main
 from train.runtime import checkpoint, engine
+from train.trainer import build
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_allowed_changes_are_returned_and_recorded(saved, tmp_path, capsys, monk
         deepspeed = {}
         project = type("P", (), {"output": type("O", (), {"dir": str(tmp_path)})})()
 
-    monkeypatch.setattr(train_main.config, "write_resolved", lambda cfg, out: None)  # only the record is tested
-    train_main.start_writing(Cfg(), engine.Dist(0, 1, 0, None), False, 4, changes)
+    monkeypatch.setattr(build.config, "write_resolved", lambda cfg, out: None)  # only the record is tested
+    build.start_writing(Cfg(), engine.Dist(0, 1, 0, None), False, 4, changes)
     assert json.loads((tmp_path / "config_changes.jsonl").read_text()) == {"step": 4, "changes": changes}
     assert 'resumed with changed settings: optimizer.params.lr: 0.01 -> 0.001' in capsys.readouterr().out

@@ -26,12 +26,11 @@ from train.data.latent_cache import CacheError, cache_dir, ensure, read_index
 from train.model import components
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output, print0
+from train.trainer import build
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or rebuild, when stale) the cache for a training config; 0 done, 2 bad configuration or data."""
-    from train import main as trainer  # its data pipeline, so the cache holds exactly what training reads
-
     prefix_rank_output()
     args = config.parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         variant = components.detect_variant(cfg.project.model.path, cfg.project.model.variant)
-        rows, loader = trainer.build_data(cfg, d, variant)
+        rows, loader = build.build_data(cfg, d, variant)  # training's data pipeline: the cache holds what it reads
         before = read_index(cache_dir(cfg))
         index = ensure(cfg, d, variant, rows, loader.dataset, rebuild_stale=True)
         verb = "up to date" if index == before else "written"

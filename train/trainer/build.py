@@ -1,0 +1,190 @@
+"""The builders of a training run and the run itself, shared by the commands (train/main.py, train/cache.py) and the
+model-parallel runner: the data (pre-flight, dataset, loader), the source of encoded micro-batches (cache or online
+encoders), the transformer in its training form, the first writes into the output directory, the exports, and `run`
+(ZeRO-2 data parallel: build, resume, train, validate, export).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from train import config
+from train.data import latent_cache, pairs, prompts, sources
+from train.model import components, fp8, lora_io, memory
+from train.model.conditioning import MODEL_NAMES
+from train.runtime import checkpoint, engine, gpumon, outdir, preempt
+from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
+from train.trainer import loop, validation
+
+
+def vl_processor(model_dir: str):
+    """The model's Qwen2VLProcessor (for the pre-flight's prompt lengths), None for text-to-image models."""
+    from transformers import Qwen2VLProcessor
+
+    path = Path(model_dir) / "processor"
+    return Qwen2VLProcessor.from_pretrained(path, local_files_only=True) if path.is_dir() else None
+
+
+def build_data(cfg: config.Config, d: engine.Dist, variant: str):
+    """The pre-flight's rows (bad rows reported) and the DataLoader over them."""
+    p = cfg.project
+    processor = prompts.PromptProcessor.from_config(p.data)
+    rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
+                          report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
+                          category_rules=p.data.category_rules, area=p.data.area,
+                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path))
+    dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
+                               p.data.alpha_background)
+    loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
+                               p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
+                               category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
+    print0(f"{processor.report.summary()}\n{pairs.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
+    without = sum(not r.references for r in rows)
+    if without and variant != "t2i":
+        print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
+               "reference; QwenImagePipeline's prompt template)", rank=d.rank)
+    return rows, loader
+
+
+def build_transformer(cfg: config.Config, device: torch.device | None = None):
+    """The transformer in its training form, streamed from the checkpoint onto `device` (None = the CPU, from
+    where DeepSpeed or the model-parallel split places it); offloaded blocks' weights stay in host memory."""
+    p = cfg.project
+    torch.manual_seed(p.train.seed)  # same LoRA init on every rank
+    t = p.train
+    try:
+        transformer, offloader = components.load_for_training(
+            p.model.path, getattr(torch, cfg.precision), device or torch.device("cpu"), t.mode, p.lora,
+            t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks)
+    except torch.cuda.OutOfMemoryError as e:
+        raise memory.OutOfMemory(f"CUDA out of memory while loading the transformer. "
+                                 f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e
+    if offloader is not None:
+        print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
+               f"({offloader.host_bytes / 1e9:.1f} GB pinned), {offloader.device_bytes / 1e9:.2f} GB of device slots",
+               rank=int(os.environ.get("RANK", "0")))
+    if p.train.fp8_base:
+        count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
+        print0(f"fp8 base: {count} frozen linears kept in float8 e4m3", rank=int(os.environ.get("RANK", "0")))
+    if p.train.mode == "lora" and p.lora.init_from:
+        report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
+        print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
+    return transformer
+
+
+def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
+                 loader) -> sources.LoaderSource:
+    """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online."""
+    if cfg.project.data.cache != "off":
+        return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
+    p = cfg.project
+    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device)
+    return sources.online_source(loader, encoders, variant)
+
+
+def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step: int) -> Path:
+    """The trained weights as a diffusers LoRA file or transformer directory, with their metadata."""
+    p = cfg.project
+    metadata = checkpoint.export_metadata(config.to_dict(cfg), variant, step)
+    if p.train.mode == "lora":
+        return checkpoint.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
+    return checkpoint.export_full(module, out_dir, metadata)
+
+
+def write_summary(out_dir: str, summary: dict) -> None:
+    import json
+
+    (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def resume_point(out_dir: str, d: engine.Dist, resume: str | None) -> tuple[str | None, int, dict]:
+    """(tag, step, trainer_state) to resume from in `out_dir` (output.dir), checked before any model loads;
+    (None, 0, {}) for a fresh run."""
+    if resume is None:
+        return None, 0, {}
+    tag, state = checkpoint.resolve_tag(out_dir, resume)
+    checkpoint.check_world_size(state, d.world_size, tag)
+    return tag, state["step"], state
+
+
+def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int,
+                  changes: dict | None = None) -> None:
+    """Every check has passed and everything is built: the run's first writes into its output directory.
+    `changes`: settings that differ from the resumed checkpoint's, appended to OUTPUT/config_changes.jsonl."""
+    out = cfg.project.output.dir
+    if outdir.is_holder(cfg.deepspeed, d):
+        outdir.start_writing(out, overwrite)
+    if d.is_main:
+        config.write_resolved(cfg, out)
+        Metrics.truncate(out, start_step)  # drop records of steps that will be trained again
+        if changes:
+            print0("resumed with changed settings: " + "; ".join(f"{k}: {json.dumps(old)} -> {json.dumps(new)}"
+                                                                 for k, (old, new) in changes.items()))
+            with open(Path(out) / "config_changes.jsonl", "a") as f:
+                f.write(json.dumps({"step": start_step, "changes": changes}) + "\n")
+
+
+def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
+    p = cfg.project
+    variant = components.detect_variant(p.model.path, p.model.variant)
+    tag, start_step, saved = resume_point(p.output.dir, d, resume)
+    rows, loader = build_data(cfg, d, variant)
+    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
+           f"precision {cfg.precision}", rank=d.rank)
+    planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
+    resolved = config.to_dict(cfg)
+    changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
+    source = build_source(cfg, d, variant, rows, loader)
+    conditioning = validation.record_before_training(cfg, d)  # from the cache: encoders leave before the model
+    transformer = build_transformer(cfg, d.device)
+    eng, _ = engine.build_engine(transformer, cfg.deepspeed)
+    if tag is not None:
+        checkpoint.load(eng, p.output.dir, tag)
+        print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
+        note = checkpoint.schedule_note(saved, p.train.max_steps, start_step,
+                                        eng.lr_scheduler.get_lr()[0] if eng.lr_scheduler else eng.get_lr()[0])
+        if note:
+            print0(note, rank=d.rank)
+    start_writing(cfg, d, overwrite, start_step, changes)
+    trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
+                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
+    monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
+    metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
+               else NullMetrics())
+    try:
+        encoders = getattr(source, "encoders", None) if conditioning is None else validation.vae_only(p.model, d)
+        hook = validation.build_hook(cfg, d, eng.module, encoders, metrics, start_step, conditioning)
+
+        def after_step(step: int) -> None:
+            if hook is not None:
+                hook(step)
+            # rank 0 alone exports: ZeRO-1/2 keep whole weights on every rank
+            if d.is_main and loop.should_export(step, p.output, p.train.max_steps):
+                path = export_weights(cfg, eng.module, Path(p.output.dir) / "export" / f"step_{step:06d}", variant,
+                                      step)
+                metrics.message(f"exported {path}")
+
+        watch = preempt.Watch()
+        steps = loop.train(cfg, d, eng, source, components.scheduler_config(p.model.path), metrics, trainer_state,
+                           start_step, after_step=after_step, watch=watch)
+    finally:
+        metrics.close()
+        gpus = monitor.stop()
+    if d.is_main:
+        curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
+        print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged", rank=d.rank)
+    gpus = gpumon.gather_summaries(gpus)
+    digests = loop.replica_digests(eng.module)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"trainable weights differ between ranks after training: {digests}")
+    if d.is_main:
+        write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
+                                     "replica_digests": digests, "gpus": gpus, "memory_plan": planned})
+        path = export_weights(cfg, eng.module, Path(p.output.dir) / "export", variant, steps)
+        print0(f"exported {path}", rank=d.rank)
+    engine.barrier()
