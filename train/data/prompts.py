@@ -22,7 +22,7 @@ from train.config.files import load_blocked_terms, load_mapping, normalize, phra
 
 if TYPE_CHECKING:
     from train.config import DataConfig
-    from train.data.pairs import Row
+    from train.data.rows import Row
 
 _SHOWN_LINES = 10  # row lines named in the report per kind
 
