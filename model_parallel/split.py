@@ -16,7 +16,6 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 Activations = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # image stream B L D, text stream B T D, temb B D
-STAGE_PREFIX = "transformer."  # a DecoderStage's parameter names: the whole model's, under .transformer
 
 
 def prune(transformer, blocks: tuple[int, int], is_first: bool, is_last: bool) -> None:
@@ -83,6 +82,8 @@ class DecoderStage(torch.nn.Module):
     def __init__(self, transformer, blocks: tuple[int, int], is_first: bool, is_last: bool):
         super().__init__()
         prune(transformer, blocks, is_first, is_last)
+        # parameters named transformer.X, the whole model's names under a prefix that the export strips
+        # (train.runtime.exports.STAGE_PREFIX)
         self.transformer, self.blocks, self.is_first, self.is_last = transformer, blocks, is_first, is_last
         self.inbox: Activations | None = None
 

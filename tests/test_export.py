@@ -20,6 +20,7 @@ from test_train import check
 from train import export
 from train.config import LoraConfig, ModelConfig
 from train.model import components, lora_io
+from train.runtime import exports
 from train.runtime.checkpoint import LORA_WEIGHT_NAME
 
 STEPS = 4
@@ -58,7 +59,7 @@ def lora_exports(lora_run, tmp_path_factory) -> dict[str, Path]:
                            "--out", str(out / "diffusers")], cwd=REPO, capture_output=True, text=True, timeout=300)
     check(proc)
     assert f"exported {out / 'diffusers' / LORA_WEIGHT_NAME}" in proc.stdout
-    comfy = export.export(lora_run / TAG, out / "comfyui", fmt="comfyui")
+    comfy = exports.export(lora_run / TAG, out / "comfyui", fmt="comfyui")
     return {"diffusers": out / "diffusers" / LORA_WEIGHT_NAME, "comfyui": comfy}
 
 
@@ -199,7 +200,7 @@ def test_full_export_loads_and_equals_consolidated_weights(full_run, tiny_edit, 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from diffusers import QwenImageTransformer2DModel
 
-    path = export.export(full_run / TAG, tmp_path)
+    path = exports.export(full_run / TAG, tmp_path)
     assert path == tmp_path / "transformer"
     loaded = QwenImageTransformer2DModel.from_pretrained(path).state_dict()
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(full_run), tag=TAG, exclude_frozen_parameters=True)
@@ -222,7 +223,7 @@ def test_export_refuses_wrong_paths_and_foreign_checkpoints(tmp_path, capsys):
     assert "no mp_rank_00_model_states.pt" in err and f"pass {tmp_path}/global_stepN" in err
     foreign = tmp_path / "global_step1"
     foreign.mkdir()
-    torch.save({"module": {}, "buffer_names": []}, foreign / export.MODEL_STATES)
+    torch.save({"module": {}, "buffer_names": []}, foreign / exports.MODEL_STATES)
     assert export.main(["--checkpoint", str(foreign), "--out", str(tmp_path / "x")]) == 2
     assert "has no qwen-edit-trainer client_state" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -392,8 +393,8 @@ def test_alpha_other_than_rank_keeps_the_update(known, tiny_edit, tmp_path):
 
     layers = {f"{m}.{s}.weight": w for m, ab in known.items() for s, w in zip(("lora_A", "lora_B"), ab, strict=True)}
     rank = TINY_LORA["rank"]
-    paths = {"diffusers": export.write_diffusers_lora(layers, tmp_path / "d", 2 * rank, rank, torch.float32),
-             "comfyui": export.write_comfyui_lora(layers, tmp_path / "c", 2 * rank, torch.float32)}
+    paths = {"diffusers": exports.write_diffusers_lora(layers, tmp_path / "d", 2 * rank, rank, torch.float32),
+             "comfyui": exports.write_comfyui_lora(layers, tmp_path / "c", 2 * rank, torch.float32)}
     pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
     for name, path in paths.items():
         pipe.load_lora_weights(path.parent, weight_name=path.name, adapter_name=name)
@@ -504,7 +505,7 @@ def test_damaged_checkpoint_names_the_file_and_the_previous_one(lora_run, tmp_pa
         if how == "truncate":  # export names the file too, and the complete checkpoint to export instead
             instead = re.escape(f"export the previous complete checkpoint instead: --checkpoint {out}/global_step2")
             with pytest.raises(checkpoint.CheckpointFileError, match=f"{re.escape(str(victim))}: damaged.*{instead}"):
-                export.export(out / TAG, tmp_path / "x")
+                exports.export(out / TAG, tmp_path / "x")
 
 
 def spoil(sd: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], str]:

@@ -1,0 +1,224 @@
+"""Exports of a DeepSpeed checkpoint without training or a process group (the command train/export.py).
+
+The fp32 master weights are consolidated from the ZeRO-2 optimizer shards with DeepSpeed's own
+`zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; the checkpoint's client_state says how it was
+trained ({"step": N, "config": resolved config}). A checkpoint of a decoder cut over D stages
+(parallel.decoder_cuts, docs/model_parallel.md) holds one file set per stage (mp_rank_00 .. mp_rank_D-1, each
+with its optimizer shards); each stage is consolidated on its own and the stages' weights, which never overlap,
+are merged into one export. Outputs:
+
+    LoRA, diffusers   DIR/pytorch_lora_weights.safetensors   `transformer.X.lora_A.weight` (pipe.load_lora_weights)
+    LoRA, comfyui     DIR/lora_comfyui.safetensors          `diffusion_model.X.lora_A.weight` + `X.alpha`
+    full              DIR/transformer/                       a diffusers QwenImageTransformer2DModel directory
+
+Scale: peft applies alpha / rank to B @ A. The diffusers layout has no alpha (loaders use scale 1), so when
+lora.alpha != lora.rank the scale is folded into lora_B; the ComfyUI layout keeps B as trained and writes alpha.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from train.runtime.checkpoint import (
+    STATE_FILE,
+    CheckpointFileError,
+    apply_umask,
+    export_full,
+    export_metadata,
+    previous_complete,
+    safe_load,
+    weights_only_consolidation,
+    write_diffusers_lora,
+)
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+OPTIM_SHARDS = "*zero_pp_rank_*_optim_states.pt"
+COMFYUI_WEIGHT_NAME = "lora_comfyui.safetensors"
+DTYPES = ("float32", "bfloat16", "float16")
+STAGE_PREFIX = "transformer."  # a model-parallel decoder stage's parameter names: the whole model's, under .transformer
+_PEFT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.[^.]+\.weight$")
+
+
+def read_config(ckpt: Path) -> dict:
+    """The resolved training config stored in the checkpoint's client_state; ValueError naming the fix."""
+    states = ckpt / MODEL_STATES
+    if not states.is_file():
+        if not ckpt.is_dir():
+            hint = "the directory does not exist; pass OUT/global_stepN of a training run"
+        elif (ckpt / "latest").is_file():
+            hint = f"it looks like a training output directory; pass {ckpt}/global_stepN"
+        else:
+            hint = "pass the global_stepN directory of a training output"
+        raise ValueError(f"--checkpoint {ckpt}: no {MODEL_STATES} there; {hint}")
+    client = safe_load(states, map_location="cpu", mmap=True)  # mmap: weights stay on disk
+    cfg = client.get("config")
+    if not isinstance(cfg, dict) or "step" not in client or "qwen_edit" not in cfg:
+        raise ValueError(f"{states} has no qwen-edit-trainer client_state (keys 'step' and 'config' with a "
+                         "'qwen_edit' section); it was not saved by train/main.py. Use DeepSpeed's "
+                         "zero_to_fp32.py for other checkpoints")
+    return cfg
+
+
+def consolidate(ckpt: Path, num_stages: int = 1) -> dict[str, torch.Tensor]:
+    """fp32 trainable weights (plus persistent buffers) merged from all ZeRO shards, by DeepSpeed's own code;
+    over every stage of a decoder cut when `num_stages` > 1 (names as in the whole transformer)."""
+    shards = sorted(ckpt.glob(OPTIM_SHARDS))
+    if not shards:
+        raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
+                         "weights; export needs a checkpoint trained with zero_optimization.stage 1 or 2")
+    print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
+    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (train/runtime/checkpoint.py)
+        return _consolidate_stages(ckpt, num_stages)
+
+
+def _consolidate_stages(ckpt: Path, num_stages: int) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if num_stages == 1:
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                                        exclude_frozen_parameters=True)
+    merged: dict[str, torch.Tensor] = {}
+    for stage, files in enumerate(stage_files(ckpt, num_stages)):
+        # zero_to_fp32 reads every *_model_states.pt / *_optim_states.pt of a directory as one model: give it a
+        # directory that holds only this stage's files (links), so that only public DeepSpeed API is used.
+        with tempfile.TemporaryDirectory() as view:
+            (Path(view) / ckpt.name).mkdir()
+            for f in files:
+                (Path(view) / ckpt.name / f.name).symlink_to(f.resolve())
+            state = get_fp32_state_dict_from_zero_checkpoint(view, tag=ckpt.name, exclude_frozen_parameters=True)
+        assert all(k.startswith(STAGE_PREFIX) for k in state), f"stage {stage}: {sorted(state)[:5]}"
+        assert not merged.keys() & {k.removeprefix(STAGE_PREFIX) for k in state}, "decoder stages share weights"
+        merged.update((k.removeprefix(STAGE_PREFIX), v) for k, v in state.items())
+    return merged
+
+
+def stage_files(ckpt: Path, num_stages: int) -> list[list[Path]]:
+    """Per decoder stage (DeepSpeed's model-parallel rank KK): mp_rank_KK_model_states.pt and its ZeRO shards."""
+    found = sorted(p.name for p in ckpt.glob("mp_rank_*_model_states.pt"))
+    wanted = [f"mp_rank_{k:02d}_model_states.pt" for k in range(num_stages)]
+    if found != wanted:
+        raise ValueError(f"--checkpoint {ckpt}: a decoder cut over {num_stages} stages saves {wanted}, found "
+                         f"{found}; the checkpoint is incomplete (a stage's save failed), export an earlier one")
+    stages = []
+    for k, name in enumerate(wanted):
+        shards = sorted(ckpt.glob(f"*zero_pp_rank_*_mp_rank_{k:02d}_optim_states.pt"))
+        if not shards:
+            raise ValueError(f"--checkpoint {ckpt}: stage mp_rank_{k:02d} has no ZeRO optimizer shards; the "
+                             "checkpoint is incomplete, export an earlier one")
+        stages.append([ckpt / name, *shards])
+    return stages
+
+
+def num_decoder_stages(cfg: dict) -> int:
+    """Decoder stages the checkpoint was trained with (1 unless parallel.decoder_cuts cut the transformer)."""
+    parallel = cfg["qwen_edit"].get("parallel", {})
+    if parallel.get("mode") != "model_parallel":
+        return 1
+    return len(parallel.get("decoder_cuts", [])) + 1
+
+
+def lora_layers(state: dict[str, torch.Tensor], ckpt: Path) -> dict[str, torch.Tensor]:
+    """peft adapter weights as `X.lora_A.weight` (adapter name dropped), as peft's get_peft_model_state_dict."""
+    layers = {}
+    for key, tensor in state.items():
+        match = _PEFT_KEY.match(key)
+        if match:
+            layers[f"{match['module']}.{match['kind']}.weight"] = tensor
+    if not layers:
+        raise ValueError(f"{ckpt} was trained with train.mode 'lora' but holds no lora_A/lora_B weights")
+    return layers
+
+
+def lora_scale(cfg: dict) -> tuple[float, int]:
+    """(lora.alpha, lora.rank) from the resolved config."""
+    lora = cfg["qwen_edit"]["lora"]
+    return float(lora["alpha"]), int(lora["rank"])
+
+
+def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype,
+                      metadata: dict[str, str] | None = None) -> Path:
+    """DIR/lora_comfyui.safetensors: `diffusion_model.X.lora_A.weight`, `.lora_B.weight` and `X.alpha`.
+
+    ComfyUI's LoRA loader and diffusers' Qwen-Image converter both read this layout (and scale by alpha / rank).
+    """
+    from safetensors.torch import save_file
+
+    sd = {f"diffusion_model.{k}": v.to(dtype).contiguous() for k, v in layers.items()}
+    for key in layers:
+        if key.endswith(".lora_A.weight"):
+            sd[f"diffusion_model.{key.removesuffix('.lora_A.weight')}.alpha"] = torch.tensor(alpha)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, out / COMFYUI_WEIGHT_NAME, metadata={"format": "pt", **(metadata or {})})
+    apply_umask(out / COMFYUI_WEIGHT_NAME)
+    return out / COMFYUI_WEIGHT_NAME
+
+
+def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype: torch.dtype,
+               metadata: dict[str, str] | None = None) -> Path:
+    """DIR/transformer/: config from the base model, weights from the consolidated state dict."""
+    from diffusers import QwenImageTransformer2DModel
+
+    config_dir = model_dir / "transformer"
+    if not (config_dir / "config.json").is_file():
+        raise ValueError(f"base model {model_dir} has no transformer/config.json; pass --model DIR with the base "
+                         "model the checkpoint was trained from")
+    with torch.device("meta"):  # no 20 B random init: the weights come from the checkpoint
+        model = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(config_dir))
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint does not fit {config_dir}/config.json: missing {missing[:10]}, "
+                         f"unexpected {unexpected[:10]}; pass --model DIR with the base model it was trained from")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    print(f"writing {len(state)} tensors to {out / 'transformer'}", flush=True)
+    return export_full(model, out, metadata)
+
+
+def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtype: str = "float32",
+           model: str | Path | None = None) -> Path:
+    """Write the export of `checkpoint` into `out`; returns the file or directory written."""
+    ckpt, out = Path(checkpoint), Path(out)
+    try:
+        return _export(ckpt, out, fmt, dtype, model)
+    except CheckpointFileError as e:  # a damaged or refused file: name a complete checkpoint to export instead
+        earlier = previous_complete(ckpt.parent, ckpt.name)
+        hint = f"; export the previous complete checkpoint instead: --checkpoint {ckpt.parent / earlier}" if earlier \
+            else ""
+        raise CheckpointFileError(f"{e}{hint}") from None
+
+
+def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None) -> Path:
+    cfg = read_config(ckpt)
+    mode = cfg["qwen_edit"]["train"]["mode"]
+    if mode == "full" and fmt != "diffusers":
+        raise ValueError(f"--format {fmt}: a full fine-tune exports only as a diffusers transformer directory; "
+                         "use --format diffusers")
+    state = consolidate(ckpt, num_decoder_stages(cfg))
+    torch_dtype = getattr(torch, dtype)
+    metadata = export_metadata(cfg, checkpoint_variant(ckpt, cfg), step_of(ckpt))
+    if mode == "full":
+        return write_full(state, Path(model or cfg["qwen_edit"]["model"]["path"]), out, torch_dtype, metadata)
+    layers = lora_layers(state, ckpt)
+    alpha, rank = lora_scale(cfg)
+    if fmt == "comfyui":
+        return write_comfyui_lora(layers, out, alpha, torch_dtype, metadata)
+    return write_diffusers_lora(layers, out, alpha, rank, torch_dtype, metadata)
+
+
+def checkpoint_variant(ckpt: Path, cfg: dict) -> str:
+    """The variant the run trained (trainer_state.json records the detected one; the config may say "auto")."""
+    try:
+        saved = json.loads((ckpt / STATE_FILE).read_text()).get("variant")
+    except (OSError, ValueError, AttributeError):  # no or a damaged state file: the config's setting
+        saved = None
+    return saved or cfg["qwen_edit"]["model"].get("variant", "auto")
+
+
+def step_of(ckpt: Path) -> int:
+    """The optimizer step of a checkpoint directory, from its client_state."""
+    return int(safe_load(ckpt / MODEL_STATES, map_location="cpu", mmap=True)["step"])
