@@ -110,7 +110,7 @@ def _tokens_seen(name: str, image: int, text: int) -> int:
 
 def test_tiny_flops_follow_the_module():
     """The counter walks the module: the tiny model's count matches its own shapes, not the full model's."""
-    from train.make_tiny import build_transformer
+    from train.model.tiny import build_transformer
 
     tiny = build_transformer()  # 2 blocks, inner_dim 4 heads x 16 = 64
     image, text = 128, 32
@@ -183,7 +183,7 @@ def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_pa
     import json
     import shutil
 
-    from train.make_tiny import write_full_size_configs
+    from train.model.tiny import write_full_size_configs
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model_dir)

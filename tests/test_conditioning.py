@@ -20,8 +20,8 @@ from diffusers import DiffusionPipeline, QwenImageEditPipeline, QwenImageEditPlu
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
-from train.make_tiny import make_tiny
 from train.model import conditioning as C
+from train.model.tiny import make_tiny
 
 AREA = 128 * 128  # target / VAE area the pipelines are shrunk to (instead of 1024^2)
 CONDITION_AREA = 96 * 96  # 2509's VL copies (instead of 384^2); 96^2 keeps a 96x64 image non-square (128x64)

@@ -82,7 +82,7 @@ def test_pooling_vae_decodes_what_it_encoded():
     import torch
     import torch.nn.functional as F
 
-    from train.make_tiny import build_vae
+    from train.model.tiny import build_vae
 
     x = torch.rand(2, 3, 1, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     vae = build_vae("pooling")

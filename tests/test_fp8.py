@@ -8,8 +8,8 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.make_tiny import build_transformer
 from train.model import components, fp8
+from train.model.tiny import build_transformer
 
 
 def _linear(n_in: int, n_out: int, seed: int = 0) -> torch.nn.Linear:

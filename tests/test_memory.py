@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from train.config import LoraConfig
-from train.make_tiny import make_tiny, write_full_size_configs
 from train.model import memory
+from train.model.tiny import make_tiny, write_full_size_configs
 
 GB = memory.GB
 

@@ -15,8 +15,8 @@ from conftest import transformer_inputs
 
 from train import bench
 from train.benchmarks import fp8_impls, peer
-from train.make_tiny import build_transformer
 from train.model import fp8
+from train.model.tiny import build_transformer
 
 CPU = torch.device("cpu")
 LATENT_HW, TEXT_TOKENS = (16, 16), 8  # 8x8 patches per image

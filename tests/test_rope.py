@@ -7,8 +7,8 @@ import torch
 from conftest import transformer_inputs
 from diffusers.models.transformers import transformer_qwenimage
 
-from train.make_tiny import build_transformer
 from train.model import rope
+from train.model.tiny import build_transformer
 
 
 def _complex_freqs(seq: int, half: int, seed: int = 0) -> torch.Tensor:

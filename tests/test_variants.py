@@ -18,8 +18,8 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.make_tiny import build_transformer
 from train.model import components, pipelines
+from train.model.tiny import build_transformer
 
 
 def model_dir(tmp: Path, pipeline: str, **transformer_config) -> Path:

@@ -64,15 +64,13 @@ import torch.distributed as dist
 from train.benchmarks import fp8_impls, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
-from train.make_tiny import SCHEDULER_CONFIG
 from train.model import components, conditioning, rope
+from train.model.archs import FULL_ARCH
+from train.model.tiny import SCHEDULER_CONFIG
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 from train.trainer import loop
 
-# Qwen-Image(-Edit) transformer, as in the released transformer/config.json.
-FULL_ARCH = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                 num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
 ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 PEAK_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, per GPU (datasheet)
@@ -254,7 +252,7 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     """Tiny (fp32) or full-architecture transformer on `device`, seeded alike on every rank."""
     torch.manual_seed(SEED)
     if args.tiny:
-        from train.make_tiny import build_transformer
+        from train.model.tiny import build_transformer
 
         return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
     return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)

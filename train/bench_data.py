@@ -17,7 +17,7 @@ raise (goal: cached >= 1.2x online on the 1024^2 Edit v1 workload). The encoders
 a GPU the allocated memory they give back when freed) is reported too.
 
 Default models: Qwen2.5-VL-7B (8.3 B; the released text and vision sizes), the released VAE architecture and,
-with --train_step, the full Qwen-Image transformer (train.bench.FULL_ARCH), all at random init, built directly
+with --train_step, the full Qwen-Image transformer (train.FULL_ARCH), all at random init, built directly
 on the device in bf16; nothing is downloaded. The processor is the released one's settings with a small BPE
 tokenizer trained here (prompts tokenise into more, shorter tokens than with Qwen's vocabulary).
 """
@@ -33,22 +33,14 @@ from pathlib import Path
 
 import torch
 
-from train import bench, make_tiny
+from train import bench
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning
+from train.model import components, conditioning, tiny
+from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 from train.trainer import loop
 
-# Qwen2.5-VL-7B-Instruct's config.json (the text_encoder of Qwen-Image-Edit), vocabulary and token ids aside.
-VL_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1000000.0,
-               vocab_size=152064, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default",
-                                                "type": "default"})
-VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                 patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                 fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2)
-VL_PIXELS = dict(min_pixels=3136, max_pixels=12845056)  # the released processor's image limits
 # Numbers > 0 in every record (the CI smoke test checks them).
 NUMERIC_FIELDS = ("online_samples_per_s", "cached_samples_per_s", "speedup", "precompute_samples_per_s",
                   "encoder_params", "encoder_weights_gb", "cache_mb_per_sample", "samples", "area", "width", "height")
@@ -80,7 +72,7 @@ def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> compon
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in make_tiny.SPECIAL_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     vl_config = Qwen2_5_VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
         vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -89,7 +81,7 @@ def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> compon
     with torch.device(device), bench.default_dtype(dtype):
         text_encoder = Qwen2_5_VLForConditionalGeneration(vl_config)
         vae = AutoencoderKLQwenImage()
-    processor = make_tiny.build_processor(tokenizer, **VL_PIXELS)
+    processor = tiny.build_processor(tokenizer, **VL_PIXELS)
     for module in (text_encoder, vae):
         module.requires_grad_(False).eval()
     return components.Encoders(text_encoder, processor, vae)
@@ -99,12 +91,12 @@ def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dty
     """(rows, dataset, encoders, transformer or None): synthetic edits at the workload size and the models."""
     num_rows, side = args.warmup + args.samples, bench.make_workload(args.area, 1, 1, 1).width
     if args.tiny:
-        make_tiny.make_tiny(work, args.variant, num_samples=num_rows, size=side)
+        tiny.make_tiny(work, args.variant, num_samples=num_rows, size=side)
         encoders = components.load_encoders(work / "model", dtype, device)
     else:
-        make_tiny.make_dataset(work / "data", args.variant, num_rows, side)
+        tiny.make_dataset(work / "data", args.variant, num_rows, side)
         prompts = [json.loads(line)["prompt"] for line in (work / "data" / "metadata.jsonl").read_text().splitlines()]
-        encoders = full_encoders(make_tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts]),
+        encoders = full_encoders(tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts]),
                                  device, dtype)
     rows, _ = pairs.read_rows(work / "data")
     dataset = pairs.EditDataset(work / "data", rows, args.variant, args.area, 384 * 384 if not args.tiny else 64 * 64)
@@ -120,7 +112,7 @@ def build_transformer(args: argparse.Namespace, work: Path, device: torch.device
 
         model = QwenImageTransformer2DModel.from_pretrained(work / "model", subfolder="transformer").to(device)
     else:
-        model = bench.build_full_transformer(args.num_layers or bench.FULL_ARCH["num_layers"], device, dtype)
+        model = bench.build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype)
     bench.prepare_training(model, "lora", bench.lora_config(64, "attn"), "none", False)
     return model
 
@@ -157,7 +149,7 @@ def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Name
 
     def step(b: sources.Batch, i: int) -> None:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-        eng.backward(loop.forward_loss(eng, b, t, generator, make_tiny.SCHEDULER_CONFIG, dtype))
+        eng.backward(loop.forward_loss(eng, b, t, generator, tiny.SCHEDULER_CONFIG, dtype))
         eng.step()
         bench._sync(d.device)
 

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_VAE = "pooling"  # train.make_tiny's averaging autoencoder: the decoded images show what the model learnt
-TINY_INFO = "tiny.json"  # train.make_tiny.TINY_INFO (not imported here: make_tiny pulls in torch)
+DEMO_VAE = "pooling"  # train.model.tiny's averaging autoencoder: the decoded images show what the model learnt
+TINY_INFO = "tiny.json"  # train.model.tiny.TINY_INFO (not imported here: it pulls in torch)
 
 
 # The demo's changes to ds_configs/tiny_cpu.json (the tests' config): latents and prompt embeddings are encoded
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default=str(REPO / "demo_out"))
     parser.add_argument("--max_steps", type=int, default=600)
-    from train.make_tiny import VARIANTS, make_tiny
+    from train.model.tiny import VARIANTS, make_tiny
 
     parser.add_argument("--variant", default="edit", choices=VARIANTS)
     args = parser.parse_args(argv)
