@@ -69,9 +69,10 @@ def receive_gradients(link) -> list[torch.Tensor]:
 
 
 def run_upstream_stage(cfg: Config, dp: Dist, eng, stage: DecoderStage, source, links, sender: transport.Sender,
-                       scheduler_cfg: dict, trainer_state: dict, start_step: int) -> int:
+                       scheduler_cfg: dict, trainer_state: dict, start_step: int, watch=None) -> int:
     """A decoder stage before the last: forward G micro-batches, then backward them as gradients arrive; saves
-    at the same steps as the last stage (every decoder process joins a save). Returns the final step."""
+    at the same steps as the last stage (every decoder process joins a save), and on a preemption (`watch`, as
+    in loop.train) saves and raises preempt.Preempted with it. Returns the final step."""
     t, out = cfg.project.train, cfg.project.output
     dtype = getattr(torch, cfg.precision)
     gas = cfg.deepspeed["gradient_accumulation_steps"]
@@ -97,7 +98,6 @@ def run_upstream_stage(cfg: Config, dp: Dist, eng, stage: DecoderStage, source, 
             eng.backward(surrogate, scale_wrt_gas=False)  # d(surrogate)/d(theta) = g . d(output)/d(theta)
             eng.step()
         step += 1
-        if loop.should_save(step, out, t.max_steps):
-            checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
+        loop.save_when_due(eng, step, t.max_steps, out, trainer_state, watch, dp)  # as the last stage does
     checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
     return step

@@ -19,7 +19,7 @@ from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
 from train.model import components, lora_io
-from train.runtime import checkpoint, engine, outdir
+from train.runtime import checkpoint, engine, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
 from train.trainer import build, loop
 
@@ -54,7 +54,8 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
     return tag, state["step"], checkpoint.config_changes(state, config.to_dict(cfg), tag)
 
 
-def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None:
+def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links, watch: preempt.Watch) -> bool:
+    """Feed this pipeline's decoder; returns whether a preemption stopped the run (then after its checkpoint)."""
     p = cfg.project
     variant = components.detect_variant(p.model.path, p.model.variant)
     try:
@@ -66,11 +67,14 @@ def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links) -> None
         raise
     source = build.build_source(cfg, d, variant, rows, loader)  # the frozen encoders (or the cache)
     stats = stages.run_encoder(cfg, source, links.to_next, peer=1, opening=lambda: mp_validation.encoder_opening(
-        cfg, d, getattr(source, "encoders", None)))
+        cfg, d, getattr(source, "encoders", None)), watch=watch)
     peak = (f", peak memory {torch.cuda.max_memory_allocated(d.device) / 1e9:.2f} GB (torch max allocated)"
             if d.device.type == "cuda" else "")
     print0(f"encoder stage: {stats['micro_batches']} micro-batches, busy {stats['busy_s']:.1f} s, "
            f"idle {stats['idle_s']:.1f} s{peak}", rank=d.rank)
+    if stats["stopped"]:
+        watch.wait_saved(p.parallel.collective_timeout_s)
+    return stats["stopped"]
 
 
 def build_stage(cfg: config.Config, plan: placement.Plan, me: placement.Placement, d: engine.Dist):
@@ -129,7 +133,8 @@ def _receiving_source(cfg: config.Config, me: placement.Placement, links: worlds
 
 
 def _close_links(source: stages.ReceivingSource, sender: transport.Sender | None, convert) -> dict:
-    """Drain the links after the last step; returns the encoder's closing statistics."""
+    """Drain the links after the last step (or after a preemption ended the streams early), so that no stage's
+    send is left unmatched; returns the encoder's closing statistics."""
     upstream_stats = source.close()
     if sender is not None:
         sender.send(upstream_stats)  # the encoder's closing statistics travel on to the last stage
@@ -151,9 +156,11 @@ def _summary(par: config.ParallelConfig, world_size: int, variant: str, steps: i
 
 
 def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: placement.Placement,
-                links: worlds.Links, resume: str | None, overwrite: bool = False) -> None:
+                links: worlds.Links, resume: str | None, watch: preempt.Watch, overwrite: bool = False) -> None:
     """One decoder stage: build it, resume it, train it (the last stage runs loop.train, the others the
-    pipeline's upstream schedule), check the replicas agree, then rank 0 writes the summary and the export."""
+    pipeline's upstream schedule), check the replicas agree, then rank 0 writes the summary and the export. On a
+    preemption (`watch`) every decoder saves the step it finished, the links are drained and preempt.Preempted
+    is raised."""
     p = cfg.project
     world_size = len(plan.placements)
     variant = components.detect_variant(p.model.path, p.model.variant)
@@ -175,11 +182,16 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     try:
         hook = mp_validation.decoder_hook(cfg, dp, eng.module, metrics, start_step, conditioning)
         t0 = time.perf_counter()
-        if me.is_last_decoder:
-            steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step, hook)
-        else:
-            steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
-                                                trainer_state, start_step)
+        try:
+            if me.is_last_decoder:
+                steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step, hook,
+                                   watch=watch)
+            else:
+                steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
+                                                    trainer_state, start_step, watch=watch)
+        except preempt.Preempted:
+            _close_links(source, sender, convert)
+            raise
         wall = time.perf_counter() - t0
     finally:
         metrics.close()
@@ -241,10 +253,11 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
     links = worlds.init_worlds(plan, me, cfg.project.parallel.collective_timeout_s)
     d = engine.Dist(me.role_rank, plan.role_world_size(me.is_encoder), int(os.environ.get("LOCAL_RANK", "0")),
                     device)
+    watch = preempt.Watch(store=links.store)  # the default group: this process's role world
     code = 0
     try:
         if me.is_encoder:
-            run_encoder(cfg, d, links)
+            code = preempt.EXIT_CODE if run_encoder(cfg, d, links, watch) else 0
         else:
             import deepspeed
 
@@ -253,7 +266,11 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
             # decoder rank 0 writes the run's files, so it holds the directory (a collective of the decoders)
             with outdir.claim(cfg.project.output.dir, resume is not None, overwrite,
                               outdir.is_holder(cfg.deepspeed, d)):
-                run_decoder(cfg, d, plan, me, links, resume, overwrite)
+                run_decoder(cfg, d, plan, me, links, resume, watch, overwrite)
+    except preempt.Preempted as e:  # on every decoder, after their save
+        watch.saved()
+        print0(str(e), rank=d.rank, file=__import__("sys").stderr)
+        code = preempt.EXIT_CODE
     except (pairs.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
         code = 2

@@ -9,7 +9,9 @@ Protocol on the encoder -> first decoder link, in order:
     encoder -> decoder  {"kind": "end", "busy_s": ..., "idle_s": ...}
 Both sides derive the micro-batch count from the same config and start step (loop.start_position), so no
 message is ever left unmatched; the encoder iterates the same sampler as the ZeRO-2 mode would on the rank of
-its pipeline.
+its pipeline. A preemption (train/runtime/preempt.py) ends the stream early: once the decoders have decided to stop,
+the encoder sends "end" after the micro-batch in hand (overlap false: the decoder sends {"kind": "stop"} in
+place of the next "next"), and the decoder takes and drops what is still on its way (ReceivingSource.close).
 """
 
 from __future__ import annotations
@@ -52,23 +54,26 @@ def _micro_batches(source: sources.LoaderSource, epoch: int, skip: int):
         epoch += 1
 
 
-def _await_request(link, peer: int) -> float:
-    """parallel.overlap false: wait for the decoder's {"kind": "next"}; returns the seconds waited."""
+def _await_request(link, peer: int) -> tuple[str, float]:
+    """parallel.overlap false: wait for the decoder's {"kind": "next"} (or "stop"); returns (kind, seconds
+    waited)."""
     t0 = time.perf_counter()
     meta, _ = transport.recv(link, peer)
-    assert meta["kind"] == "next", meta
-    return time.perf_counter() - t0
+    assert meta["kind"] in ("next", "stop"), meta
+    return meta["kind"], time.perf_counter() - t0
 
 
 def run_encoder(cfg: Config, source: sources.LoaderSource, link, peer: int,
-                opening: Callable[[], list[tuple[dict, dict]]] | None = None) -> dict:
-    """Encode and send every micro-batch the decoder will train on; returns {busy_s, idle_s, micro_batches}.
+                opening: Callable[[], list[tuple[dict, dict]]] | None = None, watch=None) -> dict:
+    """Encode and send every micro-batch the decoder will train on; returns {busy_s, idle_s, micro_batches,
+    stopped} (stopped: a preemption ended the stream early).
 
     `source` is the ZeRO-2 mode's online source (loader + frozen encoders) on this pipeline's data shard.
     `opening()` makes messages sent after the opening one, while the decoder builds its engine.
     parallel.overlap true: the send of micro-batch k waits until the decoder side took micro-batch k-1 (at most
     one message in flight, plus the decoder's queue). False: micro-batch k is encoded only when the decoder asks
-    for it. Either wait is this stage's idle time.
+    for it. Either wait is this stage's idle time. `watch` (a preempt.Watch over the launch's store): a SIGTERM
+    here is passed on to the decoders, and their decision to stop ends the stream.
     """
     opening_sender = transport.Sender(link, peer, 1)
     opening_sender.send({"kind": "start", "batches_per_epoch": len(source)})
@@ -84,17 +89,29 @@ def run_encoder(cfg: Config, source: sources.LoaderSource, link, peer: int,
     sender = transport.Sender(link, peer, max_in_flight=1)
     delay = slow_stage_s("encoder")
     busy = idle = 0.0
+    sent, stopped = 0, False
     for _ in range(remaining):
+        if watch is not None:
+            watch.asked()  # a SIGTERM seen here reaches the decoders through the store
+            if overlap and watch.stopping():
+                stopped = True
+                break
         if not overlap:
-            idle += _await_request(link, peer)
+            kind, waited = _await_request(link, peer)
+            idle += waited
+            if kind == "stop":
+                stopped = True
+                break
         t0 = time.perf_counter()
         batch = next(batches)  # the frozen encoders run here
         if delay:
             time.sleep(delay)
         busy += time.perf_counter() - t0
         idle += sender.send(*transport.batch_message(batch))
+        sent += 1
     idle += sender.flush()
-    stats = {"micro_batches": remaining, "busy_s": busy, "idle_s": idle, "data_wait_s": source.take_wait_s()}
+    stats = {"micro_batches": sent, "busy_s": busy, "idle_s": idle, "data_wait_s": source.take_wait_s(),
+             "stopped": stopped}
     sender.send({"kind": "end", **stats})
     sender.flush()
     return stats
@@ -151,10 +168,13 @@ class ReceivingSource:
 
     def _receive(self, link, peer: int) -> None:
         try:
-            for _ in range(self.total):
-                self.queue.put(transport.recv(link, peer))
-            meta, _ = transport.recv(link, peer)
-            self.encoder_stats = meta
+            for _ in range(self.total + 1):
+                meta, tensors = transport.recv(link, peer)
+                if meta["kind"] == "end":  # after `total` micro-batches, or earlier after a preemption
+                    self.encoder_stats = meta
+                    return
+                self.queue.put((meta, tensors))
+            raise RuntimeError(f"the previous stage sent more than the {self.total} micro-batches expected")
         except BaseException as e:  # handed to the training thread, which raises it
             self.queue.put(e)
 
@@ -201,9 +221,19 @@ class ReceivingSource:
             yield self.next_batch()
 
     def close(self) -> dict:
-        """Wait for the encoder's closing statistics (after the last micro-batch)."""
+        """Wait for the encoder's closing statistics (after the last micro-batch; after a preemption, micro-batches
+        sent before the encoder learnt of it are received and dropped, so that none of its sends is left
+        waiting)."""
         if self._thread is None:
+            if self.delivered < self.total:
+                self._ask.send({"kind": "stop"})
+                self._ask.flush()
             self.encoder_stats, _ = transport.recv(self.link, self.peer)
-        else:
-            self._thread.join()
+            return self.encoder_stats
+        while self._thread.is_alive() or not self.queue.empty():
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._thread.join()
         return self.encoder_stats

@@ -349,3 +349,37 @@ def test_store_host_leaves_last():
     left_at["host"] = time.monotonic()
     thread.join()
     assert left_at["host"] >= left_at["decoder"] - 0.05
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_stops_every_stage(tiny_edit, tmp_path):
+    """SIGTERM to the encoder process alone (DeepSpeed's launch.py terminates launch rank 0 first): the request
+    reaches the decoder through the store, which saves the step it finished; the streams close and the job ends
+    with 143, leaving no process. Then the sequential schedule (the decoder tells the encoder to stop), stopped
+    through `bash launch.sh` (SIGTERM to every process at once), resumes from that checkpoint and stops again
+    with a later one."""
+    import sys
+
+    from conftest import REPO, free_port
+    from test_faults import rank_process, stop_with_sigterm
+
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--output_dir", str(out),
+            "--max_steps", "100000"]
+    cfg = mp_config(tmp_path / "mp.json", **{"qwen_edit.output.save_every_steps": 0})
+    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+              str(REPO / "train" / "main.py"), "--ds_config", str(cfg), *args]
+    code, output, exit_s, left = stop_with_sigterm(runner, out, lambda p: rank_process(p, 0).pid, 2)
+    assert code == 143 and not left and exit_s < 60, (code, left, exit_s, output[-4000:])
+    step = int((out / "latest").read_text().strip().removeprefix("global_step"))
+    assert step >= 2 and f"stopped by SIGTERM after saving the checkpoint of step {step}" in output, output[-4000:]
+    assert metrics(out)[-1]["step"] == step
+    seq = mp_config(tmp_path / "seq.json", **{"qwen_edit.output.save_every_steps": 0,
+                                              "qwen_edit.parallel.overlap": False})
+    launch_sh = ["bash", str(REPO / "launch.sh"), "--num_gpus", "2", "--master_port", str(free_port()),
+                 "train/main.py", "--ds_config", str(seq), *args, "--resume"]
+    code, output, exit_s, left = stop_with_sigterm(launch_sh, out, lambda p: p.pid, step + 2)
+    assert code == 143 and not left and exit_s < 60, (code, left, exit_s, output[-4000:])
+    second = int((out / "latest").read_text().strip().removeprefix("global_step"))
+    assert second >= step + 2 and f"after saving the checkpoint of step {second}" in output, output[-4000:]
+    assert [r["step"] for r in metrics(out)] == list(range(1, second + 1))

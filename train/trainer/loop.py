@@ -168,14 +168,14 @@ class _Window:
         return record
 
 
-def _save_when_due(engine, step: int, max_steps: int, out: OutputConfig, trainer_state: dict, watch,
+def save_when_due(engine, step: int, max_steps: int, out: OutputConfig, trainer_state: dict, watch,
                    d: Dist) -> None:
     """The checkpoint of the save cadence; on a preemption request (`watch`, a collective) every rank saves the
     step just finished, if the cadence did not, and raises preempt.Preempted."""
     due = should_save(step, out, max_steps)
     if due:
         checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
-    if watch is not None and watch.requested(d.device, d.group):
+    if watch is not None and watch.requested(d.device):
         if not due:
             checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
         raise preempt.Preempted(step)
@@ -215,7 +215,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
             window.end_step(step, engine.was_step_applied(), metrics)
             if should_log(step, out, t.max_steps) and window.num_steps:
                 metrics.log(window.record(step, epoch, trainer_state["variant"], engine, source, d))
-            _save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
+            save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
             if after_step is not None:
                 after_step(step)
             if step >= t.max_steps:
