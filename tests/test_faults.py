@@ -263,6 +263,66 @@ def test_real_full_disk_during_a_save(tiny_edit, fault_config, small_disk):
         proc.stderr[-3000:]
 
 
+def _without_dac_override() -> None:
+    """preexec_fn: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that root's program
+    (its capabilities on exec come from that set) meets file permissions as any owner does."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.fixture
+def permission_checked():
+    """Popen keyword arguments for a process that a chmod really stops: as root, one without the capability to
+    override file permissions (a real EACCES from the kernel, not an injected error); otherwise none needed."""
+    return {"preexec_fn": _without_dac_override} if os.geteuid() == 0 else {}
+
+
+def test_save_into_an_unwritable_directory(tiny_edit, tmp_path, permission_checked):
+    """The output directory stops being writable during a run (chmod 555, for a process that meets file
+    permissions: a real EACCES, which torch reports as 'Parent directory ... does not exist'): the save ends the
+    run with the documented message naming the directory and no traceback; the previous checkpoint, 'latest'
+    and every logged step are kept and the checkpoint is still resumable; a start in the unwritable directory is
+    refused before anything runs. Model-parallel mode, whose test hook slows the decoder to 0.5 s a step, so the
+    chmod surely comes between the save of step 3 and that of step 6."""
+    from test_model_parallel import mp_config
+
+    from train.runtime import checkpoint
+
+    out = tmp_path / "run"
+    cfg = mp_config(tmp_path / "mp.json", **{"qwen_edit.output.save_every_steps": 3})
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model", str(tiny_edit / "model"), "--data",
+           str(tiny_edit / "data"), "--output_dir", str(out), "--max_steps", "6"]
+    env = {**os.environ, "QWEN_EDIT_SLOW_STAGE": "decoder:0.5", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **permission_checked)
+    wait_for_step(out, 4, proc)
+    assert (out / "latest").read_text().strip() == "global_step3"
+    out.chmod(0o555)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, output[-4000:]
+    assert (f"error: saving checkpoint global_step6 into {out} failed (Permission denied); make {out} writable for "
+            "this user and resume. 'latest' still names the previous complete checkpoint") in output, output[-4000:]
+    assert "Traceback" not in output and "does not exist" not in output, output[-4000:]
+    assert (out / "latest").read_text().strip() == "global_step3"
+    assert [r["step"] for r in metrics(out)] == list(range(1, 7))
+    assert checkpoint.resolve_tag(out, "latest")[0] == "global_step3"  # its files checked too
+    kept = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    cmd[cmd.index("--max_steps") + 1: cmd.index("--max_steps") + 2] = ["8", "--resume"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                              **permission_checked)
+        assert proc.returncode == 2 and f"--output_dir {out}: cannot be used (Permission denied)" in proc.stderr, \
+            proc.stderr[-3000:]
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == kept
+    finally:
+        out.chmod(0o755)
+
+
 def stop_with_sigterm(cmd: list[str], out: Path, signal_pid, min_step: int, timeout: float = 120):
     """Start `cmd`, wait for step `min_step` in metrics.jsonl, SIGTERM the pid `signal_pid(proc)` picks; returns
     (exit code, output, seconds to exit, pids of the tree still alive 10 s later)."""

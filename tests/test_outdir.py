@@ -120,3 +120,74 @@ def test_two_runs_on_one_directory(tiny_edit, tmp_path):
         first.wait(timeout=60)
     assert second.returncode == 2, second.stderr[-3000:]
     assert f"another run is using it (pid {first.pid} on " in second.stderr, second.stderr[-3000:]
+
+
+_NODE_RANK = """
+import os, sys
+import torch, torch.distributed as dist
+from train.runtime import engine, outdir
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RANK"]), world_size=4)
+d = engine.Dist(dist.get_rank(), 4, int(os.environ["LOCAL_RANK"]), torch.device("cpu"))
+ds = {"checkpoint": {"use_node_local_storage": sys.argv[3] == "node_local"}}
+try:
+    with outdir.claim(sys.argv[2], resume=False, overwrite=False, holder=outdir.is_holder(ds, d)):
+        print("held", flush=True)
+        sys.stdin.readline()  # the test looks at the locks meanwhile
+except outdir.OutputDirError as e:
+    print(f"refused: {e}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_two_nodes(tmp_path, storage: str, release: bool = True) -> tuple[list[subprocess.Popen], list[str]]:
+    """4 ranks over gloo as two 'nodes' of 2 (ranks 0-1 and 2-3), each node's ranks given their own output
+    directory (as node-local disks have one path but two contents); returns the processes and first lines."""
+    store = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, "-c", _NODE_RANK, store, str(tmp_path / f"node{rank // 2}"), storage],
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank),
+                                   "LOCAL_RANK": str(rank % 2)}) for rank in range(4)]
+    lines = [p.stdout.readline().strip() for p in procs]
+    return procs, lines
+
+
+def end(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.stdin.write("\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+
+
+def test_node_local_storage_locks_every_nodes_directory(tmp_path):
+    """Which process holds the lock (README 'Multi-node'): with checkpoint.use_node_local_storage each node's
+    local rank 0 holds its own disk's directory (rank 0's lock cannot be seen on another node's disk, and each
+    node writes its own checkpoint copy there), so a second run on either node is refused; with shared storage
+    only global rank 0 holds the one directory every node sees. A used directory on one node's disk alone
+    refuses the fresh run on every rank."""
+    procs, lines = run_two_nodes(tmp_path, "node_local")
+    try:
+        assert lines == ["held"] * 4, lines
+        for node, rank in ((0, 0), (1, 2)):
+            holder = (tmp_path / f"node{node}" / outdir.LOCK_FILE).read_text()
+            assert holder.startswith(f"pid {procs[rank].pid} "), (node, holder)
+            with pytest.raises(outdir.OutputDirError, match=f"another run is using it \\(pid {procs[rank].pid} "):
+                with outdir.claim(tmp_path / f"node{node}", resume=True, overwrite=False, holder=True):
+                    pass
+    finally:
+        end(procs)
+    (tmp_path / "node1" / "global_step4").mkdir()  # a finished run's checkpoint on node 1's disk only
+    procs, lines = run_two_nodes(tmp_path, "node_local")
+    end(procs)
+    assert all(line.startswith(f"refused: --output_dir {tmp_path / 'node1'} holds another run (global_step4)")
+               for line in lines), lines
+    (tmp_path / "node1" / "global_step4").rmdir()
+    procs, lines = run_two_nodes(tmp_path, "shared")
+    try:
+        assert lines == ["held"] * 4, lines
+        assert (tmp_path / "node0" / outdir.LOCK_FILE).read_text().startswith(f"pid {procs[0].pid} ")
+        with outdir.claim(tmp_path / "node1", resume=True, overwrite=False, holder=True):
+            pass  # nobody on 'node 1' holds a lock: with shared storage node 1 sees node 0's directory
+    finally:
+        end(procs)

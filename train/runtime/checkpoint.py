@@ -185,7 +185,9 @@ def _save_failure(error: Exception, tag: str, out_dir: Path) -> SaveError:
         code = errno.ENOSPC if full else errno.EACCES if not os.access(out_dir, os.W_OK) else errno.EIO
     cause = os.strerror(code) if isinstance(error, RuntimeError) else (error.strerror or str(error))
     hint = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space within your quota",
-            errno.EROFS: "the file system is read-only; point --output_dir at a writable one"}.get(
+            errno.EROFS: "the file system is read-only; point --output_dir at a writable one",
+            errno.EACCES: f"make {out_dir} writable for this user and resume", errno.EPERM: f"make {out_dir} "
+            "writable for this user and resume"}.get(
         code, "check permissions and free space")
     return SaveError(code, f"saving checkpoint {tag} into {out_dir} failed ({cause}); {hint}. 'latest' still "
                            "names the previous complete checkpoint")

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -37,6 +38,8 @@ def _acquire(out_dir: Path) -> int:
     """The open, flock-ed lock file's descriptor; OutputDirError when another process holds it."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(out_dir, os.W_OK | os.X_OK):  # its files may still be writable, a new one is not
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         fd = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise OutputDirError(f"--output_dir {out_dir}: cannot be used ({e.strerror or e}); point it at a writable "
