@@ -241,6 +241,22 @@ def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict
     print0(f"exported {path}")
 
 
+REFUSED_KEY = "decoder/refused"  # set in the launch's store by a decoder that stops with a user error (exit 2)
+
+
+def _encoder_stage(cfg: config.Config, d: engine.Dist, links: worlds.Links, watch: preempt.Watch) -> int:
+    """Run the encoder stage; its exit code. A decoder that refuses the start (a used or unwritable output
+    directory, a bad resume point) prints why and exits 2; the encoder's link to it then breaks mid-send, and
+    the encoder exits 2 too, without a traceback."""
+    try:
+        stopped = run_encoder(cfg, d, links, watch)
+    except RuntimeError:
+        if links.store.check([REFUSED_KEY]):
+            return 2
+        raise
+    return preempt.EXIT_CODE if stopped else 0
+
+
 def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int:
     """Run this process's stage; returns the exit code (0 done, 2 bad data or resume point)."""
     engine.prepare_environment()
@@ -257,7 +273,7 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
     code = 0
     try:
         if me.is_encoder:
-            code = preempt.EXIT_CODE if run_encoder(cfg, d, links, watch) else 0
+            code = _encoder_stage(cfg, d, links, watch)
         else:
             import deepspeed
 
@@ -272,6 +288,7 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
         print0(str(e), rank=d.rank, file=__import__("sys").stderr)
         code = preempt.EXIT_CODE
     except (pairs.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
+        links.store.set(REFUSED_KEY, "1")  # before this process's links close under the encoder
         print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
         code = 2
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
