@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train import bench
+from train.benchmarks import step as bench
 
 REPO = Path(__file__).resolve().parent.parent
 # Every number the smoke run must report as > 0 (the baseline's too, since it runs with --baseline).

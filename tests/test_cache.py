@@ -252,7 +252,7 @@ def test_require_without_cache_exits_2(tiny_edit, tmp_path):
 def test_bench_data_cpu_smoke(tmp_path):
     """`python -m train.bench_data --tiny --train_step` runs both phases on CPU and reports every figure > 0
     (timings are printed, never asserted)."""
-    from train import bench_data
+    from train.benchmarks import inputs
 
     out = tmp_path / "bench_data.jsonl"
     cmd = [sys.executable, "-m", "train.bench_data", "--tiny", "--train_step", "--samples", "2", "--warmup", "1",
@@ -261,7 +261,7 @@ def test_bench_data_cpu_smoke(tmp_path):
     check(proc)
     assert "cached / online" in proc.stdout
     record = json.loads(out.read_text().splitlines()[-1])
-    bad = {k: record.get(k) for k in bench_data.NUMERIC_FIELDS
+    bad = {k: record.get(k) for k in inputs.NUMERIC_FIELDS
            if not isinstance(record.get(k), (int, float)) or isinstance(record.get(k), bool) or record[k] <= 0}
     assert not bad, f"missing or non-positive fields: {bad}"
     assert 0 <= record["online_data_wait_fraction"] <= 1 and 0 <= record["cached_data_wait_fraction"] <= 1

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import transformer_inputs
 
-from train import bench
 from train.benchmarks import fp8_impls, peer
+from train.benchmarks import step as bench
 from train.model import fp8
 from train.model.tiny import build_transformer
 

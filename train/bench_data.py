@@ -1,227 +1,21 @@
-"""Benchmark of the training input path: online encoding vs the latent/embedding cache (train/cache.py).
+"""Benchmark of the training input path: online encoding vs the latent/embedding cache (train/data/latent_cache.py).
 
     python -m train.bench_data --tiny                      # CPU: the tiny model of train.make_tiny, fp32
     python -m train.bench_data --train_step                # GPU: full-size architectures at random init, bf16
     python -m train.bench_data --train_step --json runs/bench_data.jsonl
 
-Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own loader, sampler and sources):
-
-- online: `pairs.EditDataset` (decode + resize) -> `sources.online_source` (Qwen2.5-VL + VAE encode) on the device;
-- cached: the rows are first precomputed with `latent_cache.write_cache` (timed too), the encoders are freed, then
-  `latent_cache.CachedDataset` (read the shard) -> `latent_cache.to_batch` (to the device).
-
-Each reports samples/s and the fraction of the time spent waiting for the loader. With `--train_step` every
-micro-batch also runs the trainer's step (`loop.forward_loss`, `engine.backward`, `engine.step` on the ZeRO-2
-engine, LoRA r64 on the attention projections, as train.bench): that is the end-to-end figure the cache must
-raise (goal: cached >= 1.2x online on the 1024^2 Edit v1 workload). The encoders' memory (their weights, and on
-a GPU the allocated memory they give back when freed) is reported too.
-
-Default models: Qwen2.5-VL-7B (8.3 B; the released text and vision sizes), the released VAE architecture and,
-with --train_step, the full Qwen-Image transformer (train.FULL_ARCH), all at random init, built directly
-on the device in bf16; nothing is downloaded. The processor is the released one's settings with a small BPE
-tokenizer trained here (prompts tokenise into more, shorter tokens than with Qwen's vocabulary).
+How the two phases are timed: train/benchmarks/inputs.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-
-from train import bench
-from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning, tiny
-from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+from train.benchmarks.inputs import format_report, parse_args, run
+from train.benchmarks.step import append_json
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
-from train.trainer import loop
-
-# Numbers > 0 in every record (the CI smoke test checks them).
-NUMERIC_FIELDS = ("online_samples_per_s", "cached_samples_per_s", "speedup", "precompute_samples_per_s",
-                  "encoder_params", "encoder_weights_gb", "cache_mb_per_sample", "samples", "area", "width", "height")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Samples/s of the training input: online encoding vs the cache")
-    p.add_argument("--tiny", action="store_true", help="the tiny model of train.make_tiny (CPU smoke), fp32")
-    p.add_argument("--variant", choices=("edit", "edit_plus"), default="edit")
-    p.add_argument("--area", type=int, help="target pixel area (default 1024*1024; 128*128 with --tiny)")
-    p.add_argument("--samples", type=int, default=32, help="timed samples per phase (default 32)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed samples first (default 2)")
-    p.add_argument("--num_workers", type=int, default=2, help="DataLoader workers (default 2, as data.num_workers)")
-    p.add_argument("--train_step", action="store_true", help="also run the trainer's step on every micro-batch")
-    p.add_argument("--num_layers", type=int, help="transformer depth for --train_step (default 60)")
-    p.add_argument("--json", help="append the result as one JSON line to this file")
-    args = p.parse_args(argv)
-    if args.samples < 1 or args.warmup < 0 or args.num_workers < 0:
-        p.error("--samples must be >= 1, --warmup and --num_workers >= 0")
-    args.area = args.area or (128 * 128 if args.tiny else 1024 * 1024)
-    return args
-
-
-# ---------------------------------------------------------------- models and data
-
-
-def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> components.Encoders:
-    """Qwen2.5-VL-7B and the released VAE architecture at random init, created on `device` in `dtype`."""
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
-    vl_config = Qwen2_5_VLConfig(
-        text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
-        vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
-    with torch.device(device), bench.default_dtype(dtype):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(vl_config)
-        vae = AutoencoderKLQwenImage()
-    processor = tiny.build_processor(tokenizer, **VL_PIXELS)
-    for module in (text_encoder, vae):
-        module.requires_grad_(False).eval()
-    return components.Encoders(text_encoder, processor, vae)
-
-
-def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dtype: torch.dtype):
-    """(rows, dataset, encoders, transformer or None): synthetic edits at the workload size and the models."""
-    num_rows, side = args.warmup + args.samples, bench.make_workload(args.area, 1, 1, 1).width
-    if args.tiny:
-        tiny.make_tiny(work, args.variant, num_samples=num_rows, size=side)
-        encoders = components.load_encoders(work / "model", dtype, device)
-    else:
-        tiny.make_dataset(work / "data", args.variant, num_rows, side)
-        prompts = [json.loads(line)["prompt"] for line in (work / "data" / "metadata.jsonl").read_text().splitlines()]
-        encoders = full_encoders(tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts]),
-                                 device, dtype)
-    rows, _ = pairs.read_rows(work / "data")
-    dataset = pairs.EditDataset(work / "data", rows, args.variant, args.area, 384 * 384 if not args.tiny else 64 * 64)
-    transformer = build_transformer(args, work, device, dtype) if args.train_step else None
-    return rows, dataset, encoders, transformer
-
-
-def build_transformer(args: argparse.Namespace, work: Path, device: torch.device, dtype: torch.dtype):
-    """The transformer with LoRA r64 on the attention projections (as train.bench), seeded."""
-    torch.manual_seed(bench.SEED)
-    if args.tiny:
-        from diffusers import QwenImageTransformer2DModel
-
-        model = QwenImageTransformer2DModel.from_pretrained(work / "model", subfolder="transformer").to(device)
-    else:
-        model = bench.build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype)
-    bench.prepare_training(model, "lora", bench.lora_config(64, "attn"), "none", False)
-    return model
-
-
-def encoder_stats(encoders: components.Encoders) -> dict:
-    params = sum(p.numel() for m in (encoders.text_encoder, encoders.vae) for p in m.parameters())
-    nbytes = sum(p.numel() * p.element_size() for m in (encoders.text_encoder, encoders.vae) for p in m.parameters())
-    return {"encoder_params": params, "encoder_weights_gb": nbytes / 1e9}
-
-
-def free(device: torch.device) -> float:
-    """Collect garbage; the GPU memory still allocated afterwards (GB; 0 on CPU)."""
-    gc.collect()
-    if device.type != "cuda":
-        return 0.0
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device) / 1e9
-
-
-# ---------------------------------------------------------------- timing
-
-
-def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Namespace):
-    """f(batch, i): the trainer's micro-step on `batch` (ZeRO-2 engine over the LoRA parameters), or a sync."""
-    if transformer is None:
-        return lambda b, i: bench._sync(d.device)
-    # train.bench's defaults: micro-batch 1, LoRA r64 on the attention projections, ZeRO-2, AdamW
-    defaults = bench.parse_args(["--steps", str(args.samples), "--warmup", str(args.warmup)])
-    cfg = bench.make_config(defaults, d.world_size, d.device.type == "cuda", dtype)
-    eng, _ = engine.build_engine(transformer, cfg.deepspeed)
-    eng.train()
-    t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
-
-    def step(b: sources.Batch, i: int) -> None:
-        generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-        eng.backward(loop.forward_loss(eng, b, t, generator, tiny.SCHEDULER_CONFIG, dtype))
-        eng.step()
-        bench._sync(d.device)
-
-    return step
-
-
-def time_source(source: sources.LoaderSource, step, warmup: int, samples: int) -> dict:
-    """samples/s over `samples` micro-batches after `warmup`, and the fraction of that time spent in the loader."""
-    source.start_epoch(0, 0)
-    it = iter(source)
-    for i in range(warmup):
-        step(next(it), i)
-    source.take_wait_s()
-    start = time.perf_counter()
-    for i in range(warmup, warmup + samples):
-        step(next(it), i)
-    elapsed = time.perf_counter() - start
-    return {"samples_per_s": samples / elapsed, "data_wait_fraction": source.take_wait_s() / elapsed}
-
-
-def make_loader(dataset, args: argparse.Namespace, collate_fn=pairs.collate):
-    return pairs.build_loader(dataset, 1, 0, 1, bench.SEED, args.num_workers, True, False, collate_fn=collate_fn)
-
-
-def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
-    dtype = torch.bfloat16 if d.device.type == "cuda" and not args.tiny else torch.float32
-    base = free(d.device)
-    rows, dataset, encoders, transformer = build_inputs(args, work, d.device, dtype)
-    record = {**encoder_stats(encoders), "encoder_gpu_memory_gb": 0.0}
-    with_encoders = free(d.device)
-    step = step_fn(transformer, d, dtype, args)
-    online = time_source(sources.online_source(make_loader(dataset, args), encoders, args.variant), step,
-                         args.warmup, args.samples)
-    start = time.perf_counter()
-    latent_cache.write_cache(work / "cache", dataset, rows, encoders, args.variant, {"bench": "bench_data"}, d,
-                      args.num_workers)
-    precompute_s = time.perf_counter() - start
-    before_free = free(d.device)
-    del encoders
-    record["encoder_gpu_memory_gb"] = before_free - free(d.device)  # what training from the cache never holds
-    index = latent_cache.read_index(work / "cache")
-    cached_ds = latent_cache.CachedDataset(work / "cache", index, rows)
-    source = sources.LoaderSource(make_loader(cached_ds, args, latent_cache.collate),
-                                  lambda raw: latent_cache.to_batch(raw, d.device))
-    cached = time_source(source, step, args.warmup, args.samples)
-    cache_bytes = sum(f.stat().st_size for f in (work / "cache").glob("shard-*"))
-    w = bench.make_workload(args.area, 1, 1, 1)
-    return {
-        **record, "online_samples_per_s": online["samples_per_s"], "cached_samples_per_s": cached["samples_per_s"],
-        "speedup": cached["samples_per_s"] / online["samples_per_s"],
-        "online_data_wait_fraction": online["data_wait_fraction"],
-        "cached_data_wait_fraction": cached["data_wait_fraction"],
-        "precompute_samples_per_s": len(rows) / precompute_s, "cache_mb_per_sample": cache_bytes / len(rows) / 1e6,
-        "gpu_memory_gb_models_loaded": with_encoders - base, "train_step": args.train_step,
-        "model": "tiny" if args.tiny else "full architectures (random init)", "variant": args.variant,
-        "precision": str(dtype).removeprefix("torch."), "samples": args.samples, "warmup": args.warmup,
-        "num_workers": args.num_workers, "area": args.area, "width": w.width, "height": w.height, **bench.machine(d),
-    }
-
-
-def format_report(r: dict) -> str:
-    step = "input + trainer step (LoRA r64, ZeRO-2)" if r["train_step"] else "input only (no trainer step)"
-    return "\n".join([
-        f"== train.bench_data: {step}, {r['model']}, {r['variant']} {r['width']}x{r['height']}, {r['precision']} ==",
-        f"machine      {r['gpu_name']}, torch {r['torch_version']}, {r['date']}",
-        *(f"{phase:<12} {r[phase + '_samples_per_s']:.3f} samples/s (waiting for data "
-          f"{100 * r[phase + '_data_wait_fraction']:.1f}% of the time)" for phase in ("online", "cached")),
-        f"speedup      {r['speedup']:.2f}x cached / online",
-        f"precompute   {r['precompute_samples_per_s']:.3f} samples/s, {r['cache_mb_per_sample']:.3f} MB per sample",
-        f"encoders     {r['encoder_params'] / 1e9:.3f} B parameters, {r['encoder_weights_gb']:.3f} GB of weights; "
-        f"GPU memory freed for cached training {r['encoder_gpu_memory_gb']:.2f} GB",
-    ])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         record = run(args, d, Path(work))
     print(format_report(record), flush=True)
     if args.json:
-        bench.append_json(args.json, record)
+        append_json(args.json, record)
     engine.teardown()
     return 0
 
