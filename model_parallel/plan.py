@@ -158,12 +158,17 @@ def build_plan(stages: list[str], cuts: list[int], world_size: int, num_blocks: 
 
 
 def check_parallel(cfg: ProjectConfig, problems: list[str], world_size: int, num_gpus: int | None = None,
-                   fp16: bool = False) -> None:
+                   fp16: bool = False, node_local_storage: bool = False) -> None:
     """The model-parallel placement: device names, cuts, world size; devices against `num_gpus` when known.
     train/main.py passes it to train.config.load_config, so a bad placement is one more problem of the config."""
     if cfg.parallel.mode != "model_parallel":
         return
     key = f"{PROJECT_KEY}.parallel"
+    if node_local_storage:  # DeepSpeed and checkpoint.save commit a node's copy on its local rank 0
+        problems.append("checkpoint.use_node_local_storage: not available in the model-parallel mode: each node's "
+                        "checkpoint copy is written by its local rank 0, which is an encoder there (it holds no "
+                        "weights), so no checkpoint would be written; keep --output_dir on a file system every node "
+                        "shares, or use parallel.mode zero2")
     if cfg.parallel.queue_depth < 1:
         problems.append(f"{key}.queue_depth: must be >= 1, got {cfg.parallel.queue_depth}")
     if fp16 and cfg.parallel.decoder_cuts:

@@ -690,6 +690,13 @@ def test_model_parallel_one_stage(setup):
     assert msg.startswith(q("parallel.stages") + ": ['cuda:0'] names 1 device(s)")
 
 
+def test_model_parallel_refuses_node_local_storage(setup):
+    """Node-local checkpoints are committed by each node's local rank 0, an encoder in this mode: refused."""
+    setup.set("checkpoint.use_node_local_storage", True)
+    (msg,) = mp_problems(setup)
+    assert msg.startswith("checkpoint.use_node_local_storage: not available in the model-parallel mode"), msg
+
+
 def test_model_parallel_cut_count_must_match_stages(setup):
     """Three stages need exactly one cut."""
     (msg,) = mp_problems(setup, world_size=3, parallel__stages=["cuda:0", "cuda:1", "cuda:2"])

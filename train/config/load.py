@@ -161,8 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# check_parallel(project, problems, world_size, num_gpus, fp16=...) appends the problems of the model-parallel
-# placement; it lives with the placement (model_parallel.plan.check_parallel), which this library does not import.
+# check_parallel(project, problems, world_size, num_gpus, fp16=..., node_local_storage=...) appends the problems of
+# the model-parallel placement; it lives with the placement (model_parallel.plan.check_parallel), which this library
+# does not import.
 ParallelCheck = Callable[..., None]
 
 
@@ -193,8 +194,11 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
             setattr(getattr(project, section), name, value)
     checks.check_project(project, problems)
     if check_parallel is not None:
+        checkpoint = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
         check_parallel(project, problems, world_size, num_gpus if has_gpu else 0,
-                       fp16=bool(isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled")))
+                       fp16=bool(isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled")),
+                       node_local_storage=bool(checkpoint.get("use_node_local_storage")
+                                               or raw.get("use_node_local_storage")))
     ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, problems)
     ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, problems)
     if problems:
