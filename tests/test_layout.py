@@ -174,3 +174,18 @@ def test_imports_are_read_from_functions_and_relative_forms(tmp_path):
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from train.model import fp8\n    import train.runtime.engine\n")
     assert imports_of(lazy, "train.data.lazy", set(project_modules())) == {"train.model.fp8", "train.runtime.engine"}
+
+
+def test_setup_cfg_installs_every_package():
+    """A non-editable install ships every folder of train/ and model_parallel/ (setup.cfg's packages)."""
+    import configparser
+
+    import setuptools
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    assert cfg["options"]["packages"].strip() == "find:"
+    include = [p.strip() for p in cfg["options.packages.find"]["include"].replace("\n", ",").split(",") if p.strip()]
+    found = set(setuptools.find_packages(str(REPO), include=include))
+    folders = {module_name(p) for top in ("train", "model_parallel") for p in (REPO / top).rglob("__init__.py")}
+    assert found == folders and "train.config" in found
