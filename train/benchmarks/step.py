@@ -2,7 +2,7 @@
 train/bench.py; its arguments are parse_args's).
 
 What is timed is exactly what `train.trainer.loop.train` runs per micro-step: `train.trainer.loop.forward_loss` on a
-`train.trainer.loop.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and
+`train.data.sources.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and
 `engine.step()` on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is
 built from synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured

@@ -1,1 +1,2 @@
-"""The data room of train/ (see README "Layout")."""
+"""What the trainer reads (README "Layout"): the dataset's rows, the pre-flight, dataset and loader, prompt
+processing, sampling, the latent cache, and the sources of encoded micro-batches."""

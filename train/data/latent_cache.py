@@ -4,7 +4,7 @@ Built by the command train/cache.py, or inside a training run when `qwen_edit.da
 cache is missing. The cache lives in `data.cache_dir` ("" = OUTPUT/cache).
 
 Each rank encodes its strided share of the rows (rank, rank + N, ...) with the frozen encoders exactly as
-online training does (`train.trainer.loop.encode_batch`, one sample per call, so nothing is padded) and writes
+online training does (`train.data.sources.encode_batch`, one sample per call, so nothing is padded) and writes
 `shard-RRRRR-of-NNNNN-PPPP.safetensors` files (a new part every ~2 GB so no rank holds more in memory).
 Rank 0 writes `index.json` last and atomically, once every rank has finished: a directory without it is an
 unfinished cache and counts as missing. Tensors per sample (row line `n`), in the encoder dtype:

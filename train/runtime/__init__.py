@@ -1,1 +1,2 @@
-"""The runtime room of train/ (see README "Layout")."""
+"""The run's machinery, below the model (README "Layout"): processes and DeepSpeed's engine, checkpoints and
+exports, metrics, GPU monitoring, fault injection, the output directory, preemption."""

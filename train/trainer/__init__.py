@@ -1,1 +1,2 @@
-"""The trainer room of train/ (see README "Layout")."""
+"""Training (README "Layout"): the builders and run shared by the commands and model_parallel, the loop, the
+objective, validation."""
