@@ -19,7 +19,7 @@ from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
 from train.model import components, lora_io
-from train.runtime import checkpoint, engine, outdir, preempt
+from train.runtime import checkpoint, engine, exports, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
 from train.trainer import build, loop
 
@@ -206,7 +206,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     if d.is_main:
         build.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
                                                         upstream_stats))
-        export(cfg, transformer, weights, checkpoint.export_metadata(config.to_dict(cfg), variant, steps))
+        export(cfg, transformer, weights, exports.export_metadata(config.to_dict(cfg), variant, steps))
 
 
 def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placement) -> dict | None:
@@ -218,7 +218,7 @@ def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placeme
 
     mine = {}
     if me.pipeline == 0:
-        mine = (checkpoint.lora_state_dict(transformer) if mode == "lora"
+        mine = (exports.lora_state_dict(transformer) if mode == "lora"
                 else {k: v.detach().cpu() for k, v in transformer.state_dict().items()})
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
@@ -230,14 +230,14 @@ def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict
     export_dir = Path(p.output.dir) / "export"
     if p.train.mode == "lora":
         if weights is None:
-            path = checkpoint.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank, metadata)
+            path = exports.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank, metadata)
         else:
-            path = checkpoint.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank, metadata=metadata)
+            path = exports.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank, metadata=metadata)
     else:
         if weights is not None:  # a whole transformer again, from the base directory and every stage's weights
             transformer = components.load_transformer(p.model, getattr(torch, cfg.precision))
             transformer.load_state_dict(weights)
-        path = checkpoint.export_full(transformer, export_dir, metadata)
+        path = exports.export_full(transformer, export_dir, metadata)
     print0(f"exported {path}")
 
 

@@ -45,7 +45,7 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
 
     from train.config import LoraConfig, ModelConfig
     from train.model import components
-    from train.runtime import checkpoint
+    from train.runtime import exports
     from train.trainer import validation
 
     tiny_edit = request.getfixturevalue(tiny_name)
@@ -63,7 +63,7 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     for name, p in transformer.named_parameters():
         if ".lora_B." in name:
             p.data.normal_(0, 0.5)  # a LoRA that moves the output (a fresh one is zero)
-    checkpoint.export_lora(transformer, work / "run" / "export", 4.0, 4)
+    exports.export_lora(transformer, work / "run" / "export", 4.0, 4)
     out, distances = demo.render(work, num_rows=2, steps=2)
     grid = Image.open(out)
     cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]

@@ -21,7 +21,7 @@ from train import export
 from train.config import LoraConfig, ModelConfig
 from train.model import components, lora_io
 from train.runtime import exports
-from train.runtime.checkpoint import LORA_WEIGHT_NAME
+from train.runtime.exports import LORA_WEIGHT_NAME
 
 STEPS = 4
 TWO_ADAPTERS = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")  # intended here

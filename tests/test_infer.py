@@ -192,7 +192,7 @@ def test_loras_load_with_weights(tiny_edit, tmp_path):
     """--lora FILE:WEIGHT: a trained-looking LoRA changes the edit; weight 0 gives the base model's edit back."""
     from train.config import InferenceConfig, LoraConfig, ModelConfig
     from train.model import components
-    from train.runtime import checkpoint
+    from train.runtime import exports
 
     transformer = components.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
     components.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
@@ -200,7 +200,7 @@ def test_loras_load_with_weights(tiny_edit, tmp_path):
     for name, p in transformer.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.5)
-    lora = checkpoint.export_lora(transformer, tmp_path, alpha=4, rank=4)
+    lora = exports.export_lora(transformer, tmp_path, alpha=4, rank=4)
     settings = InferenceConfig(**SETTINGS)
     pipe = pipelines.load_pipeline(tiny_edit / "model", torch.float32)
     pipelines.place(pipe, settings, torch.device("cpu"))

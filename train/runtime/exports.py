@@ -1,4 +1,6 @@
-"""Exports of a DeepSpeed checkpoint without training or a process group (the command train/export.py).
+"""Every weight that leaves: the LoRA (diffusers / ComfyUI layout) or full-transformer export of a live model (end
+of training, output.export_every_steps) and of a saved DeepSpeed checkpoint, without training or a process group
+(the command train/export.py).
 
 The fp32 master weights are consolidated from the ZeRO-2 optimizer shards with DeepSpeed's own
 `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`; the checkpoint's client_state says how it was
@@ -17,7 +19,9 @@ lora.alpha != lora.rank the scale is folded into lora_B; the ComfyUI layout keep
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -27,15 +31,12 @@ import torch
 from train.runtime.checkpoint import (
     STATE_FILE,
     CheckpointFileError,
-    apply_umask,
-    export_full,
-    export_metadata,
     previous_complete,
     safe_load,
     weights_only_consolidation,
-    write_diffusers_lora,
 )
 
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_SHARDS = "*zero_pp_rank_*_optim_states.pt"
 COMFYUI_WEIGHT_NAME = "lora_comfyui.safetensors"
@@ -222,3 +223,75 @@ def checkpoint_variant(ckpt: Path, cfg: dict) -> str:
 def step_of(ckpt: Path) -> int:
     """The optimizer step of a checkpoint directory, from its client_state."""
     return int(safe_load(ckpt / MODEL_STATES, map_location="cpu", mmap=True)["step"])
+
+
+# --- exports of a live model (end of training, export_every_steps) and their writers ------------------------------
+
+
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def export_metadata(config: dict, variant: str, step: int) -> dict[str, str]:
+    """What an export records about itself (safetensors header entries, all text): the base model and variant,
+    the training mode, LoRA rank / alpha / target modules, the step, and a hash of the resolved config."""
+    p = config["qwen_edit"]
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return {"qwen_edit.base_model": str(p["model"]["path"]), "qwen_edit.variant": variant,
+            "qwen_edit.train_mode": p["train"]["mode"], "qwen_edit.lora_rank": str(p["lora"]["rank"]),
+            "qwen_edit.lora_alpha": str(float(p["lora"]["alpha"])),
+            "qwen_edit.target_modules": json.dumps(p["lora"]["target_modules"]), "qwen_edit.step": str(step),
+            "qwen_edit.config_sha256": digest}
+
+
+def apply_umask(path: Path) -> None:
+    """Give `path` (a file, or every file below a directory) the permissions the user's umask asks for: safetensors
+    writes its files 0600 (through a private temporary file), which hides an export from the user's group."""
+    mask = os.umask(0)
+    os.umask(mask)  # reading the umask means setting it; set it straight back
+    for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
+        f.chmod(0o666 & ~mask)
+
+
+def write_diffusers_lora(layers: dict[str, torch.Tensor], out: str | Path, alpha: float, rank: int,
+                         dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None) -> Path:
+    """OUT/pytorch_lora_weights.safetensors (`transformer.X.lora_A.weight` keys) for the pipelines'
+    load_lora_weights, with `metadata` (see export_metadata) in its header. The diffusers layout stores no alpha,
+    so alpha / rank is folded into lora_B (the header's lora_alpha is the trained one)."""
+    from diffusers import QwenImageEditPipeline
+    from safetensors.torch import save_file
+
+    def save(weights: dict, filename: str) -> None:  # diffusers' own writer, plus our header entries
+        header = {"format": "pt", **(metadata or {})}
+        if metadata:
+            header["qwen_edit.lora_b_scale_folded"] = str(alpha / rank)
+        save_file(weights, filename, metadata=header)
+
+    scale = alpha / rank
+    layers = {k: (v * scale if scale != 1 and ".lora_B." in k else v).to(dtype or v.dtype) for k, v in layers.items()}
+    QwenImageEditPipeline.save_lora_weights(Path(out), transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
+                                            safe_serialization=True, save_function=save)
+    apply_umask(Path(out) / LORA_WEIGHT_NAME)
+    return Path(out) / LORA_WEIGHT_NAME
+
+
+def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int,
+                metadata: dict[str, str] | None = None) -> Path:
+    """The end-of-training LoRA export (same layout as `python -m train.export`)."""
+    return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank, metadata=metadata)
+
+
+EXPORT_INFO = "qwen_edit_export.json"  # a full export's metadata (diffusers writes the shards' headers itself)
+
+
+def export_full(transformer, out_dir: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """OUT/transformer/: a diffusers QwenImageTransformer2DModel directory (config + safetensors), with
+    `metadata` in OUT/transformer/qwen_edit_export.json."""
+    out = Path(out_dir) / "transformer"
+    transformer.save_pretrained(out, safe_serialization=True)
+    if metadata:
+        (out / EXPORT_INFO).write_text(json.dumps(metadata, indent=2) + "\n")
+    apply_umask(out)
+    return out

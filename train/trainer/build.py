@@ -16,7 +16,7 @@ from train import config
 from train.data import latent_cache, pairs, prompts, sources
 from train.model import components, fp8, lora_io, memory
 from train.model.conditioning import MODEL_NAMES
-from train.runtime import checkpoint, engine, gpumon, outdir, preempt
+from train.runtime import checkpoint, engine, exports, gpumon, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
 from train.trainer import loop, validation
 
@@ -90,10 +90,10 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
 def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step: int) -> Path:
     """The trained weights as a diffusers LoRA file or transformer directory, with their metadata."""
     p = cfg.project
-    metadata = checkpoint.export_metadata(config.to_dict(cfg), variant, step)
+    metadata = exports.export_metadata(config.to_dict(cfg), variant, step)
     if p.train.mode == "lora":
-        return checkpoint.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
-    return checkpoint.export_full(module, out_dir, metadata)
+        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
+    return exports.export_full(module, out_dir, metadata)
 
 
 def write_summary(out_dir: str, summary: dict) -> None:
