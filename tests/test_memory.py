@@ -225,3 +225,140 @@ def test_optimizer_offload_needs_adam_zero_and_host_memory(full_sizes):
         memory.choose(full_sizes, measured(8_448), 12 * GB, 2.1 * GB, {}, fp8_ok=True, online=False,
                       offload_blocker=lion)
     assert "would still not fit" in str(e.value)
+
+
+# ---------------------------------------------------------------- validation renders
+
+
+def with_render(m: memory.Measured, forward: float, vae: float, vae_tiled: float) -> memory.Measured:
+    return memory.Measured(**{**m.__dict__, "render_forward_bytes": forward, "render_vae_bytes": vae,
+                              "render_vae_tiled_bytes": vae_tiled})
+
+
+@pytest.fixture(scope="module")
+def render_sizes(full_sizes):
+    """The released transformer with the VAE's 127 M parameters counted (a render from the cache loads it)."""
+    return memory.Sizes(**{**full_sizes.__dict__, "vae_bytes": int(0.254 * GB)})
+
+
+def test_a_render_that_fits_changes_nothing(render_sizes):
+    """Validation off: no tiling is planned (settings() has no inference.vae_tiling). A render that fits every
+    budget: the same training settings as without it, decoded untiled."""
+    for tokens, budget in ((8_448, 141), (8_448, 24), (12_544, 80), (12_544, 48)):
+        margin = memory.margin_bytes(0, budget * GB)
+        off, p_off = memory.choose(render_sizes, measured(tokens), budget * GB, margin, {}, fp8_ok=True, online=False)
+        assert off.vae_tiling is None and p_off.render_peak_bytes == 0
+        assert "inference.vae_tiling" not in memory.settings(off, 60)
+        on, p_on = memory.choose(render_sizes, with_render(measured(tokens), 0.5 * GB, 0.8 * GB, 0.3 * GB),
+                                 budget * GB, margin, {}, fp8_ok=True, online=False)
+        assert on == memory.Choice(**{**off.__dict__, "vae_tiling": False})
+        assert p_on.peak_bytes == p_off.peak_bytes and p_on.step_s == p_off.step_s
+        assert 0 < p_on.render_peak_bytes < p_on.peak_bytes
+        assert memory.settings(on, 60)["inference.vae_tiling"] is False
+
+
+def test_the_render_peak_enters_the_choice(render_sizes):
+    """At 24 GB the step fits, but an untiled 1 MP decode does not: the plan tiles the decode and keeps the step;
+    with inference.vae_tiling fixed false it pays with the step (more blocks offloaded) instead, and says so."""
+    budget, tokens = 24 * GB, 8_448
+    margin = memory.margin_bytes(0, budget)
+    room = budget - margin
+    step_only, p0 = memory.choose(render_sizes, measured(tokens), budget, margin, {}, fp8_ok=True, online=False)
+    # what the step's choice keeps on the GPU during a render, with the VAE: the untiled decode gets 0.5 GB too much
+    kept = memory.predict(render_sizes, with_render(measured(tokens), 0, 0, 0),
+                          memory.Choice(**{**step_only.__dict__, "vae_tiling": False})).render_peak_bytes
+    m = with_render(measured(tokens), 1.2 * GB, room - kept + 0.5 * GB, 0.9 * GB)
+    c, p = memory.choose(render_sizes, m, budget, margin, {}, fp8_ok=True, online=False)
+    assert c == memory.Choice(**{**step_only.__dict__, "vae_tiling": True})
+    assert p.step_s == p0.step_s and p.render_peak_bytes <= room and p.peak_bytes <= room
+    note = memory.render_note(render_sizes, m, c, p, budget, margin, {}, fp8_ok=True, online=False)
+    assert "inference.vae_tiling = true, which the plan chose" in note and "untiled it would need" in note
+    assert memory.settings(c, 60)["inference.vae_tiling"] is True and "decode tiled" in memory.describe(c, 60)
+
+    fixed = {"inference.vae_tiling": False}
+    c2, p2 = memory.choose(render_sizes, m, budget, margin, fixed, fp8_ok=True, online=False)
+    assert c2.vae_tiling is False and p2.fit_bytes <= room
+    assert p2.step_s > p0.step_s and (c2.offloaded > step_only.offloaded or not c2.fp8_transposed)
+    note = memory.render_note(render_sizes, m, c2, p2, budget, margin, fixed, fp8_ok=True, online=False)
+    assert "the renders set this plan" in note and "set false in the config" in note
+    assert "inference.vae_tiling = true" in note and "inference.area" in note  # the keys that lower a render
+
+    # when only the renders cannot fit, the refusal says so and names their keys
+    huge = with_render(measured(tokens), 1.2 * GB, float("inf"), room)
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(render_sizes, huge, budget, margin, {}, fp8_ok=True, online=False)
+    text = str(e.value)
+    assert "with validation renders" in text and "the training step fits" in text
+    assert "inference.vae_tiling = true" in text and "validation.file" in text
+
+
+def test_a_render_counts_what_it_loads(render_sizes):
+    """From the cache a render loads the VAE beside the model; online the encoders are there already (the VAE is
+    among them). The forward and the decode do not coexist: the larger of the two counts."""
+    m = with_render(measured(8_448), 2 * GB, 3 * GB, 1 * GB)
+    s = memory.Sizes(**{**render_sizes.__dict__, "encoder_bytes": int(16.6 * GB)})
+
+    def render(cached: bool, tiled: bool, mm=m) -> float:
+        return memory.predict(s, mm, memory.Choice(True, True, 60, 40, cached, vae_tiling=tiled)).render_peak_bytes
+
+    assert render(False, False) - render(True, False) == pytest.approx(16.6 * GB - 0.254 * GB)
+    assert render(True, False) - render(True, True) == pytest.approx(1 * GB)  # tiled: the forward's 2 GB counts
+    more = with_render(measured(8_448), 2 * GB, 5 * GB, 1 * GB)
+    assert render(True, False, more) - render(True, False) == pytest.approx(2 * GB)
+
+
+def test_render_workload_is_the_pipelines_sizes():
+    """Target sized from the last reference, every reference at inference.area, batch 1."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    w = memory.render_workload([[(1024, 1024), (1024, 1024)], [(512, 512)]], "edit_plus", 1024 * 1024, 384 * 384)
+    assert w == memory.Workload(1, 3 * 64 * 64, (128, 128), 320 + 2 * 188)
+    wide = memory.render_workload([[(1024, 1024), (2000, 1000)]], "edit_plus", 1024 * 1024, 384 * 384)
+    width, height = calculate_dimensions(1024 * 1024, 2.0)  # the pipeline's own sizing: 1440 x 736 px
+    assert wide.target_hw == (height // 8, width // 8) == (92, 180)
+    assert wide.image_tokens == 2 * (height // 16) * (width // 16) + 64 * 64
+    t2i = memory.render_workload([[]], "t2i", 512 * 512, 384 * 384)
+    assert t2i == memory.Workload(1, 32 * 32, (64, 64), 320)
+
+
+def test_vae_tiling_is_planned_unless_the_config_sets_it():
+    from train.config import Config, ProjectConfig
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    cfg = Config(project=ProjectConfig(), deepspeed=ds)
+    memory.apply(cfg, memory.Choice(True, True, 0, 0, True, vae_tiling=True), 60)
+    assert cfg.project.inference.vae_tiling is True
+    pinned = Config(project=ProjectConfig(), deepspeed=ds, explicit=frozenset({"inference.vae_tiling"}))
+    assert memory.fixed_settings(pinned)["inference.vae_tiling"] is False
+    memory.apply(pinned, memory.Choice(True, True, 0, 0, True, vae_tiling=True), 60)
+    assert pinned.project.inference.vae_tiling is False
+    off = Config(project=ProjectConfig(), deepspeed=ds)
+    memory.apply(off, memory.Choice(True, True, 0, 0, True), 60)  # validation off: left as it is
+    assert off.project.inference.vae_tiling is False and "tiled" not in memory.describe(
+        memory.Choice(True, True, 0, 0, True), 60)
+
+
+def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
+    """The GPU measurement's code path on the tiny model (CPU): a one-block transformer forward without gradients
+    at the render's tokens, then the VAE decoding (online: and encoding) untiled and tiled. The byte counting
+    itself needs CUDA; here each call reports its output's size."""
+    import torch
+
+    calls = []
+
+    def peak_above(device, call, repeats=2):
+        with torch.no_grad():
+            out = call()
+        calls.append(tuple(out.shape))
+        return float(out.numel())
+
+    monkeypatch.setattr(memory, "_peak_above", peak_above)
+    w = memory.render_workload([[(64, 64), (64, 64)]], "edit_plus", 64 * 64, 32 * 32)
+    m = memory.measure_render(measured(100), tiny_plus / "model", w, torch.float32, torch.float32,
+                              torch.device("cpu"), "lora", LoraConfig(rank=4), fp8_base=False, online=True)
+    h, wd = w.target_hw
+    # the transformer's packed target + references (_inputs lays the references out as one near-square grid)
+    assert calls[0][0] == 1 and 0.9 * w.image_tokens <= calls[0][1] <= w.image_tokens == 16 + 2 * 16
+    assert calls[1][-2:] == (h * 8, wd * 8) and calls[2][-2:] == (h, wd)  # decode, encode (untiled)
+    assert len(calls) == 5 and m.render_forward_bytes == calls[0][0] * calls[0][1] * calls[0][2]
+    assert m.render_vae_bytes == m.render_vae_tiled_bytes > 0  # below the tile size the two are the same

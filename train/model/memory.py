@@ -33,10 +33,27 @@ weights up over PCIe (measured rate): ~1.3 s for LoRA r64 on the default targets
 only for Adam/AdamW (what DeepSpeed offloads to DeepSpeedCPUAdam), at ZeRO stage 1 or 2, when the host has the
 memory for it, and when the DeepSpeed config does not set zero_optimization.offload_optimizer itself (then the
 plan counts what it says).
+
+Validation renders (validation.file set) must fit too: the first runs before step 1, beside everything training
+keeps on the GPU. Their peak is
+
+    peak_render = resident weights + offload slots + LoRA/optimizer state + encoders (online)
+                  + VAE (from the cache: the renders replay recorded conditioning with the VAE alone)
+                  + max(R, V)
+    R = the no-grad transformer pass's transient at the render's tokens (target and references at
+        qwen_edit.inference.area, the prompt bound), measured on a one-block transformer prepared as training
+        prepares it but eager (an upper bound of the compiled pass)
+    V = the VAE's transient at inference.area: its decode of the result (and, online, its encode of the
+        references), measured untiled and tiled (inference.vae_tiling)
+
+R and V do not add: the denoising loop's activations are gone before the decode. The plan fits
+max(peak, peak_render); when only the render does not fit it turns on inference.vae_tiling (when the config does
+not set it) before it costs the step anything, and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -68,7 +85,7 @@ OFFLOADABLE_OPTIMIZERS = ("adam", "adamw")  # DeepSpeed steps these on the host 
 BUCKET_BYTES = 2e8 * 2
 ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
 PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
-             "train.checkpoint_blocks", "train.offload_blocks", "data.cache")
+             "train.checkpoint_blocks", "train.offload_blocks", "data.cache", "inference.vae_tiling")
 OFFLOAD_KEY = "zero_optimization.offload_optimizer"  # DeepSpeed's key: in `fixed` when its config sets it
 
 
@@ -88,6 +105,7 @@ class Sizes:
     other_params: int  # outside the blocks (embeddings, norm_out, proj_out)
     lora_params: int  # trainable LoRA parameters of the whole model
     encoder_bytes: int = 0  # Qwen2.5-VL + VAE in their dtype
+    vae_bytes: int = 0  # the VAE alone (what a validation render from the cache loads beside the model)
     full: bool = False  # every weight trains (train.mode = "full"): optimizer state for all of them
 
     @property
@@ -118,6 +136,9 @@ class Measured:
     h2d_bytes_per_s: float = 25e9  # pinned host -> device copies
     encode_bytes: float = 0.0  # the encoders' activations while encoding (online)
     ckpt_transient_bytes: float | None = None  # T when blocks are checkpointed (a recomputation is in it); None = T + A
+    render_forward_bytes: float | None = None  # R: a validation render's transformer pass; None = validation off
+    render_vae_bytes: float = 0.0  # V untiled (math.inf: it did not fit the budget even alone)
+    render_vae_tiled_bytes: float = 0.0  # V with inference.vae_tiling
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,7 @@ class Choice:
     offloaded: int  # the first K blocks' frozen weights live on the host (K <= N)
     cached: bool  # train from the cache (no encoder on the GPU while training)
     offload_optimizer: bool = False  # DeepSpeed's optimizer offload: master, moments, fp32 grads on the host
+    vae_tiling: bool | None = None  # inference.vae_tiling of the validation renders; None = no render to plan
 
 
 @dataclass(frozen=True)
@@ -135,6 +157,12 @@ class Prediction:
     peak_bytes: float
     step_s: float  # per micro-batch, in the blocks
     optimizer_s: float = 0.0  # per optimizer step on the host (offload_optimizer only)
+    render_peak_bytes: float = 0.0  # a validation render's peak (0: validation off)
+
+    @property
+    def fit_bytes(self) -> float:
+        """What must fit the budget: the step's peak or a validation render's, the larger."""
+        return max(self.peak_bytes, self.render_peak_bytes)
 
 
 def _block_bytes(s: Sizes, c: Choice, dtype_bytes: int) -> float:
@@ -159,14 +187,19 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
         transient = m.ckpt_transient_bytes if m.ckpt_transient_bytes is not None else m.transient_bytes + m.act_bytes
     acts = (s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + transient
     encode_peak = 0 if c.cached else m.encode_bytes
-    peak = weights + slots + states + encoders + max(acts, encode_peak)
+    kept = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
+    peak = kept + max(acts, encode_peak)
+    render = 0.0
+    if m.render_forward_bytes is not None:  # the decode follows the denoising loop: R and V do not add
+        vae = m.render_vae_tiled_bytes if c.vae_tiling else m.render_vae_bytes
+        render = kept + (s.vae_bytes if c.cached else 0) + max(m.render_forward_bytes, vae)
     copy_s = (block - max(offloaded_block, 0)) / m.h2d_bytes_per_s
     bwd_s = m.fwd_bwd_s - m.fwd_s
     stall = c.offloaded * (max(0.0, copy_s - m.fwd_s) + max(0.0, copy_s - bwd_s))
     # Without the transposed copy the backward transposes each fp8 token weight: one read and write of it.
     transpose_s = 0.0 if not c.fp8_base or c.fp8_transposed else resident * 2 * s.block_token_params / 2e12
     step = s.num_blocks * m.fwd_bwd_s + c.checkpointed * m.fwd_s + stall + transpose_s
-    return Prediction(peak, step, host_step_s(s, m) if c.offload_optimizer else 0.0)
+    return Prediction(peak, step, host_step_s(s, m) if c.offload_optimizer else 0.0, render)
 
 
 def host_step_s(s: Sizes, m: Measured) -> float:
@@ -175,8 +208,9 @@ def host_step_s(s: Sizes, m: Measured) -> float:
     return s.trainable_params * (HOST_ADAM_BYTES / HOST_BYTES_PER_S + 2 * 2 / m.h2d_bytes_per_s)
 
 
-def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
-    """Every Choice the config's explicit keys (`fixed`, dotted key -> value) allow."""
+def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool, render: bool = False):
+    """Every Choice the config's explicit keys (`fixed`, dotted key -> value) allow; with `render` (validation on)
+    untiled and tiled VAE decodes of the validation renders."""
     fp8s = [fixed["train.fp8_base"]] if "train.fp8_base" in fixed else [True, False]
     fp8_ok = fp8_ok and not s.full
     n = s.num_blocks
@@ -192,6 +226,8 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
     if not online:
         cached = [True]
     offloads = [fixed[OFFLOAD_KEY]] if OFFLOAD_KEY in fixed else [False, True]
+    tilings = ([fixed["inference.vae_tiling"]] if "inference.vae_tiling" in fixed else [False, True]) if (
+        render) else [None]
     for fp8_base in fp8s:
         if fp8_base and not fp8_ok:
             continue
@@ -204,7 +240,8 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool):
                     if off <= ck:
                         for cache in cached:
                             for opt in offloads:
-                                yield Choice(fp8_base, fp8_t, ck, off, cache, opt)
+                                for tiled in tilings:
+                                    yield Choice(fp8_base, fp8_t, ck, off, cache, opt, tiled)
 
 
 def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixed: dict, fp8_ok: bool,
@@ -213,9 +250,11 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
     when that is the config's, is kept while its best step is within ONLINE_SLACK of the best cached one (the
     cache costs a pass over the data and disk space). DeepSpeed's optimizer offload comes last: only when no
     candidate without it fits, and only when `offload_blocker` is None (else it says why DeepSpeed cannot offload
-    this run's optimizer; a config that sets the key itself pins it in `fixed` instead). PlanError with the smallest
-    peak found when nothing fits, and what the offload would need when only it is missing."""
-    allowed = list(candidates(s, fixed, fp8_ok, online))
+    this run's optimizer; a config that sets the key itself pins it in `fixed` instead). With validation renders
+    (m.render_forward_bytes set) a candidate fits when its step and its render both do; among equally fast ones an
+    untiled VAE decode wins. PlanError with the smallest peak found when nothing fits, and what the offload would
+    need when only it is missing, or what lowers a render when only the renders do not fit."""
+    allowed = list(candidates(s, fixed, fp8_ok, online, m.render_forward_bytes is not None))
     if not allowed:
         raise PlanError("the config's explicit settings leave no candidate to plan (see qwen_edit.memory)")
     scored = [(c, predict(s, m, c)) for c in allowed]
@@ -224,25 +263,61 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
     offloaded = [x for x in scored if x[0].offload_optimizer]
     usable = on_gpu + (offloaded if offload_blocker is None or OFFLOAD_KEY in fixed else [])
     for group in (on_gpu, usable):
-        best = _fastest([x for x in group if x[1].peak_bytes <= room])
+        best = _fastest([x for x in group if x[1].fit_bytes <= room])
         if best:
             return best
-    c, p = min(usable or scored, key=lambda x: x[1].peak_bytes)
+    c, p = min(usable or scored, key=lambda x: x[1].fit_bytes)
+    steps_fit = [x for x in usable or scored if x[1].peak_bytes <= room]
+    if steps_fit:  # only the validation renders do not fit
+        rc, rp = min(steps_fit, key=lambda x: x[1].render_peak_bytes)
+        raise PlanError(
+            f"nothing fits the memory budget with validation renders: {budget_bytes / GB:.1f} GB with a "
+            f"{margin_bytes / GB:.1f} GB margin; the training step fits, but a render of qwen_edit.validation.file "
+            f"(the first runs before step 1) needs {rp.render_peak_bytes / GB:.1f} GB at the least "
+            f"({describe(rc, s.num_blocks)}). {oom_advice('validation', 1)}")
     unused = "" if offload_blocker is None or OFFLOAD_KEY in fixed or not offloaded else _unused_offload(
         offloaded, room, s.num_blocks, offload_blocker)
     raise PlanError(
         f"nothing fits the memory budget: {budget_bytes / GB:.1f} GB with a {margin_bytes / GB:.1f} GB margin; "
-        f"the smallest setting allowed ({describe(c, s.num_blocks)}) needs {p.peak_bytes / GB:.1f} GB.{unused} Lower "
+        f"the smallest setting allowed ({describe(c, s.num_blocks)}) needs {p.fit_bytes / GB:.1f} GB.{unused} Lower "
         "qwen_edit.data.area or the micro-batch, a lower qwen_edit.lora.rank, remove settings that pin the "
         "plan (train.fp8_base false, train.gradient_checkpointing false, data.cache off), or use a bigger GPU "
         "or the model-parallel mode"
     )
 
 
+def render_note(s: Sizes, m: Measured, c: Choice, p: Prediction, budget_bytes: float, margin_bytes: float,
+                fixed: dict, fp8_ok: bool, online: bool, offload_blocker: str | None = None) -> str:
+    """The plan line's words on validation renders: their predicted peak and, when they changed the plan (the VAE
+    decode tiled, or a slower step than the step alone needs), what and why, naming the keys that lower a render.
+    "" with validation off."""
+    if m.render_forward_bytes is None:
+        return ""
+    text = f"; a validation render peaks at {p.render_peak_bytes / GB:.1f} GB"
+    try:
+        alone, q = choose(s, dataclasses.replace(m, render_forward_bytes=None), budget_bytes, margin_bytes, fixed,
+                          fp8_ok, online, offload_blocker)
+    except PlanError:
+        return text
+    if dataclasses.replace(c, vae_tiling=None) == alone:
+        if not c.vae_tiling:
+            return text
+        untiled = predict(s, m, dataclasses.replace(c, vae_tiling=False)).render_peak_bytes
+        return (f"{text} with inference.vae_tiling = true, which the plan chose: untiled it would need "
+                f"{untiled / GB:.1f} GB, and the step is the same either way")
+    tilings = [fixed["inference.vae_tiling"]] if "inference.vae_tiling" in fixed else [False, True]
+    needs = min(predict(s, m, dataclasses.replace(alone, vae_tiling=t)).render_peak_bytes for t in tilings)
+    pinned = " (inference.vae_tiling is set false in the config)" if tilings == [False] else ""
+    return (f"{text}; the renders set this plan: the step alone would fit with {describe(alone, s.num_blocks)} "
+            f"(~{q.step_s:.2f} s per micro-batch), but its render would need {needs / GB:.1f} GB{pinned}. "
+            f"{oom_advice('validation', 1)}")
+
+
 def _fastest(fits: list) -> tuple[Choice, Prediction] | None:
     """choose's pick among candidates that fit: online while within ONLINE_SLACK of the cached step, else cached."""
-    best = {cached: min((x for x in fits if x[0].cached == cached), key=lambda x: (x[1].step_s, x[1].peak_bytes),
-                        default=None) for cached in (False, True)}
+    best = {cached: min((x for x in fits if x[0].cached == cached),
+                        key=lambda x: (x[1].step_s, bool(x[0].vae_tiling), x[1].peak_bytes), default=None)
+            for cached in (False, True)}
     if best[False] and (not best[True] or best[False][1].step_s <= ONLINE_SLACK * best[True][1].step_s):
         return best[False]
     return best[True]
@@ -250,10 +325,10 @@ def _fastest(fits: list) -> tuple[Choice, Prediction] | None:
 
 def _unused_offload(offloaded: list, room: float, num_blocks: int, blocker: str) -> str:
     """The sentence of a PlanError about the optimizer offload the plan could not use."""
-    c, p = min(offloaded, key=lambda x: x[1].peak_bytes)
-    verdict = "would fit" if p.peak_bytes <= room else "would still not fit"
+    c, p = min(offloaded, key=lambda x: x[1].fit_bytes)
+    verdict = "would fit" if p.fit_bytes <= room else "would still not fit"
     return (f" With DeepSpeed's optimizer offload (zero_optimization.offload_optimizer) the run {verdict}: "
-            f"{describe(c, num_blocks)} needs {p.peak_bytes / GB:.1f} GB, of {room / GB:.1f} GB; but {blocker}.")
+            f"{describe(c, num_blocks)} needs {p.fit_bytes / GB:.1f} GB, of {room / GB:.1f} GB; but {blocker}.")
 
 
 def describe(c: Choice, num_blocks: int) -> str:
@@ -265,15 +340,19 @@ def describe(c: Choice, num_blocks: int) -> str:
     enc = "from the cache" if c.cached else "online encoding"
     opt = ", optimizer state in host memory (DeepSpeed offload_optimizer, Adam steps on the CPU)" if (
         c.offload_optimizer) else ""
-    return f"{fp8}, {ck}{off}, {enc}{opt}"
+    vae = {None: "", False: ", validation VAE decode untiled", True: ", validation VAE decode tiled"}[c.vae_tiling]
+    return f"{fp8}, {ck}{off}, {enc}{opt}{vae}"
 
 
 def settings(c: Choice, num_blocks: int) -> dict:
-    """The config keys (dotted, under qwen_edit) that realise `c`."""
-    return {"train.fp8_base": c.fp8_base, "train.fp8_transposed": c.fp8_transposed,
-            "train.gradient_checkpointing": c.checkpointed > 0,
-            "train.checkpoint_blocks": 0 if c.checkpointed in (0, num_blocks) else c.checkpointed,
-            "train.offload_blocks": c.offloaded}
+    """The config keys (dotted, under qwen_edit) that realise `c` (inference.vae_tiling only with a render)."""
+    values = {"train.fp8_base": c.fp8_base, "train.fp8_transposed": c.fp8_transposed,
+              "train.gradient_checkpointing": c.checkpointed > 0,
+              "train.checkpoint_blocks": 0 if c.checkpointed in (0, num_blocks) else c.checkpointed,
+              "train.offload_blocks": c.offloaded}
+    if c.vae_tiling is not None:
+        values["inference.vae_tiling"] = c.vae_tiling
+    return values
 
 
 # ---------------------------------------------------------------- counting
@@ -306,13 +385,15 @@ def count_sizes(model_dir: str | Path, target_modules: list[str], rank: int, enc
 
 def encoder_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
     """Bytes of Qwen2.5-VL and the VAE in a 2-byte dtype, from their safetensors headers (no weights read)."""
-    total = 0
-    for sub in ("text_encoder", "vae"):
-        for path in sorted((Path(model_dir) / sub).glob("*.safetensors")):
-            total += _numel_in_header(path) * dtype_bytes
-        if not any((Path(model_dir) / sub).glob("*.safetensors")):
-            total += _numel_from_config(Path(model_dir) / sub) * dtype_bytes
-    return total
+    return sum(component_bytes(model_dir, sub, dtype_bytes) for sub in ("text_encoder", "vae"))
+
+
+def component_bytes(model_dir: str | Path, sub: str, dtype_bytes: int = 2) -> int:
+    """Bytes of the component in `model_dir`/`sub` (text_encoder, vae) in a 2-byte dtype, from its safetensors
+    headers, or from its config when it has no weights (QWEN_EDIT_RANDOM_INIT directories)."""
+    files = sorted((Path(model_dir) / sub).glob("*.safetensors"))
+    numel = sum(_numel_in_header(path) for path in files) if files else _numel_from_config(Path(model_dir) / sub)
+    return numel * dtype_bytes
 
 
 def _numel_in_header(path: Path) -> int:
@@ -364,6 +445,31 @@ def text_tokens_bound(variant: str, num_references: int, area: int, condition_ar
     prefix) plus the VL image tokens of each reference (28 x 28 px each; v1 shows the VL its VAE-size copy)."""
     vl_area = area if variant == "edit" else condition_area
     return 320 + num_references * vl_area // (28 * 28)
+
+
+def render_workload(reference_sizes: list[list[tuple[int, int]]], variant: str, area: int,
+                    condition_area: int) -> Workload:
+    """The largest validation render in tokens, batch 1 (the pipelines run the guided and the unguided pass one after
+    the other): the target, sized from the edit's last reference as the pipelines size it, and every reference at
+    `area` (qwen_edit.inference.area), plus the prompt's bound for the most references. `reference_sizes`: per edit
+    the (width, height) of its reference images; [] is a text-to-image sample (square)."""
+    from types import SimpleNamespace
+
+    from train.model import conditioning
+
+    def dims(width: int, height: int) -> tuple[int, int]:
+        return conditioning.dimensions(area, SimpleNamespace(width=width, height=height))
+
+    best = None
+    for sizes in reference_sizes or [[]]:
+        refs = [dims(w, h) for w, h in sizes]
+        target = refs[-1] if refs else dims(1, 1)
+        tokens = sum((w // 16) * (h // 16) for w, h in [target, *refs])
+        if best is None or tokens > best[0]:
+            best = (tokens, target)
+    most = max((len(sizes) for sizes in reference_sizes), default=0)
+    tokens, (width, height) = best
+    return Workload(1, tokens, (height // 8, width // 8), text_tokens_bound(variant, most, area, condition_area))
 
 
 def _mini_transformer(model_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device):
@@ -455,6 +561,62 @@ def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
     dev.copy_(host, non_blocking=True)
     torch.cuda.synchronize(device)
     return nbytes / max(time.perf_counter() - t0, 1e-9)
+
+
+def _peak_above(device: torch.device, call, repeats: int = 2) -> float:
+    """Bytes `call` allocates above what is allocated before it (without gradients; the last of `repeats`, the
+    first warms the kernels' workspaces); math.inf when it runs out of memory (it cannot fit the budget)."""
+    peak = 0.0
+    try:
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            with torch.no_grad():
+                out = call()
+            del out
+            torch.cuda.synchronize(device)
+            peak = float(torch.cuda.max_memory_allocated(device) - base)
+    except torch.cuda.OutOfMemoryError:
+        peak = math.inf
+    torch.cuda.empty_cache()
+    return peak
+
+
+def measure_render(m: Measured, model_dir: str | Path, w: Workload, dtype: torch.dtype, vae_dtype: torch.dtype,
+                   device: torch.device, mode: str, lora, fp8_base: bool, online: bool) -> Measured:
+    """`m` with R and V of the module docstring at the render workload `w`: a one-block transformer prepared as
+    training prepares it (eager: the compiled pass needs no more) run forward without gradients, and the VAE
+    decoding a latent of the render's target size, untiled and tiled (online also encoding an image of that size,
+    as the render encodes its references; the larger counts). A second or two."""
+    from train.model import components
+
+    forward = _render_forward_bytes(model_dir, w, dtype, device, mode, lora, fp8_base)  # its model freed here
+    vae = components.load_vae(model_dir, vae_dtype, device)
+    untiled, tiled = (_vae_transient(vae, w, tiling, online) for tiling in (False, True))
+    return dataclasses.replace(m, render_forward_bytes=forward, render_vae_bytes=untiled, render_vae_tiled_bytes=tiled)
+
+
+def _render_forward_bytes(model_dir, w: Workload, dtype, device, mode: str, lora, fp8_base: bool) -> float:
+    from train.model import components
+
+    model = _mini_transformer(Path(model_dir), 1, dtype, device)
+    components.prepare_for_training(model, mode, lora, False, False, fp8_base)
+    model.eval()
+    inputs = _inputs(model, w, dtype, device)
+    return _peak_above(device, lambda: model(**inputs)[0])
+
+
+def _vae_transient(vae, w: Workload, tiled: bool, online: bool) -> float:
+    vae.use_tiling = tiled  # as validation.preserved_training_state sets it for a render
+    device, dtype = vae.device, vae.dtype
+    h, wd = w.target_hw
+    latents = torch.zeros(1, vae.config.z_dim, 1, h, wd, device=device, dtype=dtype)
+    decode = _peak_above(device, lambda: vae.decode(latents, return_dict=False)[0])
+    if not online:
+        return decode
+    pixels = torch.zeros(1, 3, 1, h * 8, wd * 8, device=device, dtype=dtype)
+    return max(decode, _peak_above(device, lambda: vae.encode(pixels).latent_dist.mode()))
 
 
 def budget_bytes(budget_gb: float, device: torch.device) -> float:
@@ -561,12 +723,21 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     dtype = getattr(torch, cfg.precision)
     sizes = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank,
                         encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
+    render = validation_workload(p, variant) if p.validation.file else None
+    if render is not None:
+        sizes = dataclasses.replace(sizes, vae_bytes=component_bytes(p.model.path, "vae"))
     fp8_ok = p.train.mode == "lora" and torch.cuda.get_device_capability(d.device) >= (8, 9)
     compile_blocks = fixed.get("train.compile", True)
     measured = measure(p.model.path, work, dtype, d.device, p.train.mode, p.lora,
                        fixed.get("train.fp8_base", fp8_ok), compile_blocks)
     if online:
         measured = _with_encode_bytes(measured, p, d.device, work)
+    if render is not None:
+        from train.model import components
+
+        measured = measure_render(measured, p.model.path, render, dtype,
+                                  components.encoder_dtype(p.model.encoder_dtype, d.device), d.device, p.train.mode,
+                                  p.lora, fixed.get("train.fp8_base", fp8_ok), online)
     # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
     from train.runtime.engine import all_gather_objects
 
@@ -575,18 +746,40 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     margin = margin_bytes(p.memory.margin_gb, budget)
     blocker = offload_blocker(cfg.deepspeed, sizes, _host_available(), _ranks_per_node(), cfg.world_size)
     choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker)
+    note = render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker)
     apply(cfg, choice, sizes.num_blocks)
     torch.cuda.reset_peak_memory_stats(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
            f"largest micro-batch {tokens} tokens -> {describe(choice, sizes.num_blocks)}"
            f"{', compiled blocks' if p.train.compile else ''}; predicted peak {pred.peak_bytes / GB:.1f} GB, "
-           f"~{pred.step_s:.2f} s per micro-batch in the blocks{_host_note(pred)}. Keys set in the config are "
-           "kept; qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
+           f"~{pred.step_s:.2f} s per micro-batch in the blocks{_host_note(pred)}{note}. Keys set in the config "
+           "are kept; qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
     return {"budget_gb": budget / GB, "margin_gb": margin / GB, "tokens": tokens,
             "choice": describe(choice, sizes.num_blocks), "predicted_peak_gb": pred.peak_bytes / GB,
             "offload_optimizer": choice.offload_optimizer, "predicted_host_step_s": pred.optimizer_s,
-            "measured": dict(measured.__dict__)}
+            "render_tokens": render and render.image_tokens + render.text_tokens,
+            "predicted_render_peak_gb": pred.render_peak_bytes / GB if render else None,
+            "vae_tiling": choice.vae_tiling,
+            "measured": {k: None if isinstance(v, float) and math.isinf(v) else v  # inf: did not fit alone
+                         for k, v in measured.__dict__.items()}}
+
+
+def validation_workload(p, variant: str) -> Workload:
+    """render_workload of validation.file's edits at the inference section's areas (the images' headers read)."""
+    from PIL import Image
+
+    from train.model import pipelines
+
+    requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
+    sizes = []
+    for q in requests:
+        edit = []
+        for path in q.references:
+            with Image.open(path) as im:
+                edit.append(im.size)
+        sizes.append(edit)
+    return render_workload(sizes, variant, p.inference.area, p.inference.condition_area)
 
 
 def _host_note(pred: Prediction) -> str:
@@ -622,8 +815,7 @@ def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> 
     peak = torch.cuda.max_memory_allocated(device) - base
     del vae
     torch.cuda.empty_cache()
-    return Measured(m.act_bytes, m.ckpt_bytes, m.transient_bytes, m.fwd_s, m.fwd_bwd_s, m.h2d_bytes_per_s,
-                    float(peak) + 1 * GB)
+    return dataclasses.replace(m, encode_bytes=float(peak) + 1 * GB)
 
 
 # ---------------------------------------------------------------- out of memory
@@ -648,9 +840,10 @@ _LOWER = {
              "a smaller qwen_edit.data.area, a lower qwen_edit.lora.rank, or memory.plan \"auto\" with those keys "
              "left out of the config; last, zero_optimization.offload_optimizer = {\"device\": \"cpu\"} (the "
              "optimizer state in host memory, a slower step)"),
-    "validation": ("a smaller qwen_edit.inference.area, inference.vae_tiling = true, data.cache \"off\" (with the "
-                   "cache, validation loads the encoders beside the training model), or validation.file \"\" and "
-                   "render the export afterwards with python -m train.infer"),
+    "validation": ("inference.vae_tiling = true (the VAE decodes in tiles), a smaller qwen_edit.inference.area, "
+                   "data.cache \"auto\" (renders then replay conditioning recorded before the model loads, with "
+                   "the VAE alone: no VL encoder beside the model), or validation.file \"\" and render the export "
+                   "afterwards with python -m train.infer"),
 }
 
 
