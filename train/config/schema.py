@@ -224,8 +224,9 @@ class ValidationConfig:
 class MemoryConfig:
     plan: Literal["auto", "off"] = "auto"
     """auto: on a GPU, before loading, choose what the config leaves unset among train.fp8_base, fp8_transposed,
-    compile, gradient_checkpointing, checkpoint_blocks, offload_blocks and data.cache, so that the run fits
-    budget_gb and is as fast as it can be there (printed with its predicted peak); off: run the keys as written."""
+    compile, gradient_checkpointing, checkpoint_blocks, offload_blocks, data.cache and (with validation.file, whose
+    renders must fit too) inference.vae_tiling, so that the run fits budget_gb and is as fast as it can be there
+    (printed with its predicted peak); off: run the keys as written."""
     budget_gb: float = 0.0
     """GPU memory this process may use, in GB; 0 = what the device has free at the start. A lower value caps the
     process there (torch's per-process memory fraction), e.g. to leave room or to simulate a smaller card."""
