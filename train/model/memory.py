@@ -42,7 +42,7 @@ keeps on the GPU. Their peak is
                   + max(R, V)
     R = the no-grad transformer pass's transient at the render's tokens (target and references at
         qwen_edit.inference.area, the prompt bound), measured on a one-block transformer prepared as training
-        prepares it but eager (an upper bound of the compiled pass)
+        prepares it but eager (expected to bound the compiled pass the renders run; not checked on a GPU yet)
     V = the VAE's transient at inference.area: its decode of the result (and, online, its encode of the
         references), measured untiled and tiled (inference.vae_tiling)
 
@@ -586,7 +586,7 @@ def _peak_above(device: torch.device, call, repeats: int = 2) -> float:
 def measure_render(m: Measured, model_dir: str | Path, w: Workload, dtype: torch.dtype, vae_dtype: torch.dtype,
                    device: torch.device, mode: str, lora, fp8_base: bool, online: bool) -> Measured:
     """`m` with R and V of the module docstring at the render workload `w`: a one-block transformer prepared as
-    training prepares it (eager: the compiled pass needs no more) run forward without gradients, and the VAE
+    training prepares it, eager (the module docstring), run forward without gradients, and the VAE
     decoding a latent of the render's target size, untiled and tiled (online also encoding an image of that size,
     as the render encodes its references; the larger counts). A second or two."""
     from train.model import components
