@@ -362,3 +362,23 @@ def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
     assert calls[1][-2:] == (h * 8, wd * 8) and calls[2][-2:] == (h, wd)  # decode, encode (untiled)
     assert len(calls) == 5 and m.render_forward_bytes == calls[0][0] * calls[0][1] * calls[0][2]
     assert m.render_vae_bytes == m.render_vae_tiled_bytes > 0  # below the tile size the two are the same
+
+
+def test_validation_workload_reads_the_files_images(tmp_path):
+    """validation.file's references are sized from their headers: the widest edit sets the render's tokens."""
+    from PIL import Image
+
+    from train.config import ProjectConfig
+
+    Image.new("RGB", (640, 320)).save(tmp_path / "wide.png")
+    Image.new("RGB", (300, 300)).save(tmp_path / "square.png")
+    (tmp_path / "val.jsonl").write_text('{"edit_image": "square.png", "prompt": "a"}\n'
+                                        '{"edit_image": ["square.png", "wide.png"], "prompt": "b"}\n')
+    p = ProjectConfig()
+    p.validation.file = str(tmp_path / "val.jsonl")
+    p.inference.area = 256 * 256
+    w = memory.validation_workload(p, "edit_plus")
+    assert w == memory.render_workload([[(300, 300)], [(300, 300), (640, 320)]], "edit_plus", 256 * 256,
+                                       p.inference.condition_area)
+    # the target follows the last (wide) reference; two references in the prompt bound
+    assert w.target_hw[1] > w.target_hw[0] and w.text_tokens == 320 + 2 * p.inference.condition_area // 784
