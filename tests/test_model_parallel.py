@@ -197,6 +197,7 @@ def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, refer
     `python -m train.export` of the last checkpoint (one file set per stage) merges the stages into the
     end-of-training export, tensor for tensor (fp32 on CPU: the module weights are the fp32 masters)."""
     from train import export
+    from train.runtime import exports
 
     out = tmp_path / "out"
     check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "cut.json", 3, [1]), num_procs=3,
@@ -211,7 +212,7 @@ def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, refer
     assert any(".transformer_blocks.0." in k for k in merged) and any(".transformer_blocks.1." in k for k in merged)
     (out / "global_step6" / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(ValueError, match="a decoder cut over 2 stages saves"):
-        export.export(out / "global_step6", tmp_path / "broken")
+        exports.export(out / "global_step6", tmp_path / "broken")
 
 
 @pytest.mark.slow
