@@ -206,3 +206,25 @@ def test_readme_and_docs_name_paths_that_exist():
             if room != "config" and not (REPO / "train" / room / f"{module}.py").is_file():
                 missing.append(f"{name}: train.{room}.{module}")
     assert len(texts) > 3 and not missing, missing
+
+
+MAX_FUNCTION_LINES = 60  # issue 20: a function longer than this is split into named parts
+
+
+def long_functions(paths, root: Path = REPO) -> list[str]:
+    """Functions (and methods, nested ones too) over MAX_FUNCTION_LINES lines, decorators not counted."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_the_limit(tmp_path):
+    assert long_functions(project_modules().values()) == []
+    planted = tmp_path / "long.py"
+    planted.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert long_functions([planted], tmp_path) == [f"long.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]

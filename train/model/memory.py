@@ -727,17 +727,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if render is not None:
         sizes = dataclasses.replace(sizes, vae_bytes=component_bytes(p.model.path, "vae"))
     fp8_ok = p.train.mode == "lora" and torch.cuda.get_device_capability(d.device) >= (8, 9)
-    compile_blocks = fixed.get("train.compile", True)
-    measured = measure(p.model.path, work, dtype, d.device, p.train.mode, p.lora,
-                       fixed.get("train.fp8_base", fp8_ok), compile_blocks)
-    if online:
-        measured = _with_encode_bytes(measured, p, d.device, work)
-    if render is not None:
-        from train.model import components
-
-        measured = measure_render(measured, p.model.path, render, dtype,
-                                  components.encoder_dtype(p.model.encoder_dtype, d.device), d.device, p.train.mode,
-                                  p.lora, fixed.get("train.fp8_base", fp8_ok), online)
+    measured = _measure_run(p, d.device, work, render, dtype, fixed, fp8_ok, online)
     # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
     from train.runtime.engine import all_gather_objects
 
@@ -756,7 +746,29 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
            f"~{pred.step_s:.2f} s per micro-batch in the blocks{_host_note(pred)}{note}. Keys set in the config "
            "are kept; qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
     return {"budget_gb": budget / GB, "margin_gb": margin / GB, "tokens": tokens,
-            "choice": describe(choice, sizes.num_blocks), "predicted_peak_gb": pred.peak_bytes / GB,
+            **_plan_record(choice, pred, sizes, measured, render)}
+
+
+def _measure_run(p, device: torch.device, work: Workload, render: Workload | None, dtype: torch.dtype,
+                 fixed: dict, fp8_ok: bool, online: bool) -> Measured:
+    """This rank's measurement for the plan: the blocks at `work`, then online encoding's bytes and the validation
+    render's transients when they apply."""
+    measured = measure(p.model.path, work, dtype, device, p.train.mode, p.lora,
+                       fixed.get("train.fp8_base", fp8_ok), fixed.get("train.compile", True))
+    if online:
+        measured = _with_encode_bytes(measured, p, device, work)
+    if render is not None:
+        from train.model import components
+
+        measured = measure_render(measured, p.model.path, render, dtype,
+                                  components.encoder_dtype(p.model.encoder_dtype, device), device, p.train.mode,
+                                  p.lora, fixed.get("train.fp8_base", fp8_ok), online)
+    return measured
+
+
+def _plan_record(choice: Choice, pred: Prediction, sizes: Sizes, measured: Measured, render: Workload | None) -> dict:
+    """The chosen settings, predictions and measurements as summary.json records them."""
+    return {"choice": describe(choice, sizes.num_blocks), "predicted_peak_gb": pred.peak_bytes / GB,
             "offload_optimizer": choice.offload_optimizer, "predicted_host_step_s": pred.optimizer_s,
             "render_tokens": render and render.image_tokens + render.text_tokens,
             "predicted_render_peak_gb": pred.render_peak_bytes / GB if render else None,
