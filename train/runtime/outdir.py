@@ -39,7 +39,8 @@ def _acquire(out_dir: Path) -> int:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(out_dir, os.W_OK | os.X_OK):  # its files may still be writable, a new one is not
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+            code = errno.EROFS if os.statvfs(out_dir).f_flag & os.ST_RDONLY else errno.EACCES
+            raise OSError(code, os.strerror(code))
         fd = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise OutputDirError(f"--output_dir {out_dir}: cannot be used ({e.strerror or e}); point it at a writable "
