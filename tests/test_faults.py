@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -359,3 +360,29 @@ def test_sigterm_saves_and_stops_the_whole_job(tiny_edit, tmp_path):
     assert not left and exit_s < 60, (code, left, exit_s, output[-3000:])
     second = (out / "latest").read_text().strip()
     assert int(second.removeprefix("global_step")) > step, (first, second, output[-3000:])
+
+
+def test_a_leftover_partial_that_cannot_be_removed_is_a_named_save_error(tmp_path, monkeypatch):
+    """An interrupted save of the same step left global_stepN.partial/; when it cannot be deleted (a file held by
+    another user, a read-only mount) the save ends with the documented message, not shutil's raw error, before
+    DeepSpeed writes anything."""
+    from train.runtime import checkpoint
+
+    class Engine:
+        def use_node_local_storage(self):
+            return False
+
+        def save_checkpoint(self, *args, **kwargs):
+            raise AssertionError("nothing may be written after the leftover could not be removed")
+
+    (tmp_path / "global_step5.partial").mkdir()
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", refuse)
+    with pytest.raises(checkpoint.SaveError) as e:
+        checkpoint.save(Engine(), tmp_path, 5, {"config": {}})
+    assert str(e.value) == (f"saving checkpoint global_step5 into {tmp_path} failed (Permission denied); make "
+                            f"{tmp_path} writable for this user and resume. 'latest' still names the previous "
+                            "complete checkpoint")

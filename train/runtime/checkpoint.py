@@ -207,7 +207,10 @@ def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last:
     partial = out_dir / (tag + PARTIAL)
     committer = _is_committer(engine)
     if committer and partial.exists():
-        shutil.rmtree(partial)  # left by an interrupted save of this same step
+        try:
+            shutil.rmtree(partial)  # left by an interrupted save of this same step
+        except OSError as e:
+            raise _save_failure(e, tag, out_dir) from e
     _barrier()
     try:
         client_state = {"step": step, "config": trainer_state.get("config")}
