@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -285,14 +286,14 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
                 run_decoder(cfg, d, plan, me, links, resume, watch, overwrite)
     except preempt.Preempted as e:  # on every decoder, after their save
         watch.saved()
-        print0(str(e), rank=d.rank, file=__import__("sys").stderr)
+        print0(str(e), rank=d.rank, file=sys.stderr)
         code = preempt.EXIT_CODE
     except (pairs.BadRowsError, checkpoint.ResumeError, lora_io.LoraFileError, outdir.OutputDirError) as e:
         links.store.set(REFUSED_KEY, "1")  # before this process's links close under the encoder
-        print0(f"error: {e}", rank=0, file=__import__("sys").stderr)
+        print0(f"error: {e}", rank=d.rank, file=sys.stderr)  # raised on every decoder: one line
         code = 2
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
-        print(f"error: {e}", file=__import__("sys").stderr, flush=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     engine.teardown()
     worlds.leave(links, cfg.project.parallel.collective_timeout_s)
