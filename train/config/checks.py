@@ -106,17 +106,15 @@ def _check_counts(cfg: ProjectConfig, problems: list[str]) -> None:
     elif cfg.output.export_every_steps and cfg.parallel.mode == "model_parallel":
         problems.append(f"{p}.output.export_every_steps: not available in the model_parallel mode; set it to 0 and "
                         "export checkpoints with python -m train.export --checkpoint OUTPUT/global_stepN --out DIR")
-    if cfg.output.keep_last < 0:
-        problems.append(f"{p}.output.keep_last: must be >= 0 (0 = keep every checkpoint)")
-    if cfg.train.max_nonfinite_steps < 0:
-        problems.append(f"{p}.train.max_nonfinite_steps: must be >= 0 (0 = stop at the first NaN/inf step)")
+    non_negative = (("output.keep_last", cfg.output.keep_last, " (0 = keep every checkpoint)"),
+                    ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps,
+                     " (0 = stop at the first NaN/inf step)"),
+                    ("output.save_every_steps", cfg.output.save_every_steps, " (0 = only at the end)"),
+                    ("data.num_workers", cfg.data.num_workers, ""))
+    problems += [f"{p}.{key}: must be >= 0{meaning}" for key, value, meaning in non_negative if value < 0]
     if cfg.parallel.collective_timeout_s < 10:
         problems.append(f"{p}.parallel.collective_timeout_s: {cfg.parallel.collective_timeout_s} s is too short for a "
                         "checkpoint save; use at least 10 (default 600)")
-    if cfg.output.save_every_steps < 0:
-        problems.append(f"{p}.output.save_every_steps: must be >= 0 (0 = only at the end)")
-    if cfg.data.num_workers < 0:
-        problems.append(f"{p}.data.num_workers: must be >= 0")
 
 
 def _check_lora_and_savers(cfg: ProjectConfig, problems: list[str]) -> None:

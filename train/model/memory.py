@@ -54,6 +54,7 @@ not set it) before it costs the step anything, and says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -819,15 +820,11 @@ def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> 
 
     vae = components.load_vae(p.model.path, torch.bfloat16, device)
     h, w = work.target_hw
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    with torch.no_grad():
-        vae.encode(torch.zeros(work.batch, 3, 1, h * 8, w * 8, device=device, dtype=torch.bfloat16))
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del vae
+    pixels = torch.zeros(work.batch, 3, 1, h * 8, w * 8, device=device, dtype=torch.bfloat16)
+    peak = _peak_above(device, functools.partial(vae.encode, pixels), repeats=1)
+    del vae, pixels
     torch.cuda.empty_cache()
-    return dataclasses.replace(m, encode_bytes=float(peak) + 1 * GB)
+    return dataclasses.replace(m, encode_bytes=peak + 1 * GB)
 
 
 # ---------------------------------------------------------------- out of memory
