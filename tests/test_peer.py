@@ -1,5 +1,5 @@
 """The benchmark's peer (DiffSynth-Studio's QwenImageDiT, train/benchmarks/peer.py) and the fp8 implementations
-compared with train/fp8.py (train/benchmarks/fp8_impls.py), on tiny models on the CPU.
+compared with train/model/fp8.py (train/benchmarks/fp8_impls.py), on tiny models on the CPU.
 
 The peer's tests need the bench extra (diffsynth, einops, torchao); `bash launch.sh test` installs it without
 diffsynth's own dependencies. Without it they are skipped.
@@ -132,7 +132,7 @@ def tiny_lora() -> torch.nn.Module:
 
 
 def test_fp8_impls_pick_the_linears_train_fp8_converts(tiny_lora):
-    """torchao is applied to exactly the linears train/fp8.py converts: token linears (24 in 2 blocks) and the
+    """torchao is applied to exactly the linears train/model/fp8.py converts: token linears (24 in 2 blocks) and the
     modulation linears (4); unknown implementations and the transposed copy outside ours are refused."""
     token, vector = fp8_impls.frozen_linears(tiny_lora, "token"), fp8_impls.frozen_linears(tiny_lora, "vector")
     ours = copy.deepcopy(tiny_lora)

@@ -1,6 +1,6 @@
 """The frozen base in fp8 three ways, on the same linears, for `train.bench --fp8_base --fp8_impl`.
 
-- `ours`: train/fp8.py. e4m3 weights with per-row scales stored once (optionally also transposed for the
+- `ours`: train/model/fp8.py. e4m3 weights with per-row scales stored once (optionally also transposed for the
   backward), `torch._scaled_mm` forward and input gradient, no weight gradient, nothing saved for the backward
   but the fp8 weight; modulation linears weight-only (dequantised per call).
 - `torchao_training`: torchao.float8's training linear, `convert_to_float8_training` with the "rowwise" recipe
@@ -30,7 +30,7 @@ IMPLS = ("ours", "torchao_training", "torchao_inference")
 
 
 def frozen_linears(model: torch.nn.Module, kind: str) -> list[str]:
-    """Names of the plain nn.Linear modules (peft's base layers included) that train/fp8.py converts as `kind`
+    """Names of the plain nn.Linear modules (peft's base layers included) that train/model/fp8.py converts as `kind`
     ("token" or "vector")."""
     return [name for name, module in model.named_modules()
             if type(module) is torch.nn.Linear and ".lora_" not in name
@@ -42,7 +42,7 @@ def convert(model: torch.nn.Module, impl: str, keep_transposed: bool = False) ->
     if impl == "ours":
         return fp8.convert_frozen_linears(model, keep_transposed=keep_transposed)
     if keep_transposed:
-        raise ValueError(f"--fp8_transposed is train/fp8.py's stored transposed copy; --fp8_impl {impl} has none")
+        raise ValueError(f"--fp8_transposed is train/model/fp8.py's stored transposed copy; --fp8_impl {impl} has none")
     if impl == "torchao_training":
         return convert_torchao_training(model)
     if impl == "torchao_inference":

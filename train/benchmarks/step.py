@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8_transposed", action="store_true",
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
     p.add_argument("--fp8_impl", choices=fp8_impls.IMPLS, default="ours",
-                   help="with --fp8_base: train/fp8.py (ours, default) or torchao's float8 training linear "
+                   help="with --fp8_base: train/model/fp8.py (ours, default) or torchao's float8 training linear "
                         "(torchao_training) or fp8 inference linears (torchao_inference); "
                         "train/benchmarks/fp8_impls.py says what each does")
     p.add_argument("--peer", choices=("diffsynth",),
@@ -166,7 +166,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.fp8_impl != "ours" and not args.fp8_base:
         parser.error("--fp8_impl applies with --fp8_base")
     if args.fp8_transposed and args.fp8_impl != "ours":
-        parser.error("--fp8_transposed is train/fp8.py's stored transposed copy; use it with --fp8_impl ours")
+        parser.error("--fp8_transposed is train/model/fp8.py's stored transposed copy; use it with --fp8_impl ours")
     if args.peer:
         if args.mode != "lora" or args.micro_batch != 1 or args.checkpoint_blocks:
             parser.error("--peer trains LoRA at micro-batch 1, every block checkpointed or none (as its trainer); "
