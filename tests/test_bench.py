@@ -120,6 +120,21 @@ def test_tiny_flops_follow_the_module():
     assert bench.step_flops(tiny, image, text, "lora") == pytest.approx(2 * linear + 3 * attention)
 
 
+def test_compile_mode_reaches_every_block(monkeypatch):
+    """--compile_mode is torch.compile's mode for each block (reduce-overhead: CUDA graphs); none: torch's default."""
+    from train.model.tiny import build_transformer
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    lora = bench.lora_config(4, "attn")
+    bench.prepare_training(build_transformer(), "lora", lora, "none", True, compile_mode="reduce-overhead")
+    assert seen == [{"mode": "reduce-overhead"}] * 2  # the tiny model's 2 blocks
+    seen.clear()
+    bench.prepare_training(build_transformer(), "lora", lora, "none", True)
+    assert seen == [{}] * 2
+    assert bench.parse_args(["--compile", "--compile_mode", "reduce-overhead"]).compile_mode == "reduce-overhead"
+
+
 def test_zero_cond_t_builds_the_2511_transformer():
     """--zero_cond_t: the benchmarked transformer (tiny, and full size on meta) has 2511's config; FLOPs unchanged."""
     tiny = bench.build_model(bench.parse_args(["--tiny", "--zero_cond_t"]), torch.device("cpu"), torch.float32)
@@ -138,7 +153,8 @@ def test_workload_and_option_checks():
     assert (w.width, w.height, w.image_tokens, w.tokens_per_sample) == (1024, 1024, IMAGE_TOKENS, 8448)
     args = bench.parse_args([])
     assert (args.area, args.text_tokens, args.lora_rank, args.steps, args.warmup) == (1024 * 1024, 256, 64, 20, 5)
-    for bad in (["--mode", "full", "--baseline"], ["--tiny", "--num_layers", "4"], ["--steps", "0"]):
+    for bad in (["--mode", "full", "--baseline"], ["--tiny", "--num_layers", "4"], ["--steps", "0"],
+                ["--compile_mode", "reduce-overhead"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

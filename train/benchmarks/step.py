@@ -66,6 +66,7 @@ from train.trainer import loop
 
 ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 PEAK_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, per GPU (datasheet)
 SEED = 42
 LR = 1e-4
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint_blocks", type=int, default=0,
                    help="with --checkpointing full: recompute only the first N blocks (default 0 = all)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--compile_mode", choices=COMPILE_MODES,
+                   help="with --compile: torch.compile's mode for the blocks (default: torch's default); "
+                        "reduce-overhead replays each block as a CUDA graph")
     p.add_argument("--zero_cond_t", action="store_true",
                    help="Qwen-Image-Edit-2511's transformer config: reference tokens modulated at timestep 0")
     p.add_argument("--fp8_base", action="store_true",
@@ -161,6 +165,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_base needs --mode lora (a frozen base)")
     if args.fp8_transposed and not args.fp8_base:
         parser.error("--fp8_transposed applies with --fp8_base")
+    if args.compile_mode and not args.compile:
+        parser.error("--compile_mode applies with --compile")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
     if args.fp8_impl != "ours" and not args.fp8_base:
@@ -262,11 +268,11 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
-                     compile_blocks: bool, checkpoint_blocks: int = 0) -> None:
+                     compile_blocks: bool, checkpoint_blocks: int = 0, compile_mode: str | None = None) -> None:
     """The trainer's own preparation (train.model.components.prepare_for_training, as train/main.py calls it), but with
     diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
     components.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
-                                checkpoint_blocks=checkpoint_blocks, real_rope=False)
+                                checkpoint_blocks=checkpoint_blocks, real_rope=False, compile_mode=compile_mode)
 
 
 def trainable_count(model: torch.nn.Module) -> int:
@@ -650,6 +656,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "tokens_per_sample": w.tokens_per_sample, "micro_batch": w.micro_batch, **model_info,
         "precision": str(dtype).removeprefix("torch."), "mode": args.mode, "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets, "checkpointing": args.checkpointing, "compile": args.compile,
+        "compile_mode": args.compile_mode,
         "zero_cond_t": args.zero_cond_t,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
@@ -692,7 +699,8 @@ def format_report(r: dict) -> str:
         f"model       {r['model']}{' (2511: zero_cond_t)' if r['zero_cond_t'] else ''}, {r['num_layers']} blocks, "
         f"{r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
-        f"options     checkpointing {r['checkpointing']}, compile {r['compile']}, text mask {r['text_mask']}, "
+        f"options     checkpointing {r['checkpointing']}, compile {r['compile']}"
+        f"{' (' + r['compile_mode'] + ')' if r.get('compile_mode') else ''}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} ({r['fp8_impl'] or '-'}, transposed copy "
         f"{r['fp8_transposed']}), "
         f"RoPE {r['rope']}, "
@@ -750,7 +758,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     model_info = {"model": "tiny" if args.tiny else "full architecture", "num_layers": len(model.transformer_blocks),
                   "total_params": sum(p.numel() for p in model.parameters())}
     prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing,
-                     args.compile, args.checkpoint_blocks)
+                     args.compile, args.checkpoint_blocks, args.compile_mode)
     model_info["trainable_params"] = trainable_count(model)
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)

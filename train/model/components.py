@@ -201,12 +201,14 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
 def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
                          fp8_transposed: bool = False, real_rope: bool = True,
-                         quantized: dict | None = None, offload: set[int] | None = None):
+                         quantized: dict | None = None, offload: set[int] | None = None,
+                         compile_mode: str | None = None):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
     offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
-    among the checkpointed ones. Returns the BlockOffloader, or None."""
+    among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
+    Returns the BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
         add_lora(transformer, lora)
@@ -229,7 +231,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
         rope.use_real_pairs(transformer)
     if compile_blocks:
         for block in transformer.transformer_blocks:
-            block.compile()  # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
+            # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
+            block.compile(**({"mode": compile_mode} if compile_mode else {}))
     return offloader
 
 
