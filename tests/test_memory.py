@@ -13,11 +13,17 @@ GB = memory.GB
 
 
 @pytest.fixture(scope="module")
-def full_sizes(tmp_path_factory):
-    """Sizes of the released transformer (counted on the meta device) with the default LoRA r64."""
+def full_model(tmp_path_factory):
+    """A model directory with the released architectures' configs (no weights)."""
     out = make_tiny(tmp_path_factory.mktemp("full"), "edit_plus", num_samples=2, size=64)
     write_full_size_configs(out / "model")
-    return memory.count_sizes(out / "model", LoraConfig().target_modules, 64)
+    return out / "model"
+
+
+@pytest.fixture(scope="module")
+def full_sizes(full_model):
+    """Sizes of the released transformer (counted on the meta device) with the default LoRA r64."""
+    return memory.count_sizes(full_model, LoraConfig().target_modules, 64)
 
 
 def measured(tokens: int) -> memory.Measured:
@@ -225,6 +231,110 @@ def test_optimizer_offload_needs_adam_zero_and_host_memory(full_sizes):
         memory.choose(full_sizes, measured(8_448), 12 * GB, 2.1 * GB, {}, fp8_ok=True, online=False,
                       offload_blocker=lion)
     assert "would still not fit" in str(e.value)
+
+
+def test_pinned_host_bytes_are_what_the_offloader_pins(tiny_plus):
+    """moved_bytes is the size of an offloaded block's host buffer (train/model/offload.py), bf16-sized and fp8, up to
+    the offloader's 256-byte alignment of each tensor."""
+    import torch
+
+    from train.model import components, offload
+
+    lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"])
+    s = memory.count_sizes(tiny_plus / "model", lora.target_modules, lora.rank)
+    for fp8_base in (False, True):
+        _, offloader = components.load_for_training(tiny_plus / "model", torch.float32, torch.device("cpu"), "lora",
+                                                    lora, True, False, fp8_base, 0, False, offload_blocks=2)
+        tensors = sum(len(layout.entries) for layout in offloader.layouts.values())
+        expected = 2 * memory.moved_bytes(s, fp8_base, dtype_bytes=4)
+        assert expected <= offloader.host_bytes <= expected + tensors * offload.ALIGN, fp8_base
+
+
+def test_offloaded_blocks_count_against_the_host(full_sizes):
+    """Every process pins its own offloaded blocks: P x K x a block's fp8 matrices (0.34 GB) per node, plus the
+    offloaded optimizer's partitions. A host that cannot hold the plan's choice gets a plan with fewer offloaded
+    blocks (a slower step, never more offload than fits); when no setting that fits the GPU fits the host, the
+    refusal has the host's figures and what to change."""
+    m = measured(8_448)
+    budget = 24 * GB
+    margin = memory.margin_bytes(0, budget)
+    free, p_free = memory.choose(full_sizes, m, budget, margin, {}, fp8_ok=True, online=False)
+    assert free.offloaded > 40 and not free.offload_optimizer
+    block = memory.moved_bytes(full_sizes, True)
+    assert block == pytest.approx(0.34 * GB, rel=0.01) and memory.moved_bytes(full_sizes, False) == 2 * block
+    one = memory.Host(64 * GB, ranks_per_node=1, world_size=1)
+    assert memory.host_bytes(full_sizes, free, one) == free.offloaded * block
+    eight = memory.Host(500 * GB, ranks_per_node=8, world_size=8)
+    assert memory.host_bytes(full_sizes, free, eight) == 8 * free.offloaded * block
+    both = memory.Choice(True, False, 60, 10, True, offload_optimizer=True)
+    state = full_sizes.lora_params * memory.HOST_STATE_BYTES  # split over the world, all of it on one node
+    assert memory.host_bytes(full_sizes, both, eight) == pytest.approx(8 * 10 * block + state)
+    assert eight.margin_bytes == pytest.approx(8 * 2 * GB + 25 * GB) and memory.Host().margin_bytes == 0
+    # a roomy host changes nothing
+    assert memory.choose(full_sizes, m, budget, margin, {}, True, False, host=eight) == (free, p_free)
+    # eight processes on a host whose room (125 GB) is short of their 8 x 53 blocks (144 GB): another candidate,
+    # fewer blocks each beside the optimizer's offloaded state (7.6 GB on the node), a slower step
+    short = memory.Host((125 * GB + 16 * GB) / 0.95, ranks_per_node=8, world_size=8)
+    assert short.room_bytes == pytest.approx(125 * GB)
+    c, p = memory.choose(full_sizes, m, budget, margin, {}, True, False, host=short)
+    assert 0 < c.offloaded < free.offloaded and c.offload_optimizer and p.peak_bytes <= budget - margin
+    assert p.step_s + p.optimizer_s > p_free.step_s
+    assert memory.host_bytes(full_sizes, c, short) <= short.room_bytes < memory.host_bytes(full_sizes, free, short)
+    # eight processes on 100 GB: nothing that fits the GPU fits the host
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(full_sizes, m, budget, margin, {}, True, False, host=memory.Host(100 * GB, 8, 8))
+    text = str(e.value)
+    assert text.startswith("nothing fits this node's host memory: only settings that pin host memory fit the GPU "
+                           "budget (24.0 GB")
+    assert "8 training process(es) on this node x 38 offloaded blocks x 0.34 GB (fp8 weights)" in text
+    assert "+ 7.6 GB of DeepSpeed's offloaded optimizer state" in text  # the least host memory of those: with it
+    assert "100.0 GB is available, less a 21.0 GB margin" in text
+    for fix in ("deepspeed --num_gpus", "qwen_edit.memory.budget_gb", 'data.cache "auto"', "data.num_workers"):
+        assert fix in text, fix
+    assert "offload_blocks = " not in text  # not set in the config: nothing to unpin
+    # a budget where nothing needs offloading never asks the host
+    c80, _ = memory.choose(full_sizes, m, 80 * GB, memory.margin_bytes(0, 80 * GB), {}, True, False,
+                           host=memory.Host(1 * GB, 8, 8))
+    assert c80.offloaded == 0 and not c80.offload_optimizer
+
+
+def test_an_explicit_offload_count_that_the_host_cannot_hold_names_the_key(full_sizes, full_model):
+    """train.offload_blocks set in the config: with the plan, a refusal that names the key; with memory.plan off
+    (the config as written), check_offload_host stops the run before loading, naming it; a count that fits passes."""
+    from train.config import Config, ProjectConfig
+
+    m = measured(8_448)
+    host = memory.Host(64 * GB, ranks_per_node=4, world_size=4)
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(full_sizes, m, 24 * GB, 2.7 * GB, {"train.offload_blocks": 60}, True, False, host=host)
+    text = str(e.value)
+    assert "x 60 offloaded blocks" in text and "qwen_edit.train.offload_blocks = 60 is set in the config" in text
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+    cfg = Config(project=ProjectConfig(), deepspeed=ds, explicit=frozenset({"train.offload_blocks"}))
+    cfg.project.model.path = str(full_model)
+    cfg.project.train.offload_blocks, cfg.project.train.fp8_base = 40, True
+    with pytest.raises(memory.PlanError) as e:
+        memory.check_offload_host(cfg, host)  # 4 x 40 x 0.34 GB = 54.4 GB of 64 - 11.2
+    text = str(e.value)
+    assert text.startswith("qwen_edit.train.offload_blocks = 40 does not fit this node's host memory")
+    assert "54.4 GB of pinned host memory (4 training process(es) on this node x 40 offloaded blocks" in text
+    assert "deepspeed --num_gpus" in text
+    cfg.project.train.offload_blocks = 20
+    memory.check_offload_host(cfg, host)  # 27.2 GB: fits
+    cfg.deepspeed["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}  # + 7.6 GB of optimizer state
+    memory.check_offload_host(cfg, host)
+    with pytest.raises(memory.PlanError, match="offloaded optimizer state"):
+        memory.check_offload_host(cfg, memory.Host(40 * GB, 4, 4))
+    cfg.project.train.offload_blocks = 0
+    memory.check_offload_host(cfg, memory.Host(0, 8, 8))  # nothing offloaded: nothing to check
+
+
+def test_node_host_is_the_smallest_any_rank_sees(monkeypatch):
+    monkeypatch.setattr(memory, "_host_available", lambda: 123 * GB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert memory.node_host(8) == memory.Host(123 * GB, 4, 8)
 
 
 # ---------------------------------------------------------------- validation renders

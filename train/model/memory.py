@@ -23,6 +23,15 @@ blocks to pinned host memory (train/model/offload.py), and for online encoding, 
 encoders then never share the GPU with training). A key set in the config is never changed. Without a GPU there
 is nothing to plan: the config runs as written.
 
+Host memory is counted too: every process keeps its own pinned copy of its offloaded blocks' frozen weights (one
+buffer per block, in their stored dtype), so a node with P training processes pins P x K x (bytes of a block's
+matrices), plus, with DeepSpeed's optimizer offload, P x its partition of the optimizer state (HOST_STATE_BYTES per
+trainable parameter / world size). A candidate fits only when that stays below the smallest available host memory
+of any rank (psutil) less host_margin_bytes; the plan then picks the fastest candidate that fits both, which offloads
+fewer blocks and checkpoints more, or trains from the cache, where the host is short. When only the host stops every
+candidate that fits the GPU, PlanError names the host figures and what to change; a config whose own
+train.offload_blocks does not fit the host stops before loading, with the plan on or off.
+
 The last resort, tried only when no setting of those knobs fits: DeepSpeed's own optimizer offload
 (zero_optimization.offload_optimizer = {device: cpu, pin_memory: true}, ZeRO stage 1 or 2). The fp32 master
 weights, the Adam moments and the fp32 gradient partition then live in pinned host memory and DeepSpeedCPUAdam
@@ -92,6 +101,27 @@ OFFLOAD_KEY = "zero_optimization.offload_optimizer"  # DeepSpeed's key: in `fixe
 
 class PlanError(ValueError):
     """Nothing fits the budget: the message has the numbers and what to change."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """This node's host memory as the plan counts it: the available bytes (the smallest any rank saw; inf = not
+    counted) and the training processes that share it (each pins its own offloaded blocks)."""
+
+    available_bytes: float = math.inf
+    ranks_per_node: int = 1
+    world_size: int = 1
+
+    @property
+    def margin_bytes(self) -> float:
+        """Left free beside the pinned buffers: 2 GB per process (the loader's tensor in flight, DeepSpeed's and
+        torch's host buffers, the data workers' growth) and 5% of the available memory; an allowance, not a
+        measurement."""
+        return 0.0 if math.isinf(self.available_bytes) else 2 * GB * self.ranks_per_node + 0.05 * self.available_bytes
+
+    @property
+    def room_bytes(self) -> float:
+        return self.available_bytes - self.margin_bytes
 
 
 @dataclass(frozen=True)
@@ -172,10 +202,51 @@ def _block_bytes(s: Sizes, c: Choice, dtype_bytes: int) -> float:
     return (s.block_params - s.block_fp8_params) * dtype_bytes + s.block_fp8_params  # + row scales, ~0.1%
 
 
+def moved_bytes(s: Sizes, fp8_base: bool, dtype_bytes: int = 2) -> float:
+    """Bytes of one offloaded block's pinned host buffer: its frozen matrices in their stored dtype (e4m3 for the
+    fp8 linears under train.fp8_base; offloaded blocks keep no transposed copy)."""
+    if not fp8_base:
+        return s.block_matrix_params * dtype_bytes
+    return s.block_fp8_params + (s.block_matrix_params - s.block_fp8_params) * dtype_bytes
+
+
+def host_bytes(s: Sizes, c: Choice, host: Host, dtype_bytes: int = 2) -> float:
+    """Pinned host bytes of candidate `c` on this node (the module docstring): each process's offloaded blocks and,
+    with DeepSpeed's optimizer offload, its partition of the optimizer state."""
+    blocks = c.offloaded * moved_bytes(s, c.fp8_base, dtype_bytes)
+    state = s.trainable_params * HOST_STATE_BYTES / host.world_size if c.offload_optimizer else 0.0
+    return host.ranks_per_node * (blocks + state)
+
+
+def fits_host(s: Sizes, c: Choice, host: Host) -> bool:
+    """Whether `c`'s pinned host bytes fit the host's room (one that pins nothing always does)."""
+    need = host_bytes(s, c, host)
+    return need == 0 or need <= host.room_bytes
+
+
+def host_refusal(s: Sizes, c: Choice, host: Host, fixed: dict, dtype_bytes: int = 2) -> str:
+    """Why `c` does not fit this node's host memory, with its figures and what to change (a PlanError's text)."""
+    per_block = moved_bytes(s, c.fp8_base, dtype_bytes)
+    parts = (f"{host.ranks_per_node} training process(es) on this node x {c.offloaded} offloaded blocks x "
+             f"{per_block / GB:.2f} GB ({'fp8' if c.fp8_base else 'bf16'} weights)")
+    if c.offload_optimizer:
+        state = host.ranks_per_node * s.trainable_params * HOST_STATE_BYTES / host.world_size
+        parts += f" + {state / GB:.1f} GB of DeepSpeed's offloaded optimizer state"
+    pinned = ""
+    if "train.offload_blocks" in fixed:
+        pinned = (f" qwen_edit.train.offload_blocks = {fixed['train.offload_blocks']} is set in the config: set fewer "
+                  "blocks, or leave the key out so that the plan chooses what fits.")
+    return (f"{host_bytes(s, c, host, dtype_bytes) / GB:.1f} GB of pinned host memory ({parts}), and "
+            f"{host.available_bytes / GB:.1f} GB is available, less a {host.margin_bytes / GB:.1f} GB margin.{pinned} "
+            "To fit: fewer training processes per node (deepspeed --num_gpus), a larger qwen_edit.memory.budget_gb "
+            "where the GPU has more, data.cache \"auto\" (no encoders on the GPU: more blocks stay there), a smaller "
+            "qwen_edit.data.area, or more free host memory (fewer qwen_edit.data.num_workers, other jobs)")
+
+
 def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Prediction:
     """Peak GPU bytes and seconds per micro-step of candidate `c` (the formula of the module docstring)."""
     block = _block_bytes(s, c, dtype_bytes)
-    offloaded_block = block - s.block_matrix_params * (1 if c.fp8_base else dtype_bytes)  # what stays: vectors
+    offloaded_block = block - moved_bytes(s, c.fp8_base, dtype_bytes)  # what stays: vectors
     transposed = s.block_token_params if c.fp8_base and c.fp8_transposed else 0
     resident = s.num_blocks - c.offloaded
     weights = s.other_params * dtype_bytes + resident * (block + transposed) + c.offloaded * max(offloaded_block, 0)
@@ -246,15 +317,16 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool, render: bool =
 
 
 def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixed: dict, fp8_ok: bool,
-           online: bool, offload_blocker: str | None = None) -> tuple[Choice, Prediction]:
+           online: bool, offload_blocker: str | None = None, host: Host = Host()) -> tuple[Choice, Prediction]:
     """The fastest candidate whose predicted peak fits budget - margin (ties: the smaller peak). Online encoding,
     when that is the config's, is kept while its best step is within ONLINE_SLACK of the best cached one (the
     cache costs a pass over the data and disk space). DeepSpeed's optimizer offload comes last: only when no
     candidate without it fits, and only when `offload_blocker` is None (else it says why DeepSpeed cannot offload
     this run's optimizer; a config that sets the key itself pins it in `fixed` instead). With validation renders
     (m.render_forward_bytes set) a candidate fits when its step and its render both do; among equally fast ones an
-    untiled VAE decode wins. PlanError with the smallest peak found when nothing fits, and what the offload would
-    need when only it is missing, or what lowers a render when only the renders do not fit."""
+    untiled VAE decode wins. A candidate fits only when its pinned host bytes fit `host` too (host_bytes). PlanError
+    with the smallest peak found when nothing fits, and what the offload would need when only it is missing, what
+    lowers a render when only the renders do not fit, or the host's figures when only the host stops the rest."""
     allowed = list(candidates(s, fixed, fp8_ok, online, m.render_forward_bytes is not None))
     if not allowed:
         raise PlanError("the config's explicit settings leave no candidate to plan (see qwen_edit.memory)")
@@ -264,9 +336,15 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
     offloaded = [x for x in scored if x[0].offload_optimizer]
     usable = on_gpu + (offloaded if offload_blocker is None or OFFLOAD_KEY in fixed else [])
     for group in (on_gpu, usable):
-        best = _fastest([x for x in group if x[1].fit_bytes <= room])
+        best = _fastest([x for x in group if x[1].fit_bytes <= room and fits_host(s, x[0], host)])
         if best:
             return best
+    gpu_fits = [x[0] for x in usable if x[1].fit_bytes <= room]
+    if gpu_fits:  # only the host's memory stops them
+        c = min(gpu_fits, key=lambda c: host_bytes(s, c, host))
+        raise PlanError(f"nothing fits this node's host memory: only settings that pin host memory fit the GPU "
+                        f"budget ({budget_bytes / GB:.1f} GB with a {margin_bytes / GB:.1f} GB margin), and the one "
+                        f"that needs the least ({describe(c, s.num_blocks)}) needs {host_refusal(s, c, host, fixed)}")
     c, p = min(usable or scored, key=lambda x: x[1].fit_bytes)
     steps_fit = [x for x in usable or scored if x[1].peak_bytes <= room]
     if steps_fit:  # only the validation renders do not fit
@@ -288,7 +366,8 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
 
 
 def render_note(s: Sizes, m: Measured, c: Choice, p: Prediction, budget_bytes: float, margin_bytes: float,
-                fixed: dict, fp8_ok: bool, online: bool, offload_blocker: str | None = None) -> str:
+                fixed: dict, fp8_ok: bool, online: bool, offload_blocker: str | None = None,
+                host: Host = Host()) -> str:
     """The plan line's words on validation renders: their predicted peak and, when they changed the plan (the VAE
     decode tiled, or a slower step than the step alone needs), what and why, naming the keys that lower a render.
     "" with validation off."""
@@ -297,7 +376,7 @@ def render_note(s: Sizes, m: Measured, c: Choice, p: Prediction, budget_bytes: f
     text = f"; a validation render peaks at {p.render_peak_bytes / GB:.1f} GB"
     try:
         alone, q = choose(s, dataclasses.replace(m, render_forward_bytes=None), budget_bytes, margin_bytes, fixed,
-                          fp8_ok, online, offload_blocker)
+                          fp8_ok, online, offload_blocker, host)
     except PlanError:
         return text
     if dataclasses.replace(c, vae_tiling=None) == alone:
@@ -712,7 +791,11 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if d.device.type != "cuda":
         return None
     budget = budget_bytes(p.memory.budget_gb, d.device)
-    if p.memory.plan == "off" or p.parallel.mode != "zero2":
+    if p.parallel.mode != "zero2":
+        return None
+    host = node_host(cfg.world_size)
+    if p.memory.plan == "off":
+        check_offload_host(cfg, host)  # the config as written: its own offloaded blocks must fit the host
         return None
     t0 = time.perf_counter()
     fixed = fixed_settings(cfg)
@@ -735,18 +818,21 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     gathered = all_gather_objects((budget, measured))
     budget, measured = min(b for b, _ in gathered), gathered[0][1]
     margin = margin_bytes(p.memory.margin_gb, budget)
-    blocker = offload_blocker(cfg.deepspeed, sizes, _host_available(), _ranks_per_node(), cfg.world_size)
-    choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker)
-    note = render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker)
+    blocker = offload_blocker(cfg.deepspeed, sizes, host.available_bytes, host.ranks_per_node, cfg.world_size)
+    choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker, host)
+    note = render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker, host)
     apply(cfg, choice, sizes.num_blocks)
     torch.cuda.reset_peak_memory_stats(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
            f"largest micro-batch {tokens} tokens -> {describe(choice, sizes.num_blocks)}"
            f"{', compiled blocks' if p.train.compile else ''}; predicted peak {pred.peak_bytes / GB:.1f} GB, "
-           f"~{pred.step_s:.2f} s per micro-batch in the blocks{_host_note(pred)}{note}. Keys set in the config "
+           f"~{pred.step_s:.2f} s per micro-batch in the blocks{_host_note(pred)}{_pinned_note(sizes, choice, host)}"
+           f"{note}. Keys set in the config "
            "are kept; qwen_edit.memory.plan = \"off\" runs the config as written", rank=d.rank)
     return {"budget_gb": budget / GB, "margin_gb": margin / GB, "tokens": tokens,
+            "host_available_gb": host.available_bytes / GB, "ranks_per_node": host.ranks_per_node,
+            "predicted_host_pinned_gb": host_bytes(sizes, choice, host) / GB,
             **_plan_record(choice, pred, sizes, measured, render)}
 
 
@@ -802,10 +888,41 @@ def _host_note(pred: Prediction) -> str:
             "docs/performance.md 'The last resort'): zero_optimization.offload_optimizer was the only way to fit")
 
 
+def _pinned_note(s: Sizes, c: Choice, host: Host) -> str:
+    pinned = host_bytes(s, c, host)
+    if not pinned:
+        return ""
+    return (f", {pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es)), of "
+            f"{host.available_bytes / GB:.1f} GB available")
+
+
 def _host_available() -> float:
     import psutil  # a dependency of DeepSpeed's
 
     return float(psutil.virtual_memory().available)
+
+
+def node_host(world_size: int) -> Host:
+    """This node's Host: the smallest available host memory any rank sees (a collective, so that every rank plans
+    alike) and the processes per node from the launcher's environment."""
+    from train.runtime.engine import all_gather_objects
+
+    return Host(min(all_gather_objects(_host_available())), _ranks_per_node(), world_size)
+
+
+def check_offload_host(cfg, host: Host) -> None:
+    """PlanError, before anything loads, when the config's own train.offload_blocks (with its fp8_base and
+    DeepSpeed's optimizer offload as written) does not fit this node's host memory."""
+    p = cfg.project
+    if not p.train.offload_blocks:
+        return
+    s = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank, 0, p.train.mode == "full")
+    k = min(p.train.offload_blocks, s.num_blocks)
+    c = Choice(p.train.fp8_base, False, k, k, True, bool(configured_offload(cfg.deepspeed)))
+    if not fits_host(s, c, host):
+        raise PlanError(f"qwen_edit.train.offload_blocks = {p.train.offload_blocks} does not fit this node's host "
+                        f"memory: the offloaded blocks need "
+                        f"{host_refusal(s, c, host, {'train.offload_blocks': p.train.offload_blocks})}")
 
 
 def _ranks_per_node() -> int:
