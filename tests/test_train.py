@@ -240,11 +240,12 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 
 @pytest.fixture(scope="module")
 def plain_run(tiny_edit, tmp_path_factory):
-    """3 logged steps without any speed option: (losses, exported LoRA)."""
+    """3 logged steps without any speed option, a checkpoint at step 2: (losses, exported LoRA, output dir)."""
     out = tmp_path_factory.mktemp("plain")
-    cfg = write_config(out / "cfg.json", **{"qwen_edit.output.log_every_steps": 1})
+    cfg = write_config(out / "cfg.json", **{"qwen_edit.output.log_every_steps": 1,
+                                            "qwen_edit.output.save_every_steps": 2})
     check(run_trainer(tiny_edit, out / "run", config=cfg, extra=("--max_steps", "3")))
-    return [r["loss"] for r in metrics(out / "run")], load_file(out / "run" / "export" / LORA_FILE)
+    return [r["loss"] for r in metrics(out / "run")], load_file(out / "run" / "export" / LORA_FILE), out / "run"
 
 
 @pytest.mark.parametrize("changes, loss_tol, weight_tol", [
@@ -266,7 +267,7 @@ def test_speed_options_keep_the_numbers(tiny_edit, tmp_path, plain_run, changes,
     out = tmp_path / "run"
     check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3")))
     losses, weights = [r["loss"] for r in metrics(out)], load_file(out / "export" / LORA_FILE)
-    plain_losses, plain_weights = plain_run
+    plain_losses, plain_weights, _ = plain_run
     assert losses == pytest.approx(plain_losses, rel=loss_tol)
     diff = max((weights[k] - plain_weights[k]).abs().max().item() for k in weights)
     assert diff < weight_tol, diff
@@ -274,27 +275,71 @@ def test_speed_options_keep_the_numbers(tiny_edit, tmp_path, plain_run, changes,
         assert losses != plain_losses
 
 
+def _continues(out: Path, losses: list, weights: dict, tol: float = 1e-6) -> None:
+    """The run in `out`, resumed from global_step2, gave the uninterrupted run's losses and final LoRA within `tol`
+    (fp32 rounding of a changed setting's own arithmetic). Step 3's update depends on the restored Adam moments and
+    step count: resumed with load_optimizer_states=False (Adam started afresh; tried by hand) the LoRA ends 2e-3
+    away from the plain run's, far beyond `tol`."""
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert [r["loss"] for r in metrics(out)] == pytest.approx(losses, rel=tol)
+    resumed = load_file(out / "export" / LORA_FILE)
+    assert resumed.keys() == weights.keys()
+    assert max((resumed[k] - weights[k]).abs().max().item() for k in weights) <= tol
+
+
+def _offload_config(path: Path, optimizer: bool, blocks: int) -> Path:
+    changes = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.output.save_every_steps": 2}
+    if optimizer:
+        changes["zero_optimization.offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if blocks:
+        changes.update({"qwen_edit.train.gradient_checkpointing": True, "qwen_edit.train.offload_blocks": blocks})
+    return write_config(path, **changes)
+
+
 def test_optimizer_offload_trains_like_the_plain_run_and_resumes_exactly(tiny_edit, tmp_path, plain_run):
-    """zero_optimization.offload_optimizer as the memory plan writes it ({device: cpu, pin_memory: true}): DeepSpeed
-    keeps the fp32 master weights, gradients and Adam moments in host memory and steps there (on CPU with torch's
-    AdamW, tiny_cpu.json's torch_adam; on a GPU with DeepSpeedCPUAdam). 3 steps train like the plain run; resumed
-    from global_step2, step 3's loss and the exported LoRA are exactly the uninterrupted run's."""
-    cfg = write_config(tmp_path / "cfg.json", **{"zero_optimization.offload_optimizer": {"device": "cpu",
-                                                                                         "pin_memory": True},
-                                                 "qwen_edit.output.log_every_steps": 1,
-                                                 "qwen_edit.output.save_every_steps": 2})
+    """zero_optimization.offload_optimizer as the memory plan writes it ({device: cpu, pin_memory: true}), with both
+    blocks offloaded: DeepSpeed keeps the fp32 master weights, gradients and Adam moments in host memory and steps
+    there (on CPU with torch's AdamW, tiny_cpu.json's torch_adam; on a GPU with DeepSpeedCPUAdam). 3 steps train like
+    the plain run; resumed from global_step2, step 3's loss and the exported LoRA are exactly the uninterrupted run's.
+    Resumed once more from global_step2 with both offloads off (what a new plan on a bigger GPU chooses), the run
+    continues like the uninterrupted one: the checkpoint holds the same optimizer partition either way."""
+    cfg = _offload_config(tmp_path / "cfg.json", optimizer=True, blocks=2)
     out = tmp_path / "run"
     proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3"))
     check(proc)
     assert "optimizer offload: fp32 master weights, gradients and AdamW's state in host memory" in proc.stdout
+    assert "offloaded blocks: 2 blocks' frozen weights in host memory" in proc.stdout
     losses, weights = [r["loss"] for r in metrics(out)], load_file(out / "export" / LORA_FILE)
-    plain_losses, plain_weights = plain_run
+    plain_losses, plain_weights, _ = plain_run
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     assert max((weights[k] - plain_weights[k]).abs().max().item() for k in weights) < 1e-5
     saved = json.loads((out / "config.json").read_text())["zero_optimization"]["offload_optimizer"]
     assert saved == {"device": "cpu", "pin_memory": True}
     check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3", "--resume", "global_step2")))
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
-    assert [r["loss"] for r in metrics(out)] == losses
-    resumed = load_file(out / "export" / LORA_FILE)
-    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    _continues(out, losses, weights, tol=0)
+    off = _offload_config(tmp_path / "off.json", optimizer=False, blocks=0)
+    proc = run_trainer(tiny_edit, out, config=off, extra=("--max_steps", "3", "--resume", "global_step2"))
+    check(proc)
+    assert "optimizer offload:" not in proc.stdout and "offloaded blocks:" not in proc.stdout
+    _continues(out, losses, weights)
+    changes = json.loads((out / "config_changes.jsonl").read_text().splitlines()[-1])["changes"]
+    assert changes["zero_optimization.offload_optimizer.device"] == ["cpu", None]
+    assert changes["qwen_edit.train.offload_blocks"] == [2, 0]
+
+
+def test_a_plain_checkpoint_resumes_with_both_offloads(tiny_edit, tmp_path, plain_run):
+    """The other way: a checkpoint saved without any offload, resumed with DeepSpeed's optimizer offload and one
+    block offloaded (a smaller GPU's plan), continues like the uninterrupted plain run; the change is recorded."""
+    import shutil
+
+    plain_losses, plain_weights, plain_dir = plain_run
+    out = tmp_path / "run"
+    shutil.copytree(plain_dir, out)
+    cfg = _offload_config(tmp_path / "cfg.json", optimizer=True, blocks=1)
+    proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3", "--resume", "global_step2"))
+    check(proc)
+    assert "optimizer offload:" in proc.stdout and "offloaded blocks: 1 blocks'" in proc.stdout
+    _continues(out, plain_losses, plain_weights)
+    changes = json.loads((out / "config_changes.jsonl").read_text())["changes"]
+    assert changes["zero_optimization.offload_optimizer.device"] == [None, "cpu"]
+    assert changes["qwen_edit.train.offload_blocks"] == [0, 1]
