@@ -95,3 +95,28 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+class FakeCudaCounter:
+    """torch.cuda's allocation counters for one device, driven by the test: `allocate(n)` / `free(n)`."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def allocate(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def install(self, monkeypatch) -> None:
+        import torch
+
+        def reset(device=None):
+            self.peak = self.allocated
+
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+

@@ -6,6 +6,11 @@
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
+# VALIDATION=1 adds validation renders: a validation file of the first VAL_ROWS (2) rows of the dataset (their
+# references, their prompts) in the generated config, rendered before step 1 and after the last step with
+# VAL_STEPS (4) denoising steps (the memory does not depend on their number); the record then has the plan's
+# predicted_render_peak_gb and the renders' measured_render_peak_gb (summary.json; torch's max allocated while the
+# renders ran, the largest of them).
 set -euo pipefail
 out=${OUT:-/tmp/gpu_memory}
 variant=${VARIANT:-edit_plus}
@@ -23,15 +28,26 @@ for cache in ${CACHE:-auto}; do
   for budget in ${BUDGETS:-141 80 48 24}; do
     name=${config_name}_${variant}_${cache}_${budget}
     cfg=$out/$name.json
-    python - "$cfg" "$budget" "$cache" "$steps" "$data" "$config" <<'PY'
+    python - "$cfg" "$budget" "$cache" "$steps" "$data" "$config" "${VALIDATION:-0}" "${VAL_ROWS:-2}" \
+      "${VAL_STEPS:-4}" <<'PY'
 import json, sys
-path, budget, cache, steps, data, config = sys.argv[1:]
+path, budget, cache, steps, data, config, validate, val_rows, val_steps = sys.argv[1:]
 c = json.load(open(config))
 q = c["qwen_edit"]
 q["memory"] = {"budget_gb": float(budget)}
 q["data"].update(cache=cache, cache_dir=f"{data}/cache", num_workers=2)  # one cache for every budget
 q["train"]["max_steps"] = int(steps)
 q["output"].update(save_every_steps=0, log_every_steps=1, tensorboard=False, gpu_monitor_interval_s=0)
+if validate == "1":  # validation.file rows: {"edit_image": path or [paths], "prompt": ...}, paths made absolute
+    rows = [json.loads(line) for line in open(f"{data}/data/metadata.jsonl") if line.strip()][:int(val_rows)]
+    edits = path[:-len(".json")] + "_validation.jsonl"
+    with open(edits, "w") as f:
+        for row in rows:
+            refs = row.get("edit_image", [])
+            refs = [f"{data}/data/{r}" for r in ([refs] if isinstance(refs, str) else refs)]
+            f.write(json.dumps({**({"edit_image": refs} if refs else {}), "prompt": row["prompt"]}) + "\n")
+    q["validation"] = {"file": edits, "every_steps": 0}  # before step 1 and after the last step
+    q.setdefault("inference", {})["num_inference_steps"] = int(val_steps)
 json.dump(c, open(path, "w"), indent=1)
 PY
     run=/tmp/gpu_memory_run_$name
@@ -53,13 +69,16 @@ if m.is_file():
     rec["median_step_s"] = statistics.median(times) if times else None
 s = run / "summary.json"
 if s.is_file():
-    plan = json.loads(s.read_text()).get("memory_plan") or {}
+    summary = json.loads(s.read_text())
+    plan = summary.get("memory_plan") or {}
     rec.update({k: plan.get(k) for k in ("choice", "predicted_peak_gb", "budget_gb", "tokens", "offload_optimizer",
-                                        "predicted_host_step_s")})
+                                        "predicted_host_step_s", "predicted_host_pinned_gb", "render_tokens",
+                                        "vae_tiling", "predicted_render_peak_gb")})
+    rec["measured_render_peak_gb"] = summary.get("measured_render_peak_gb")
 print(json.dumps(rec))
 PY
     tail -n 1 "$out/memory.jsonl"
-    grep -E "memory plan|error|Error" "$out/$name.log" | head -5 || true
+    grep -E "memory plan|render peaked|renders peaked|error|Error" "$out/$name.log" | head -8 || true
     rm -rf "$run"
   done
 done

@@ -65,3 +65,40 @@ def test_loss_curve_png_falls_with_the_loss(tmp_path):
     assert ys[xs == xs.min()].mean() < ys[xs == xs.max()].mean() - 100  # left end far higher than the right end
     (tmp_path / "empty.jsonl").write_text("")
     assert plot_loss(tmp_path / "empty.jsonl", tmp_path / "none.png") is None
+
+
+def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
+    """PeakMeter resets torch's one peak counter to measure its block alone (everything allocated counts, as in the
+    memory plan's predictions) while peak_memory_gb, what metrics.jsonl logs, reports the run's peak as if no meter
+    had run; reset_peak_memory (the plan's, after its measurement) starts the run's peak afresh. On a CPU: None, 0."""
+    import torch
+    from conftest import FakeCudaCounter
+
+    from train.runtime import metrics
+
+    monkeypatch.setattr(metrics, "_peak_floor", {})
+    cuda = FakeCudaCounter()
+    cuda.install(monkeypatch)
+    gpu = torch.device("cuda", 0)
+    cuda.allocate(50)
+    cuda.free(40)  # a plan measurement: gone by the reset
+    metrics.reset_peak_memory(gpu)
+    assert metrics.peak_memory_gb(gpu) == 10 / 1e9
+    cuda.allocate(30)
+    cuda.free(30)  # a step peaking at 40
+    with metrics.PeakMeter(gpu) as first:
+        cuda.allocate(15)
+        cuda.free(15)  # a render peaking at 25, below the step's 40
+    assert first.bytes == 25 and metrics.peak_memory_gb(gpu) == 40 / 1e9
+    with metrics.PeakMeter(gpu) as second:
+        cuda.allocate(45)
+        cuda.free(45)  # a render above the step peak: the run's peak includes it, as without a meter
+    assert second.bytes == 55 and metrics.peak_memory_gb(gpu) == 55 / 1e9
+    cuda.allocate(50)
+    cuda.free(50)
+    assert metrics.peak_memory_gb(gpu) == 60 / 1e9
+    metrics.reset_peak_memory(gpu)
+    assert metrics.peak_memory_gb(gpu) == 10 / 1e9
+    with metrics.PeakMeter(torch.device("cpu")) as cpu:
+        pass
+    assert cpu.bytes is None and metrics.peak_memory_gb(torch.device("cpu")) == 0.0

@@ -7,6 +7,7 @@ import contextlib
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,6 +42,9 @@ def check_validated_run(tiny: Path, tmp_path: Path, edits: Path, **common) -> No
     assert len(losses["plain"]) == 4 and losses["validated"] == losses["plain"], losses
     a, b = (load_file(out / "export" / "pytorch_lora_weights.safetensors") for out in runs.values())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for out in runs.values():  # the renders' measured GPU peak: a key of summary.json, None on a CPU
+        summary = json.loads((out / "summary.json").read_text())
+        assert "measured_render_peak_gb" in summary and summary["measured_render_peak_gb"] is None
 
     out = runs["validated"] / "validation"
     assert sorted(p.name for p in out.glob("step_*.png")) == ["step_000002.png", "step_000004.png"]
@@ -234,3 +238,42 @@ def test_validation_from_the_cache_replays_recorded_conditioning(tiny_edit, tmp_
     for name in ("000000.png", "000001.png"):
         a, b = (np.asarray(Image.open(out / "validation" / "before" / name)) for out in outs.values())
         assert np.array_equal(a, b), name
+
+
+def test_render_peaks_are_measured_and_reported(monkeypatch):
+    """On a GPU (torch.cuda's counters faked) every render's peak is measured, rank 0 logs it, the Validator keeps
+    the largest, and render_peak_gb gives the largest over the ranks (a world of one here) for summary.json, while
+    the run's logged peak is the one it would be without the measurement. Without a GPU or renders: None."""
+    from conftest import FakeCudaCounter
+
+    from train.runtime import metrics as run_metrics
+
+    monkeypatch.setattr(run_metrics, "_peak_floor", {})
+    cuda = FakeCudaCounter()
+    cuda.install(monkeypatch)
+    messages = []
+    v = validation.Validator.__new__(validation.Validator)
+    v.d = SimpleNamespace(device=torch.device("cuda", 0))
+    v.metrics = SimpleNamespace(message=messages.append)
+    v.peak_bytes = None
+    transients = iter([3 * 10**9, 5 * 10**9, 2 * 10**9])
+
+    def render(label):
+        n = next(transients)
+        cuda.allocate(n)
+        cuda.free(n)
+        return ["image"]
+
+    monkeypatch.setattr(v, "_render", render)
+    cuda.allocate(10**9)  # the model
+    cuda.allocate(4 * 10**9)
+    cuda.free(4 * 10**9)  # a step peaking at 5 GB
+    assert [v.render() for _ in range(3)] == [["image"]] * 3
+    assert v.peak_bytes == 6 * 10**9  # 1 GB kept + the largest transient
+    assert messages[0] == ("validation: the render peaked at 4.00 GB of GPU memory on rank 0 "
+                           "(torch.cuda.max_memory_allocated while it ran)") and len(messages) == 3
+    assert validation.render_peak_gb(v) == 6.0
+    assert run_metrics.peak_memory_gb(torch.device("cuda", 0)) == 6.0  # what it would be without the meter
+    assert validation.render_peak_gb(None) is None
+    v.peak_bytes = None  # renders on a CPU measure nothing
+    assert validation.render_peak_gb(v) is None

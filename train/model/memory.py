@@ -785,7 +785,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     """Plan the run's memory (see the module docstring) and write the choice into `cfg`; prints the plan and its
     predicted peak, and returns them for summary.json. None when there is nothing to plan (memory.plan off, no
     GPU, the model-parallel mode); a budget_gb still caps the process then."""
-    from train.runtime.metrics import print0
+    from train.runtime.metrics import print0, reset_peak_memory
 
     p = cfg.project
     if d.device.type != "cuda":
@@ -822,7 +822,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker, host)
     note = render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker, host)
     apply(cfg, choice, sizes.num_blocks)
-    torch.cuda.reset_peak_memory_stats(d.device)  # the run's logged peak starts here, not at the measurement
+    reset_peak_memory(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
            f"largest micro-batch {tokens} tokens -> {describe(choice, sizes.num_blocks)}"

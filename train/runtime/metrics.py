@@ -45,10 +45,48 @@ def print0(*args, rank: int = 0, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def peak_memory_gb(device: torch.device) -> float:
+# torch keeps one peak counter per device; a PeakMeter resets it to measure a part of the run alone and keeps what it
+# held here, so that peak_memory_gb still reports the run's peak: {device index: bytes}.
+_peak_floor: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the run's peak (peak_memory_gb) afresh: the memory plan calls it after its measurement."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        _peak_floor.pop(_index(device), None)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """torch.cuda.max_memory_allocated since reset_peak_memory (what metrics.jsonl logs as peak_memory_gb), PeakMeter
+    measurements inside it included; 0 on a CPU."""
+    if device.type == "cuda":
+        return max(_peak_floor.get(_index(device), 0), torch.cuda.max_memory_allocated(device)) / 1e9
     return 0.0
+
+
+class PeakMeter:
+    """`with PeakMeter(device) as m: ...` -> m.bytes: the GPU memory allocated at the peak inside the block (all of
+    it, not only what the block added: comparable with the memory plan's predicted peaks); None on a CPU. It leaves
+    peak_memory_gb as it would have been without it."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes = device, None
+
+    def __enter__(self) -> PeakMeter:
+        if self.device.type == "cuda":
+            i = _index(self.device)
+            _peak_floor[i] = max(_peak_floor.get(i, 0), torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device)
 
 
 def _duration(seconds: float) -> str:

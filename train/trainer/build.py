@@ -175,16 +175,31 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     finally:
         metrics.close()
         gpus = monitor.stop()
+    finish(cfg, d, eng, variant, steps, {"gpus": gpus, "memory_plan": planned}, hook)
+
+
+def finish(cfg: config.Config, d: engine.Dist, eng, variant: str, steps: int, record: dict,
+           hook: validation.Validator | None) -> None:
+    """After the last step, on every rank (collectives): the loss curve, the ranks' weights compared, summary.json
+    (`record`'s GPU summaries and memory plan, the largest validation render's measured peak) and the export."""
+    p = cfg.project
     if d.is_main:
         curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
         print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged", rank=d.rank)
-    gpus = gpumon.gather_summaries(gpus)
+    gpus = gpumon.gather_summaries(record["gpus"])
+    render_peak = validation.render_peak_gb(hook)
     digests = loop.replica_digests(eng.module)
     if len(set(digests)) != 1:
         raise RuntimeError(f"trainable weights differ between ranks after training: {digests}")
+    planned = record["memory_plan"]
+    if render_peak is not None:
+        predicted = (planned or {}).get("predicted_render_peak_gb")
+        print0(f"validation: renders peaked at {render_peak:.2f} GB of GPU memory (the largest of every rank's)"
+               + (f"; the memory plan predicted {predicted:.2f} GB" if predicted is not None else ""), rank=d.rank)
     if d.is_main:
         write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
-                                     "replica_digests": digests, "gpus": gpus, "memory_plan": planned})
+                                     "replica_digests": digests, "gpus": gpus, "memory_plan": planned,
+                                     "measured_render_peak_gb": render_peak})
         path = export_weights(cfg, eng.module, Path(p.output.dir) / "export", variant, steps)
         print0(f"exported {path}", rank=d.rank)
     engine.barrier()

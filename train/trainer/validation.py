@@ -8,6 +8,10 @@ so grids of different steps differ only by the weights. Rendering leaves the tra
 RNG states (torch CPU and CUDA, python, numpy), every module's train/eval mode, the VAE's tiling flags, the
 weights; a test checks that a run's losses are the same with and without validation.
 
+On a GPU each render's peak (torch.cuda.max_memory_allocated while it runs, everything allocated included) is
+measured with metrics.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
+the largest of every rank's renders (render_peak_gb), beside the memory plan's predicted_render_peak_gb.
+
 The conditioning may also be computed elsewhere (the model-parallel mode: the encoder stage holds the text
 encoder, the decoder stage the transformer): `encode_requests` runs each edit's pipeline up to its denoising
 loop and records what the pipeline's frozen-encoder methods returned (prompt embeddings and masks, reference
@@ -33,6 +37,7 @@ from PIL import Image, ImageDraw
 from train.config import Config, ModelConfig, ValidationConfig
 from train.model import components, images, memory, pipelines
 from train.runtime.engine import Dist, all_gather_objects
+from train.runtime.metrics import PeakMeter
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
@@ -279,6 +284,7 @@ class Validator:
         self.out = Path(p.output.dir) / "validation"
         self.pipe = None
         self.before: list[Image.Image | None] | None = None
+        self.peak_bytes: int | None = None  # this rank's largest render peak so far (None: no render on a GPU yet)
 
     def _pipeline(self):
         if self.pipe is None:
@@ -294,10 +300,16 @@ class Validator:
         """Every request with the module as it is now: this rank renders items rank::world; rank 0 gets all.
         With a `label`, rank 0 prints a progress line per image it renders (its share of the edits)."""
         try:
-            return self._render(label)
+            with PeakMeter(self.d.device) as meter:
+                rendered = self._render(label)
         except torch.cuda.OutOfMemoryError as e:
             raise memory.OutOfMemory(f"CUDA out of memory while rendering validation images. "
                                      f"{memory.oom_advice('validation', 1)}") from e
+        if meter.bytes is not None:
+            self.peak_bytes = max(self.peak_bytes or 0, meter.bytes)
+            self.metrics.message(f"validation: the render peaked at {meter.bytes / 1e9:.2f} GB of GPU memory on rank 0 "
+                                 "(torch.cuda.max_memory_allocated while it ran)")
+        return rendered
 
     def _render(self, label: str | None) -> list[Image.Image] | None:
         pipe = self._pipeline()
@@ -395,6 +407,13 @@ class Validator:
             pipelines.save_png_atomic(grid, path)
             self.metrics.image("validation", grid, step)
             self.metrics.message(f"validation: wrote {path}")
+
+
+def render_peak_gb(hook: Validator | None) -> float | None:
+    """The largest validation render's GPU peak over every rank, in GB (a collective: every rank calls it); None
+    without renders or without a GPU."""
+    peaks = [peak for peak in all_gather_objects(None if hook is None else hook.peak_bytes) if peak is not None]
+    return max(peaks) / 1e9 if peaks else None
 
 
 def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
