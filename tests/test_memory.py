@@ -492,3 +492,46 @@ def test_validation_workload_reads_the_files_images(tmp_path):
                                        p.inference.condition_area)
     # the target follows the last (wide) reference; two references in the prompt bound
     assert w.target_hw[1] > w.target_hw[0] and w.text_tokens == 320 + 2 * p.inference.condition_area // 784
+
+
+# ---------------------------------------------------------------- the cache build's encoders
+
+
+def test_streamed_vl_bytes_are_what_stays_outside_the_blocks(full_model):
+    """Qwen2.5-VL-7B streamed by block: every parameter outside the decoder layers and ViT blocks (embeddings,
+    lm_head, patch embedding, merger) plus two of its largest blocks, in bf16; counted again here by name."""
+    import re
+
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        vl = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(full_model / "text_encoder"))
+    block = re.compile(r"\.(layers|blocks)\.(\d+)\.")
+    per_block, outside = {}, 0
+    for name, t in vl.named_parameters():
+        m = block.search(name)
+        if m:
+            per_block[m.group(1), m.group(2)] = per_block.get((m.group(1), m.group(2)), 0) + t.numel()
+        else:
+            outside += t.numel()
+    assert len(per_block) == 28 + 32  # the released model's decoder layers and ViT blocks
+    expected = 2 * (outside + 2 * max(per_block.values()))
+    assert memory.streamed_vl_bytes(full_model) == expected
+    assert 2.5 * GB < expected < 4 * GB < memory.component_bytes(full_model, "text_encoder") / 4
+
+
+def test_the_cache_build_streams_the_vl_encoder_only_when_it_must():
+    """Resident needs 16.6 + 0.25 + 2 GB; at a 13.7 GB room the streamed 3.2 GB fits, and its line has the
+    numbers; a room below the streamed need, or a host that cannot pin each process's copy, is a PlanError."""
+    need = {"vl": 16.6 * GB, "vae": 0.25 * GB, "encode": 2 * GB, "streamed": 3.2 * GB}
+    host = memory.Host(120 * GB, ranks_per_node=1, world_size=1)
+    line = memory.cache_vl_decision(need, 13.7 * GB, 16 * GB, host)
+    assert line.startswith("latent cache: Qwen2.5-VL 16.6 GB + VAE 0.2 GB + the largest encode 2.0 GB do not fit "
+                           "the 13.7 GB that qwen_edit.memory.budget_gb 16.0 leaves")
+    assert "streamed block by block from 16.6 GB of pinned host memory" in line and "3.2 GB of it on the GPU" in line
+    with pytest.raises(memory.PlanError, match="needs 3.2 GB on the GPU") as e:
+        memory.cache_vl_decision(need, 5 * GB, 8 * GB, host)
+    assert "python -m train.cache" in str(e.value)
+    with pytest.raises(memory.PlanError, match=r"132.8 GB of pinned host memory on this node \(8 process"):
+        memory.cache_vl_decision(need, 13.7 * GB, 16 * GB, memory.Host(120 * GB, ranks_per_node=8, world_size=8))

@@ -118,11 +118,12 @@ def _init_device() -> torch.device:
 
 
 @contextmanager
-def _random_init_scope(what: str, dtype: torch.dtype):
-    """Create modules on the current device in `dtype` (no fp32 copy first), and say so loudly. The weights are
-    drawn from a seed fixed per model (`what`), so every process and every run builds the same ones (two runs to
-    compare, or a model-parallel decoder's VAE and its encoder's); the caller's RNG state is left as it was."""
-    device = _init_device()
+def _random_init_scope(what: str, dtype: torch.dtype, device: torch.device | None = None):
+    """Create modules on `device` (default: the current device) in `dtype` (no fp32 copy first), and say so loudly.
+    The weights are drawn from a seed fixed per model (`what`), so every process and every run builds the same ones
+    (two runs to compare, or a model-parallel decoder's VAE and its encoder's); the caller's RNG state is left as it
+    was."""
+    device = device or _init_device()
     print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -135,23 +136,45 @@ def _random_init_scope(what: str, dtype: torch.dtype):
         torch.set_default_dtype(saved)
 
 
-def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Encoders:
+def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+                  stream_text_encoder: bool = False) -> Encoders:
+    """Qwen2.5-VL, its processor and the VAE, frozen, on `device`; with stream_text_encoder Qwen2.5-VL stays in
+    host memory and runs on `device` block by block (stream_from_host)."""
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
+    vl_device = torch.device("cpu") if stream_text_encoder else device
     if (model_dir / "processor").is_dir():
         processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
     else:  # Qwen-Image / 2512 (text-to-image): its prompts are tokenized without images
         processor = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer", local_files_only=True)
     if random_init():
-        with _random_init_scope("text encoder", dtype):
+        with _random_init_scope("text encoder", dtype, vl_device):
             text_encoder = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir / "text_encoder"))
     else:
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             model_dir / "text_encoder", dtype=dtype, local_files_only=True
         )
-    text_encoder.requires_grad_(False).eval().to(device)
+    text_encoder.requires_grad_(False).eval().to(vl_device)
+    if stream_text_encoder:
+        stream_from_host(text_encoder, device)
     return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device))
+
+
+# Qwen2.5-VL's levels whose ModuleLists (the ViT's blocks, the decoder's layers) stream_from_host streams one
+# block at a time; the rest of each level (embeddings, lm_head, the merger) is on the GPU while that level runs.
+VL_GROUP_LEVELS = ["model", "visual", "language_model"]
+
+
+def stream_from_host(text_encoder: torch.nn.Module, device: torch.device) -> None:
+    """diffusers' group offloading (what its pipelines' enable_group_offload applies to their text encoders): the
+    weights stay in host memory (pinned, with a CUDA device) and each block is copied to `device` ahead of its use
+    on a side stream. The inputs are moved to `device` by its hooks; the outputs are there."""
+    from diffusers.hooks import apply_group_offloading
+
+    apply_group_offloading(text_encoder, onload_device=device, offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda",
+                           block_modules=VL_GROUP_LEVELS)
 
 
 def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device):

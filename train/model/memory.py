@@ -93,6 +93,7 @@ HOST_ADAM_BYTES = 30
 HOST_BYTES_PER_S = 10e9
 OFFLOADABLE_OPTIMIZERS = ("adam", "adamw")  # DeepSpeed steps these on the host with DeepSpeedCPUAdam
 BUCKET_BYTES = 2e8 * 2
+VL_ACTIVATION_BYTES = 1 * GB  # the VL model's activations for an encode (no gradients): an allowance
 ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
 PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
              "train.checkpoint_blocks", "train.offload_blocks", "data.cache", "inference.vae_tiling")
@@ -931,17 +932,79 @@ def _ranks_per_node() -> int:
 
 
 def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> Measured:
-    """Add the encoders' transient while encoding online: the VAE encoding the largest target at its size (the
-    peak of the two; the VL model's activations for a few thousand tokens without gradients are far smaller)."""
+    """Add the encoders' transient while encoding online (see encode_transient)."""
+    return dataclasses.replace(m, encode_bytes=encode_transient(p.model.path, device, work))
+
+
+def encode_transient(model_dir: str | Path, device: torch.device, work: Workload) -> float:
+    """Bytes an encode allocates above the encoders' weights: the VAE encoding the largest target of `work` at its
+    size, measured (the peak of the two), plus VL_ACTIVATION_BYTES for the VL model's activations (a few thousand
+    tokens without gradients: far smaller)."""
     from train.model import components
 
-    vae = components.load_vae(p.model.path, torch.bfloat16, device)
+    vae = components.load_vae(model_dir, torch.bfloat16, device)
     h, w = work.target_hw
     pixels = torch.zeros(work.batch, 3, 1, h * 8, w * 8, device=device, dtype=torch.bfloat16)
     peak = _peak_above(device, functools.partial(vae.encode, pixels), repeats=1)
     del vae, pixels
     torch.cuda.empty_cache()
-    return dataclasses.replace(m, encode_bytes=peak + 1 * GB)
+    return peak + VL_ACTIVATION_BYTES
+
+
+# ---------------------------------------------------------------- the cache build's encoders
+
+
+def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
+    """Whether the cache build streams Qwen2.5-VL from pinned host memory (diffusers' group offloading: one block
+    on the GPU at a time, the next prefetched) instead of holding it on the GPU: see cache_vl_decision. Measures the
+    VAE's largest encode; prints a streamed decision."""
+    from train.runtime.metrics import print0
+
+    p = cfg.project
+    budget = budget_bytes(p.memory.budget_gb, d.device)
+    room = budget - margin_bytes(p.memory.margin_gb, budget) - torch.cuda.memory_allocated(d.device)
+    largest = max((hw for key in bucket_keys for hw in key), key=lambda hw: hw[0] * hw[1])  # target or reference
+    need = {"vl": component_bytes(p.model.path, "text_encoder"), "vae": component_bytes(p.model.path, "vae"),
+            "encode": encode_transient(p.model.path, d.device, Workload(1, 0, largest, 0))}
+    if need["vl"] + need["vae"] + need["encode"] <= room:
+        return False
+    need["streamed"] = streamed_vl_bytes(p.model.path)
+    line = cache_vl_decision(need, room, budget, node_host(cfg.world_size))
+    print0(line, rank=d.rank)
+    return True
+
+
+def cache_vl_decision(need: dict[str, float], room: float, budget: float, host: Host) -> str:
+    """The cache build's line when Qwen2.5-VL (need["vl"]) + the VAE + the largest encode do not fit `room` (the
+    budget less the margin): streamed, it holds need["streamed"] on the GPU and each process pins its copy in host
+    memory. PlanError, before any encoder loads, when that does not fit either."""
+    pinned = need["vl"] * host.ranks_per_node
+    figures = (f"Qwen2.5-VL {need['vl'] / GB:.1f} GB + VAE {need['vae'] / GB:.1f} GB + the largest encode "
+               f"{need['encode'] / GB:.1f} GB do not fit the {room / GB:.1f} GB that qwen_edit.memory.budget_gb "
+               f"{budget / GB:.1f} leaves after the margin")
+    if need["streamed"] + need["vae"] + need["encode"] > room or pinned > host.available_bytes - host.margin_bytes:
+        raise PlanError(f"the latent cache cannot be built within the memory budget: {figures}, and streamed from "
+                        f"host memory Qwen2.5-VL needs {need['streamed'] / GB:.1f} GB on the GPU and "
+                        f"{pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es); "
+                        f"{host.available_bytes / GB:.1f} GB available). Build the cache on a larger GPU with "
+                        "python -m train.cache (the same config and dataset), raise budget_gb, or lower "
+                        "qwen_edit.data.area")
+    return (f"latent cache: {figures}, so Qwen2.5-VL is streamed block by block from {pinned / GB:.1f} GB of pinned "
+            f"host memory (diffusers' group offloading; {need['streamed'] / GB:.1f} GB of it on the GPU at a time)")
+
+
+def streamed_vl_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
+    """Qwen2.5-VL's bytes on the GPU while diffusers' group offloading streams it (components.stream_from_host):
+    everything outside its block lists (embeddings, lm_head, the ViT's patch embedding and merger) plus two of its
+    largest blocks (the running one and the prefetched one), counted from its config on the meta device."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(Path(model_dir) / "text_encoder"))
+    blocks = [*model.model.language_model.layers, *model.model.visual.blocks]
+    sizes = [sum(t.numel() for t in b.parameters()) for b in blocks]
+    outside = sum(t.numel() for t in model.parameters()) - sum(sizes)
+    return (outside + 2 * max(sizes)) * dtype_bytes
 
 
 # ---------------------------------------------------------------- out of memory
