@@ -150,7 +150,11 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
         processor = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer", local_files_only=True)
     if random_init():
         with _random_init_scope("text encoder", dtype, vl_device):
-            text_encoder = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(model_dir / "text_encoder"))
+            vl_config = AutoConfig.from_pretrained(model_dir / "text_encoder")
+            if stream_text_encoder:
+                text_encoder = _random_vl_in_host_memory(vl_config, device)
+            else:
+                text_encoder = Qwen2_5_VLForConditionalGeneration(vl_config)
     else:
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             model_dir / "text_encoder", dtype=dtype, local_files_only=True
@@ -159,6 +163,26 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     if stream_text_encoder:
         stream_from_host(text_encoder, device)
     return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device))
+
+
+def _random_vl_in_host_memory(vl_config, device: torch.device):
+    """A random-init Qwen2.5-VL in host memory, its values drawn on `device` (transformers' initialisation on a CPU
+    takes minutes for 8 B parameters): normal(0, initializer_range) matrices and embeddings, ones for norm weights,
+    zeros for biases, from a fixed seed. Its values differ from the resident random init's (measurements only)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = Qwen2_5_VLForConditionalGeneration(vl_config)
+    generator = torch.Generator(device).manual_seed(zlib.crc32(b"streamed text encoder"))
+    std = getattr(vl_config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if t.ndim == 1:
+                t.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                t.copy_(torch.randn(t.shape, generator=generator, device=device, dtype=t.dtype).mul_(std))
+    return model
 
 
 # Qwen2.5-VL's levels whose ModuleLists (the ViT's blocks, the decoder's layers) stream_from_host streams one
