@@ -197,7 +197,7 @@ def stream_from_host(text_encoder: torch.nn.Module, device: torch.device) -> Non
     from diffusers.hooks import apply_group_offloading
 
     apply_group_offloading(text_encoder, onload_device=device, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda",
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=False,
                            block_modules=VL_GROUP_LEVELS)
 
 
