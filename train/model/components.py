@@ -185,20 +185,21 @@ def _random_vl_in_host_memory(vl_config, device: torch.device):
     return model
 
 
-# Qwen2.5-VL's levels whose ModuleLists (the ViT's blocks, the decoder's layers) stream_from_host streams one
-# block at a time; the rest of each level (embeddings, lm_head, the merger) is on the GPU while that level runs.
-VL_GROUP_LEVELS = ["model", "visual", "language_model"]
-
-
 def stream_from_host(text_encoder: torch.nn.Module, device: torch.device) -> None:
-    """diffusers' group offloading (what its pipelines' enable_group_offload applies to their text encoders): the
-    weights stay in host memory (pinned, with a CUDA device) and each block is copied to `device` ahead of its use
-    on a side stream. The inputs are moved to `device` by its hooks; the outputs are there."""
-    from diffusers.hooks import apply_group_offloading
+    """Qwen2.5-VL's blocks (the ViT's and the decoder's) keep their matrices in pinned host memory and are copied
+    to `device` ahead of use, the next one prefetched on a side stream: train/model/offload.py's BlockOffloader,
+    one per block list (two device slots each); everything else (embeddings, lm_head, norms, the ViT's patch
+    embedding and merger, the blocks' vectors) moves to `device`.
 
-    apply_group_offloading(text_encoder, onload_device=device, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=False,
-                           block_modules=VL_GROUP_LEVELS)
+    Not diffusers' group offloading: Qwen2.5-VL's blocks are two levels down, and with its block_modules reaching
+    them (diffusers 0.42.1) the embeddings, which the parent module calls, stay in host memory, and its stream
+    prefetch registers its layer tracker twice (both seen on an H200)."""
+    from train.model.offload import BlockOffloader
+
+    model = text_encoder.model
+    text_encoder.stream_offloaders = [BlockOffloader(dict(enumerate(blocks)), device)
+                                      for blocks in (model.visual.blocks, model.language_model.layers)]
+    text_encoder.to(device)  # what the offloaders left: their placeholders and slots are on `device` already
 
 
 def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device):

@@ -132,17 +132,6 @@ def prompt_overflow(processor, prompt: str, variant: str, sizes: list[tuple[int,
     return (length, room) if length > room else None
 
 
-def execution_device(module: torch.nn.Module) -> torch.device:
-    """Where `module` computes: the onload device of diffusers' group offloading (as DiffusionPipeline's
-    _execution_device reads it), else its parameters' device."""
-    from diffusers.hooks.group_offloading import _get_group_onload_device
-
-    try:
-        return _get_group_onload_device(module)
-    except ValueError:
-        return next(module.parameters()).device
-
-
 @torch.no_grad()
 def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[list[Image.Image]], variant: str):
     """Qwen2.5-VL last hidden states of the instructions, template prefix dropped.
@@ -156,8 +145,7 @@ def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[
     if not vl_images[0]:
         return _encode_text_only(text_encoder, getattr(processor, "tokenizer", processor), texts)
     flat_images = [im for sample in vl_images for im in sample]
-    device = execution_device(text_encoder)  # streamed from host memory: where its blocks run
-    inputs = processor(text=texts, images=flat_images, padding=True, return_tensors="pt").to(device)
+    inputs = processor(text=texts, images=flat_images, padding=True, return_tensors="pt").to(text_encoder.device)
     out = text_encoder(
         input_ids=inputs["input_ids"],
         attention_mask=inputs["attention_mask"],
@@ -171,7 +159,7 @@ def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[
 def _encode_text_only(text_encoder, tokenizer, texts: list[str]):
     """QwenImagePipeline's prompt encoding: the tokenizer (truncating), no images, its drop index and length cap."""
     inputs = tokenizer(texts, max_length=T2I_TOKENIZER_MAX_LENGTH + T2I_DROP_IDX, padding=True, truncation=True,
-                       return_tensors="pt").to(execution_device(text_encoder))
+                       return_tensors="pt").to(text_encoder.device)
     out = text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                        output_hidden_states=True)
     embeds_BTD, mask_BT = _pad(out.hidden_states[-1], inputs["attention_mask"].bool(), T2I_DROP_IDX)

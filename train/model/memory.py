@@ -994,17 +994,19 @@ def cache_vl_decision(need: dict[str, float], room: float, budget: float, host: 
 
 
 def streamed_vl_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
-    """Qwen2.5-VL's bytes on the GPU while diffusers' group offloading streams it (components.stream_from_host):
-    everything outside its block lists (embeddings, lm_head, the ViT's patch embedding and merger) plus two of its
-    largest blocks (the running one and the prefetched one), counted from its config on the meta device."""
+    """Qwen2.5-VL's bytes on the GPU while its blocks stream from host memory (components.stream_from_host): all
+    but the blocks' matrices (embeddings, lm_head, the ViT's patch embedding and merger, every vector) plus two
+    device slots per block list, each the size of its largest block's matrices; counted from its config on the
+    meta device."""
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(Path(model_dir) / "text_encoder"))
-    blocks = [*model.model.language_model.layers, *model.model.visual.blocks]
-    sizes = [sum(t.numel() for t in b.parameters()) for b in blocks]
-    outside = sum(t.numel() for t in model.parameters()) - sum(sizes)
-    return (outside + 2 * max(sizes)) * dtype_bytes
+    moved, slots = 0, 0
+    for blocks in (model.model.visual.blocks, model.model.language_model.layers):
+        sizes = [sum(t.numel() for t in b.parameters() if t.dim() >= 2) for b in blocks]  # offload.moves
+        moved, slots = moved + sum(sizes), slots + 2 * max(sizes)
+    return (sum(t.numel() for t in model.parameters()) - moved + slots) * dtype_bytes
 
 
 # ---------------------------------------------------------------- out of memory
