@@ -7,7 +7,8 @@ Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own l
 - cached: the rows are first precomputed with `latent_cache.write_cache` (timed too), the encoders are freed, then
   `latent_cache.CachedDataset` (read the shard) -> `latent_cache.to_batch` (to the device).
 
-Each reports samples/s and the fraction of the time spent waiting for the loader. With `--train_step` every
+Each reports samples/s and the fraction of the time spent waiting for the loader; the online phase also the
+seconds of each encoder on one micro-batch (time_encode_parts). With `--train_step` every
 micro-batch also runs the trainer's step (`loop.forward_loss`, `engine.backward`, `engine.step` on the ZeRO-2
 engine, LoRA r64 on the attention projections, as train.bench): that is the end-to-end figure the cache must
 raise (goal: cached >= 1.2x online on the 1024^2 Edit v1 workload). The encoders' memory (their weights, and on
@@ -38,7 +39,8 @@ from train.trainer import loop
 
 # Numbers > 0 in every record (the CI smoke test checks them).
 NUMERIC_FIELDS = ("online_samples_per_s", "cached_samples_per_s", "speedup", "precompute_samples_per_s",
-                  "encoder_params", "encoder_weights_gb", "cache_mb_per_sample", "samples", "area", "width", "height")
+                  "encoder_params", "encoder_weights_gb", "cache_mb_per_sample", "samples", "area", "width", "height",
+                  "encode_vl_s", "encode_vae_target_s", "encode_vae_references_s", "encode_batch_s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,6 +167,31 @@ def time_source(source: sources.LoaderSource, step, warmup: int, samples: int) -
     return {"samples_per_s": samples / elapsed, "data_wait_fraction": source.take_wait_s() / elapsed}
 
 
+def time_encode_parts(dataset, encoders: components.Encoders, variant: str, device: torch.device,
+                      repeats: int) -> dict:
+    """Seconds per micro-batch of each part of online encoding (sources.encode_batch) on the first row, the mean of
+    `repeats` after one warm-up, synchronised: Qwen2.5-VL (processor included), the VAE on the target, on the
+    references, and all of encode_batch."""
+    raw = pairs.collate([dataset[0]])
+    parts = {
+        "encode_vl_s": lambda: conditioning.encode_prompts(encoders.text_encoder, encoders.processor, raw["prompts"],
+                                                           raw["vl_images"], variant),
+        "encode_vae_target_s": lambda: conditioning.encode_latents(encoders.vae, raw["target"]),
+        "encode_vae_references_s": lambda: conditioning.encode_references(encoders.vae, raw["reference_pixels"]),
+        "encode_batch_s": lambda: sources.encode_batch(raw, encoders, variant),
+    }
+    out = {}
+    for name, call in parts.items():
+        call()
+        bench._sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        bench._sync(device)
+        out[name] = (time.perf_counter() - start) / repeats
+    return out
+
+
 def make_loader(dataset, args: argparse.Namespace, collate_fn=pairs.collate):
     return pairs.build_loader(dataset, 1, 0, 1, bench.SEED, args.num_workers, True, False, collate_fn=collate_fn)
 
@@ -178,6 +205,7 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     step = step_fn(transformer, d, dtype, args)
     online = time_source(sources.online_source(make_loader(dataset, args), encoders, args.variant), step,
                          args.warmup, args.samples)
+    record.update(time_encode_parts(dataset, encoders, args.variant, d.device, max(1, min(args.samples, 5))))
     start = time.perf_counter()
     latent_cache.write_cache(work / "cache", dataset, rows, encoders, args.variant, {"bench": "bench_data"}, d,
                       args.num_workers)
@@ -212,6 +240,8 @@ def format_report(r: dict) -> str:
         f"machine      {r['gpu_name']}, torch {r['torch_version']}, {r['date']}",
         *(f"{phase:<12} {r[phase + '_samples_per_s']:.3f} samples/s (waiting for data "
           f"{100 * r[phase + '_data_wait_fraction']:.1f}% of the time)" for phase in ("online", "cached")),
+        f"online parts Qwen2.5-VL {r['encode_vl_s']:.3f} s, VAE target {r['encode_vae_target_s']:.3f} s, VAE "
+        f"references {r['encode_vae_references_s']:.3f} s; encode_batch {r['encode_batch_s']:.3f} s per micro-batch",
         f"speedup      {r['speedup']:.2f}x cached / online",
         f"precompute   {r['precompute_samples_per_s']:.3f} samples/s, {r['cache_mb_per_sample']:.3f} MB per sample",
         f"encoders     {r['encoder_params'] / 1e9:.3f} B parameters, {r['encoder_weights_gb']:.3f} GB of weights; "
