@@ -966,10 +966,11 @@ def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
     largest = max((hw for key in bucket_keys for hw in key), key=lambda hw: hw[0] * hw[1])  # target or reference
     need = {"vl": component_bytes(p.model.path, "text_encoder"), "vae": component_bytes(p.model.path, "vae"),
             "encode": encode_transient(p.model.path, d.device, Workload(1, 0, largest, 0))}
+    host = node_host(cfg.world_size)  # a collective: every rank takes part, whatever its own decision
     if need["vl"] + need["vae"] + need["encode"] <= room:
         return False
     need["streamed"] = streamed_vl_bytes(p.model.path)
-    line = cache_vl_decision(need, room, budget, node_host(cfg.world_size))
+    line = cache_vl_decision(need, room, budget, host)
     print0(line, rank=d.rank)
     return True
 
