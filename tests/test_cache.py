@@ -116,6 +116,30 @@ def test_streamed_text_encoder_encodes_the_same(built):
     assert text.fetches == 2 * len(text.blocks) and text.copies >= len(text.blocks)  # each block came from the host
 
 
+def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
+    """When the memory plan says Qwen2.5-VL must stream (memory.stream_vl_for_cache, faked here: on a CPU it never
+    streams), the build loads it streamed and writes the same tensors as the resident build."""
+    import dataclasses
+
+    from train.model import memory
+
+    cfg, variant, rows, dataset, index = built
+    p = dataclasses.replace(cfg.project, data=dataclasses.replace(cfg.project.data, cache_dir=str(tmp_path / "s")))
+    streamed_cfg = dataclasses.replace(cfg, project=p)
+    assert not memory.stream_vl_for_cache(streamed_cfg, WORLD_OF_ONE, dataset.bucket_keys())  # CPU: never
+    loads = []
+    real = components.load_encoders
+    monkeypatch.setattr(memory, "stream_vl_for_cache", lambda c, d, keys: True)
+    monkeypatch.setattr(components, "load_encoders", lambda *a, **k: loads.append(k) or real(*a, **k))
+    latent_cache.build(streamed_cfg, WORLD_OF_ONE, variant, rows, dataset, index["depends_on"])
+    assert loads == [{"stream_text_encoder": True}]
+    a = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    b = latent_cache.CachedDataset(tmp_path / "s", latent_cache.read_index(tmp_path / "s"), rows)
+    for i in (0, len(rows) - 1):
+        for x, y in zip(a[i].values(), b[i].values(), strict=True):
+            assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
+
+
 def test_cached_micro_batch_pads_prompts_like_online(built):
     """A micro-batch of prompts of different lengths: the same mask and padding as online, values within 5e-5
     absolute on values of order 1 (online encodes the two samples as one batch, the cache one at a time, and CPU

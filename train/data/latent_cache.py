@@ -219,8 +219,7 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row
     print0(f"building the cache of {len(rows)} rows in {directory} on {d.world_size} rank(s)", rank=d.rank)
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     # The plan's budget holds here too: where Qwen2.5-VL does not fit it, its blocks stream from host memory.
-    stream = d.device.type == "cuda" and p.memory.plan != "off" and memory.stream_vl_for_cache(
-        cfg, d, dataset.bucket_keys())
+    stream = memory.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
     encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream)
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders

@@ -957,10 +957,13 @@ def encode_transient(model_dir: str | Path, device: torch.device, work: Workload
 def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
     """Whether the cache build streams Qwen2.5-VL from pinned host memory (diffusers' group offloading: one block
     on the GPU at a time, the next prefetched) instead of holding it on the GPU: see cache_vl_decision. Measures the
-    VAE's largest encode; prints a streamed decision."""
+    VAE's largest encode; prints a streamed decision. Never on a CPU, nor with memory.plan "off" (the config as
+    written)."""
     from train.runtime.metrics import print0
 
     p = cfg.project
+    if d.device.type != "cuda" or p.memory.plan == "off":
+        return False
     budget = budget_bytes(p.memory.budget_gb, d.device)
     room = budget - margin_bytes(p.memory.margin_gb, budget) - torch.cuda.memory_allocated(d.device)
     largest = max((hw for key in bucket_keys for hw in key), key=lambda hw: hw[0] * hw[1])  # target or reference
