@@ -1,16 +1,18 @@
 """Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline (train/model/tiny.py).
 
     python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i] [--num_samples N] [--size PX]
+        [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N]
 
 writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit, -2509 or -2511; of Qwen/Qwen-Image for t2i) and
-DIR/data (images + metadata.jsonl).
+DIR/data (images + metadata.jsonl). The demo's model is `--vae pooling --transformer demo --pretrain_steps 300`.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from train.model.tiny import VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
+from train.model.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
+from train.trainer.pretrain import MIN_STEPS, Pretraining, final_loss, pretrain
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,11 +25,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vae", default="random", choices=VAE_KINDS,
                         help="random weights, or pooling: an 8x8 average-pooling autoencoder whose decoded images "
                              "show the latents (the demo's)")
+    parser.add_argument("--transformer", default="tests", choices=list(TRANSFORMER_SIZES),
+                        help="the tests' tiny transformer (width 64), or the demo's (width 128, finer RoPE)")
+    parser.add_argument("--pretrain_steps", type=int, default=0,
+                        help="pre-train the transformer for N full-parameter steps on identity edits (target = "
+                             "reference), as the demo's base is (train/trainer/pretrain.py); 0: random; edit "
+                             "variants only")
     parser.add_argument("--full_size_configs", action="store_true",
                         help="write the released architectures' configs and no weights (load with "
                              "QWEN_EDIT_RANDOM_INIT=1; for GPU measurements)")
     args = parser.parse_args(argv)
-    out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.vae)
+    if args.pretrain_steps and (args.pretrain_steps < MIN_STEPS or args.variant == "t2i"):
+        parser.error(f"--pretrain_steps must be 0 or at least {MIN_STEPS}, and 0 for --variant t2i (a "
+                     "text-to-image model has no reference to copy)")
+    if args.pretrain_steps and args.full_size_configs:
+        parser.error("--pretrain_steps trains the tiny weights that --full_size_configs removes; use one of them")
+    out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.vae, args.transformer)
+    if args.pretrain_steps:
+        losses = pretrain(out / "model", args.variant, args.size**2, (args.size // 2) ** 2,
+                          Pretraining(steps=args.pretrain_steps))
+        print(f"pre-trained {out / 'model' / 'transformer'}: loss {losses[0]:.2f} -> {final_loss(losses):.3f}")
     if args.full_size_configs:
         write_full_size_configs(out / "model")
     print(f"wrote {out / 'model'} and {out / 'data'}")

@@ -113,7 +113,9 @@ def build_text_encoder(tokenizer):
 
 
 VAE_KINDS = ("random", "pooling")
-TINY_INFO = "tiny.json"  # OUT/model/tiny.json: {"variant": ..., "vae": ...}, what make_tiny built (pipelines ignore it)
+# OUT/model/tiny.json: what make_tiny built ({"variant", "vae", "transformer"}, and "pretrained" once
+# train/trainer/pretrain.py trained the transformer); the pipelines ignore it
+TINY_INFO = "tiny.json"
 
 
 def build_vae(kind: str = "random"):
@@ -187,14 +189,26 @@ def pooling_weights(vae) -> None:
     _copy_channels(vae.post_quant_conv, z_dim)
 
 
-def build_transformer(zero_cond_t: bool = False, num_layers: int = 2):
-    """The tiny transformer; zero_cond_t=True is Qwen-Image-Edit-2511's config (references modulated at t=0)."""
+# The tiny transformer's attention heads: "tests" (width 4 x 16 = 64; the tests and benchmarks depend on it) and
+# "demo" (width 4 x 32 = 128), whose RoPE gives the latent rows and columns 12 dims each instead of 4: with 4,
+# only one rotation frequency (1 rad per token) tells positions apart, so a token 6 positions away looks like
+# the same one, and the tests' size pre-trained to copy its reference (train/trainer/pretrain.py) drew noisy
+# copies with ghosts of the shape, 23 of 255 from the reference on the demo's rows; the demo's size copies
+# cleanly, 7 of 255.
+TRANSFORMER_SIZES = {
+    "tests": dict(attention_head_dim=16, axes_dims_rope=(8, 4, 4)),
+    "demo": dict(attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+}
+
+
+def build_transformer(zero_cond_t: bool = False, num_layers: int = 2, size: str = "tests"):
+    """The tiny transformer (TRANSFORMER_SIZES[size]); zero_cond_t=True is Qwen-Image-Edit-2511's config
+    (references modulated at t=0)."""
     from diffusers import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=num_layers, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=TEXT_DIM, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
-        zero_cond_t=zero_cond_t,
+        patch_size=2, in_channels=64, out_channels=16, num_layers=num_layers, num_attention_heads=4,
+        joint_attention_dim=TEXT_DIM, guidance_embeds=False, zero_cond_t=zero_cond_t, **TRANSFORMER_SIZES[size],
     )
 
 
@@ -263,8 +277,9 @@ VARIANTS = ("edit", "edit_plus", "edit_plus_2511", "t2i")
 
 
 def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, size: int = 128, seed: int = 0,
-              vae: str = "random") -> Path:
-    """Write OUT/model and OUT/data; returns OUT. `vae`: see build_vae (the demo uses "pooling")."""
+              vae: str = "random", transformer: str = "tests") -> Path:
+    """Write OUT/model and OUT/data; returns OUT. `vae`: see build_vae (the demo uses "pooling"); `transformer`:
+    a TRANSFORMER_SIZES key (the demo uses "demo")."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -274,6 +289,8 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     if vae not in VAE_KINDS:
         raise ValueError(f"--vae must be one of {', '.join(VAE_KINDS)}, got {vae!r}")
+    if transformer not in TRANSFORMER_SIZES:
+        raise ValueError(f"--transformer must be one of {', '.join(TRANSFORMER_SIZES)}, got {transformer!r}")
     out = Path(out)
     images = make_dataset(out / "data", variant, num_samples, size, seed)
     template_words = ("Describe the key features of the input image (color, shape, size, texture, objects, "
@@ -291,12 +308,13 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
     set_latent_statistics(autoencoder, images[:16])
     components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=autoencoder,
                       text_encoder=build_text_encoder(tokenizer), tokenizer=tokenizer,
-                      transformer=build_transformer(zero_cond_t=variant == "edit_plus_2511"))
+                      transformer=build_transformer(zero_cond_t=variant == "edit_plus_2511", size=transformer))
     if variant != "t2i":  # Qwen-Image (text-to-image) ships no processor
         components["processor"] = build_processor(tokenizer)
     pipeline = getattr(diffusers, PIPELINE_CLASSES[variant])(**components)
     pipeline.save_pretrained(out / "model")
-    (out / "model" / TINY_INFO).write_text(json.dumps({"variant": variant, "vae": vae}) + "\n")
+    info = {"variant": variant, "vae": vae, "transformer": transformer}
+    (out / "model" / TINY_INFO).write_text(json.dumps(info) + "\n")
     return out
 
 
