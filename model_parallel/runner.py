@@ -146,10 +146,13 @@ def _close_links(source: stages.ReceivingSource, sender: transport.Sender | None
 
 
 def _summary(par: config.ParallelConfig, world_size: int, variant: str, steps: int, digests: list[str], wall: float,
-             source: stages.ReceivingSource, upstream_stats: dict) -> dict:
-    """summary.json of a model-parallel run: steps, placement, the last stage's waits, the encoder's statistics."""
+             source: stages.ReceivingSource, upstream_stats: dict, hook) -> dict:
+    """summary.json of a model-parallel run: steps, placement, the last stage's waits, the encoder's statistics,
+    and the largest validation render's GPU peak on this stage (decoder rank 0; None without renders or a GPU)."""
     waited = source.wait_s_total + source.first_wait_s
+    render_peak = None if hook is None or hook.peak_bytes is None else hook.peak_bytes / 1e9
     return {"steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
+            "measured_render_peak_gb": render_peak,
             "parallel": parallel_layout(par, world_size), "overlap": par.overlap,
             "decoder_wall_s": wall, "decoder_wait_s": waited, "decoder_wait_after_first_s": source.wait_s_total,
             "decoder_busy_fraction": 1 - waited / wall,
@@ -206,7 +209,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     weights = exported_weights(transformer, p.train.mode, plan.num_stages > 2, me)
     if d.is_main:
         build.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
-                                                        upstream_stats))
+                                                        upstream_stats, hook))
         export(cfg, transformer, weights, exports.export_metadata(config.to_dict(cfg), variant, steps))
 
 
