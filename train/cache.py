@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(), check_parallel=check_parallel)
     except config.ConfigError as e:
-        print0(f"error: {e}", rank=rank, file=sys.stderr)
-        return 2
+        return engine.refuse_early(e, rank)
     d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
     code = 0
     try:

@@ -36,13 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(),
                                  num_gpus=torch.cuda.device_count(), check_parallel=check_parallel)
     except config.ConfigError as e:
-        print0(f"error: {e}", rank=rank, file=sys.stderr)
-        return 2
+        return engine.refuse_early(e, rank)
     try:
         components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
     except components.ModelError as e:
-        print0(f"error: {e}", rank=rank, file=sys.stderr)
-        return 2
+        return engine.refuse_early(e, rank)
     if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
         import model_parallel
 
@@ -50,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
     except engine.PortInUseError as e:
-        print0(f"error: {e}", rank=rank, file=sys.stderr)
-        return 2
+        return engine.refuse_early(e, rank)
     code = 0
     try:
         with outdir.claim(cfg.project.output.dir, args.resume is not None, args.overwrite,

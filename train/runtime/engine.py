@@ -180,6 +180,23 @@ def exit_with(main: Callable[[], int]):
     os._exit(code)
 
 
+EARLY_EXIT_GRACE_S = 5.0
+
+
+def refuse_early(error: Exception, rank: int) -> int:
+    """Exit code 2 for a user mistake found before the ranks are connected, printed by rank 0 only. The other ranks
+    wait a moment first: the launcher ends every process when one exits non-zero, and a rank 1 that returned at
+    once could have rank 0 killed before its message was out (seen in CI)."""
+    import time
+
+    from train.runtime.metrics import print0
+
+    print0(f"error: {error}", rank=rank, file=sys.stderr)
+    if rank != 0:
+        time.sleep(EARLY_EXIT_GRACE_S)
+    return 2
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
