@@ -69,6 +69,26 @@ def test_pretrained_base_copies_its_reference(tmp_path):
     assert info["pretrained"]["steps"] == 120 and info["pretrained"]["on"].startswith("identity edits")
 
 
+def test_pretrain_without_settings_uses_the_demos(tmp_path, monkeypatch):
+    """pretrain(..., p=None) trains with Pretraining()'s defaults (the demo's 300 steps on 64 scenes); its refusals
+    name the fix. The scenes, encoding and fitting are stubbed: only the defaults' path is under test."""
+    from train.model.tiny import make_tiny
+    from train.trainer import pretrain as pre
+
+    seen = {}
+    monkeypatch.setattr(pre, "identity_rows", lambda d, v, n, side, seed: seen.update(scenes=n, seed=seed) or [])
+    monkeypatch.setattr(pre, "encode_identity", lambda *a: None)
+    monkeypatch.setattr(pre, "fit", lambda t, data, p, sched: seen.update(steps=p.steps) or [1.0, 0.5])
+    with pytest.raises(ValueError, match="no reference to copy"):
+        pre.pretrain(tmp_path, "t2i", 128 * 128, 64 * 64)
+    with pytest.raises(ValueError, match="at least 10"):
+        pre.pretrain(tmp_path, "edit", 128 * 128, 64 * 64, pre.Pretraining(steps=5))
+    make_tiny(tmp_path, "edit", num_samples=2)
+    assert pre.pretrain(tmp_path / "model", "edit", 128 * 128, 64 * 64) == [1.0, 0.5]
+    assert seen == {"scenes": 64, "seed": 1, "steps": 300}
+    assert json.loads((tmp_path / "model" / "tiny.json").read_text())["pretrained"]["steps"] == 300
+
+
 def test_make_tiny_refuses_pretraining_without_a_reference(tmp_path, capsys):
     """`make_tiny --pretrain_steps` on a text-to-image variant (nothing to copy), or below the minimum, is a usage
     error naming the option, before anything is built."""

@@ -955,8 +955,9 @@ def encode_transient(model_dir: str | Path, device: torch.device, work: Workload
 
 
 def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
-    """Whether the cache build streams Qwen2.5-VL from pinned host memory (diffusers' group offloading: one block
-    on the GPU at a time, the next prefetched) instead of holding it on the GPU: see cache_vl_decision. Measures the
+    """Whether the cache build streams Qwen2.5-VL's blocks from pinned host memory (components.stream_from_host:
+    two device slots per block list, the next block prefetched) instead of holding it on the GPU: see
+    cache_vl_decision. Measures the
     VAE's largest encode; prints a streamed decision. Never on a CPU, nor with memory.plan "off" (the config as
     written)."""
     from train.runtime.metrics import print0
@@ -986,7 +987,7 @@ def cache_vl_decision(need: dict[str, float], room: float, budget: float, host: 
     figures = (f"Qwen2.5-VL {need['vl'] / GB:.1f} GB + VAE {need['vae'] / GB:.1f} GB + the largest encode "
                f"{need['encode'] / GB:.1f} GB do not fit the {room / GB:.1f} GB that qwen_edit.memory.budget_gb "
                f"{budget / GB:.1f} leaves after the margin")
-    if need["streamed"] + need["vae"] + need["encode"] > room or pinned > host.available_bytes - host.margin_bytes:
+    if need["streamed"] + need["vae"] + need["encode"] > room or pinned > host.room_bytes:
         raise PlanError(f"the latent cache cannot be built within the memory budget: {figures}, and streamed from "
                         f"host memory Qwen2.5-VL needs {need['streamed'] / GB:.1f} GB on the GPU and "
                         f"{pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es); "
@@ -994,7 +995,7 @@ def cache_vl_decision(need: dict[str, float], room: float, budget: float, host: 
                         "python -m train.cache (the same config and dataset), raise budget_gb, or lower "
                         "qwen_edit.data.area")
     return (f"latent cache: {figures}, so Qwen2.5-VL is streamed block by block from {pinned / GB:.1f} GB of pinned "
-            f"host memory (diffusers' group offloading; {need['streamed'] / GB:.1f} GB of it on the GPU at a time)")
+            f"host memory (the project's block offloader; {need['streamed'] / GB:.1f} GB of it on the GPU at a time)")
 
 
 def streamed_vl_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:

@@ -105,19 +105,18 @@ def pretrain(model_dir: str | Path, variant: str, area: int, condition_area: int
     save it in place; returns the losses. Text-to-image models have no reference to copy: ValueError."""
     from diffusers import QwenImageTransformer2DModel
 
+    p, model_dir = p or Pretraining(), Path(model_dir)
     if variant == "t2i":
         raise ValueError("pretrain: a text-to-image model has no reference to copy; pre-train an edit variant")
     if p.steps < MIN_STEPS:
         raise ValueError(f"pretrain: {p.steps} steps; pre-train for at least {MIN_STEPS} (the demo's base: 300)")
-    p, model_dir = p or Pretraining(), Path(model_dir)
     torch.manual_seed(p.seed)
     with tempfile.TemporaryDirectory() as tmp:
         rows = identity_rows(Path(tmp), variant, p.scenes, round(area**0.5), p.seed)
         data = encode_identity(model_dir, Path(tmp), rows, variant, area, condition_area)
     transformer = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer",
                                                               local_files_only=True)
-    scheduler_cfg = json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text())
-    losses = fit(transformer, data, p, scheduler_cfg)
+    losses = fit(transformer, data, p, components.scheduler_config(model_dir))
     transformer.eval().save_pretrained(model_dir / "transformer")
     info_path = model_dir / tiny.TINY_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
