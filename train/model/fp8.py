@@ -62,13 +62,19 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         weight, scale, weight_t = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
-        # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major
-        # (kept from the conversion when asked, otherwise transposed here, a pass over the weight per call).
-        ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
-        w_t = weight.t().contiguous() if weight_t is None else weight_t
-        grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype)
-        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None, None
+        return input_gradient(grad_out, weight, scale, weight_t), None, None, None
+
+
+def input_gradient(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   weight_t: torch.Tensor | None) -> torch.Tensor:
+    """dx = dy W for y = x W^T, W (N, K) in e4m3 with row scales `scale` (N,); weight_t: W8^T kept, or None."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
+    # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major
+    # (kept from the conversion when asked, otherwise transposed here, a pass over the weight per call).
+    ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
+    w_t = weight.t().contiguous() if weight_t is None else weight_t
+    grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype)
+    return grad_x.view(*grad_out.shape[:-1], weight.shape[1])
 
 
 class Float8FrozenLinear(torch.nn.Module):
