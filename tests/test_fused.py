@@ -47,15 +47,20 @@ def _one_step_apart(q: torch.Tensor, ref: torch.Tensor) -> tuple[int, bool]:
     return int((diff != 0).sum()), bool((diff.abs() <= 1).all())
 
 
-@pytest.mark.parametrize("rows, cols", [(37, 200), (9, 12288), (64, 1000)], ids=["ragged", "mlp_width", "rows"])
+@pytest.mark.parametrize("rows, cols, with_bias", [(37, 200, False), (37, 200, True), (9, 12288, True),
+                                                   (64, 1000, False)], ids=["ragged", "bias", "mlp_width", "rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_equals_the_unfused_quantisation(interpreter, rows, cols, dtype):
-    """e4m3 bytes and row scales of quantize_rows(gelu_tanh(h)), widths that leave the last block ragged (200 of 256,
-    12288 of 16384, 1000 of 1024). bf16 (the trainer's dtype): scales identical, bytes identical but for at most
-    0.1% one step apart; fp32 (no bf16 rounding to absorb the tanh's last bit): scales within 2 float32 ulps."""
+def test_kernel_equals_the_unfused_quantisation(interpreter, rows, cols, with_bias, dtype):
+    """e4m3 bytes and row scales of quantize_rows(gelu_tanh(y + bias)), widths that leave the last block ragged (200
+    of 256, 12288 of 16384, 1000 of 1024). bf16 (the trainer's dtype): scales identical, bytes identical but for at
+    most 0.1% one step apart; fp32 (no bf16 rounding to absorb the tanh's last bit): scales within 2 float32 ulps.
+    The bias (bf16 as the model's, added after a cast to y's dtype as Float8FrozenLinear adds it) is 0 on rows 1-2."""
     h = _rows(rows, cols, dtype)
-    q, scale = fused.gelu_quant_rows(h)
-    q_ref, scale_ref = fp8.quantize_rows(torch.nn.functional.gelu(h, approximate="tanh"))
+    bias = (torch.randn(cols) * 0.5).to(torch.bfloat16) if with_bias else None
+    y = h if bias is None else h - bias.to(dtype)  # rows 1-2 keep their meaning after y + bias (up to rounding)
+    q, scale = fused.gelu_quant_rows(y, bias)
+    expected = y if bias is None else y + bias.to(dtype)
+    q_ref, scale_ref = fp8.quantize_rows(torch.nn.functional.gelu(expected, approximate="tanh"))
     assert q.dtype == fp8.E4M3 and q.shape == h.shape and scale.shape == (rows, 1) and scale.dtype == torch.float32
     if dtype == torch.bfloat16:
         assert torch.equal(scale, scale_ref)
@@ -63,8 +68,9 @@ def test_kernel_equals_the_unfused_quantisation(interpreter, rows, cols, dtype):
         torch.testing.assert_close(scale, scale_ref, rtol=2.4e-7, atol=0)
     differing, one_step = _one_step_apart(q, q_ref)
     assert one_step and differing <= 1e-3 * q.numel(), f"{differing} of {q.numel()} bytes differ"
-    assert torch.equal(q[1].float(), torch.zeros(cols))  # the zero row: all zeros at the floor scale
-    assert scale[1].item() == pytest.approx(1e-12 / fp8.E4M3_MAX)
+    if bias is None:
+        assert torch.equal(q[1].float(), torch.zeros(cols))  # the zero row: all zeros at the floor scale
+        assert scale[1].item() == pytest.approx(1e-12 / fp8.E4M3_MAX)
     assert (q[2].view(torch.uint8) == 0x80).all()  # -0, as torch's cast gives
 
 
@@ -82,22 +88,26 @@ def test_kernel_where_gelu_is_ill_conditioned(interpreter):
     assert ((deq - deq_ref).norm() / deq_ref.norm()).item() < 1e-3
 
 
-def _pair(cols: int, out: int):
+def _pair(cols: int, out: int, up_bias: torch.Tensor | None = None):
     """(fused GeluFloat8Linear, the unfused Float8FrozenLinear) sharing one e4m3 weight with a bias."""
     torch.manual_seed(1)
     lin = torch.nn.Linear(cols, out).requires_grad_(False)
     base = fp8.Float8FrozenLinear(lin, "token")
-    return fused.GeluFloat8Linear.from_float8(base), base
+    return fused.GeluFloat8Linear.from_float8(base, up_bias), base
 
 
-def test_fused_linear_forward_and_gradient(interpreter):
-    """linear(gelu(h)) fused against the unfused modules, bf16, ragged width: outputs within the rare one-step
-    differences' effect; input gradients identical (the same fp8 matmul and aten.gelu_backward on the same h)."""
-    fused_lin, base = _pair(200, 48)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["gelu", "bias_folded"])
+def test_fused_linear_forward_and_gradient(interpreter, with_bias):
+    """linear(gelu(h + up_bias)) fused against the unfused modules, bf16, ragged width: outputs within the rare
+    one-step differences' effect; input gradients identical (the same fp8 matmul, aten.gelu_backward on the same
+    h, the bias added again in the backward with the forward's rounding)."""
+    up_bias = torch.randn(200).to(torch.bfloat16) if with_bias else None
+    fused_lin, base = _pair(200, 48, up_bias)
     assert fused_lin.weight_fp8 is base.weight_fp8 and fused_lin.bias is base.bias  # shared, not copied
     h = (torch.randn(3, 37, 200) * 2).to(torch.bfloat16).requires_grad_(True)
     h_ref = h.detach().clone().requires_grad_(True)
-    y, y_ref = fused_lin(h), base(torch.nn.functional.gelu(h_ref, approximate="tanh"))
+    y = fused_lin(h)
+    y_ref = base(torch.nn.functional.gelu(h_ref if up_bias is None else h_ref + up_bias, approximate="tanh"))
     assert y.shape == y_ref.shape == (3, 37, 48) and y.dtype == torch.bfloat16
     assert ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item() < 1e-3
     dy = torch.randn_like(y)
@@ -107,8 +117,9 @@ def test_fused_linear_forward_and_gradient(interpreter):
 
 
 def test_fused_mlps_in_the_model(interpreter):
-    """fuse_mlps on the tiny model (LoRA on the up projections and attention): every MLP fused, state-dict names
-    unchanged, outputs and LoRA gradients as the unfused model's; LoRA on img_mlp.net.2 leaves those MLPs unfused."""
+    """fuse_mlps on the tiny model (LoRA on the image MLP's up projection and on attention): every MLP fused (the
+    text MLPs' up-projection bias folded into the kernel, the image MLPs' not: LoRA reads their output), state-dict
+    names unchanged, outputs and LoRA gradients as the unfused model's; LoRA on img_mlp.net.2 leaves those unfused."""
     model = build_transformer()
     components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "img_mlp.net.0.proj"]))
     fp8.convert_frozen_linears(model)
@@ -119,6 +130,9 @@ def test_fused_mlps_in_the_model(interpreter):
     reference = copy.deepcopy(model)
     assert fused.fuse_mlps(model) == 2 * len(model.transformer_blocks)
     assert list(model.state_dict()) == list(reference.state_dict())
+    block = model.transformer_blocks[0]
+    assert not block.img_mlp.net[0].fold_bias and block.img_mlp.net[2].up_bias is None
+    assert block.txt_mlp.net[0].fold_bias and torch.equal(block.txt_mlp.net[2].up_bias, block.txt_mlp.net[0].proj.bias)
     assert "4 of 4 MLPs" in fused.describe(model)
     torch.manual_seed(2)
     inputs = transformer_inputs(model)
@@ -164,14 +178,14 @@ def test_compiled_graph_holds_the_kernel(monkeypatch):
 
         return run
 
-    fused_lin, _ = _pair(200, 48)
+    fused_lin, _ = _pair(200, 48, up_bias=torch.randn(200).to(torch.bfloat16))
     h = torch.randn(2, 19, 200, dtype=torch.bfloat16, requires_grad=True)
     torch._dynamo.reset()
     with pytest.raises(Traced):
         torch.compile(fused_lin, backend=aot_autograd(fw_compiler=forward_compiler, partition_fn=partition),
                       fullgraph=True)(h)
     forward = graphs["forward"]
-    assert "triton_kernel_wrapper_functional" in forward and "_scaled_mm" in forward
+    assert "triton_kernel_wrapper_functional" in forward and "_scaled_mm" in forward and "'HAS_BIAS': True" in forward
     assert "aten.gelu.default" not in forward and "gelu_backward" in graphs["joint"]
 
 
@@ -210,8 +224,9 @@ def test_cuda_kernel_equals_the_unfused_quantisation():
     assert torch.equal(scale, scale_ref)
     differing, one_step = _one_step_apart(q, q_ref)
     assert one_step and differing <= 1e-4 * q.numel(), f"{differing} of {q.numel()} bytes differ"
-    fused_lin, base = _pair(12288, 3072)
+    up_bias = torch.randn(12288, device="cuda").to(torch.bfloat16)
+    fused_lin, base = _pair(12288, 3072, up_bias.cpu())
     fused_lin, base = fused_lin.cuda(), base.cuda()
     x = h.view(4, 128, 12288)
-    y, y_ref = torch.compile(fused_lin)(x), base(torch.nn.functional.gelu(x, approximate="tanh"))
+    y, y_ref = torch.compile(fused_lin)(x), base(torch.nn.functional.gelu(x + up_bias, approximate="tanh"))
     assert ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item() < 1e-3

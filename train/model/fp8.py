@@ -99,11 +99,14 @@ class Float8FrozenLinear(torch.nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight_fp8.float() * self.weight_scale[:, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, without the bias."""
         if self.kind == "vector":
-            y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
-        else:
-            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t)
+            return torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        return _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

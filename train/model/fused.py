@@ -64,13 +64,22 @@ def unavailable() -> str | None:
     return None
 
 
-def _gelu_quant_rows_kernel(h_ptr, scale_ptr, q_ptr, n_cols, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
-    """One row per program: q = e4m3(gelu(h) / scale), scale = absmax(gelu(h)) / 448, gelu(h) rounded to h's dtype
-    first (the value the unfused path quantises). Masked lanes load 0 and gelu(0) = 0, so the absmax ignores them."""
+def _gelu_quant_rows_kernel(y_ptr, bias_ptr, scale_ptr, q_ptr, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                            INTERPRETER: tl.constexpr):
+    """One row per program: h = y + bias, g = gelu_tanh(h), scale = absmax(g) / 448, q = e4m3(g / scale), with h and
+    g rounded to y's dtype as the unfused path's tensors are. Masked lanes load 0 (and the bias 0), gelu(0) = 0, so
+    the absmax ignores them. Reads y once, writes q and one scale: h and g never reach memory."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # y + bias.to(y.dtype), as fp8.Float8FrozenLinear adds it
+        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if not INTERPRETER:
+            h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+        elif y_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter's casts truncate: round to nearest even
+            bits = h.to(tl.int32, bitcast=True)
+            h = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))  # sqrt(2 / pi) (x + 0.044715 x^3)
     if INTERPRETER:  # no libdevice: tanh from exp, odd-symmetric so that large |inner| does not overflow
         e = tl.exp(-2.0 * tl.abs(inner))
@@ -79,8 +88,8 @@ def _gelu_quant_rows_kernel(h_ptr, scale_ptr, q_ptr, n_cols, BLOCK: tl.constexpr
         t = libdevice.tanh(inner)
     g = 0.5 * h * (1.0 + t)
     if not INTERPRETER:
-        g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
-    elif h_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter's cast truncates: round to nearest even by hand
+        g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
+    elif y_ptr.dtype.element_ty == tl.bfloat16:  # as for h above
         bits = g.to(tl.int32, bitcast=True)
         g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     # tl.max(x, 0) spelt as what it calls: tl.max is itself jitted when triton is imported, so the interpreter
@@ -106,14 +115,16 @@ def _kernel(interpret: bool):
     return triton.jit(_gelu_quant_rows_kernel)
 
 
-def _launch(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (M, N) contiguous -> (e4m3 (M, N), fp32 scale (M, 1)): fp8.quantize_rows(gelu_tanh(h)) in one pass."""
-    rows, cols = h.shape
-    q = torch.empty((rows, cols), dtype=fp8.E4M3, device=h.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=h.device)
+def _launch(y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (M, N) contiguous, bias (N,) or None -> (e4m3 (M, N), fp32 scale (M, 1)):
+    fp8.quantize_rows(gelu_tanh(y + bias)) in one pass over y."""
+    rows, cols = y.shape
+    q = torch.empty((rows, cols), dtype=fp8.E4M3, device=y.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=y.device)
     block = triton.next_power_of_2(cols)
     interpret = interpreted()
-    wrap_triton(_kernel(interpret))[(rows,)](h, scale, q, cols, BLOCK=block, INTERPRETER=interpret,
+    wrap_triton(_kernel(interpret))[(rows,)](y, y if bias is None else bias, scale, q, cols, HAS_BIAS=bias is not None,
+                                             BLOCK=block, INTERPRETER=interpret,
                                              num_warps=min(16, max(4, block // 1024)))
     return q, scale
 
@@ -122,69 +133,82 @@ if triton is not None:
     gelu_quant_rows = triton_op("qwen_edit::gelu_quant_rows", _launch, mutates_args=())
 
 
-def kernel_runs(h: torch.Tensor) -> bool:
-    """Whether the kernel can run on `h` here: triton, and a CUDA tensor or the interpreter (else: unfused)."""
-    return triton is not None and (h.device.type == "cuda" or interpreted())
+def kernel_runs(y: torch.Tensor) -> bool:
+    """Whether the kernel can run on `y` here: triton, and a CUDA tensor or the interpreter (else: unfused)."""
+    return triton is not None and (y.device.type == "cuda" or interpreted())
 
 
-def gelu_quantized(h2: torch.Tensor, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quantize_rows(gelu_tanh(h2)) for h2 (M, N): by the fused kernel, or unfused where it cannot run."""
-    if use_kernel and h2.dtype in (torch.bfloat16, torch.float32):  # the dtypes the interpreter's path rounds
-        return gelu_quant_rows(h2.contiguous())
-    return fp8.quantize_rows(torch.nn.functional.gelu(h2, approximate="tanh"))
+def gelu_quantized(y2: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.quantize_rows(gelu_tanh(y2 + bias)) for y2 (M, N): by the fused kernel, or unfused where it cannot run."""
+    if use_kernel and y2.dtype in (torch.bfloat16, torch.float32):  # the dtypes the interpreter's path rounds
+        return gelu_quant_rows(y2.contiguous(), bias)
+    return fp8.quantize_rows(torch.nn.functional.gelu(_add_bias(y2, bias), approximate="tanh"))
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 class _GeluFloat8Matmul(torch.autograd.Function):
-    """y = gelu_tanh(h) W^T for a frozen e4m3 weight with per-row scales; gradient for h only."""
+    """z = gelu_tanh(y + up_bias) W^T for a frozen e4m3 weight with per-row scales; gradient for y only."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_t: torch.Tensor | None,
-                use_kernel: bool) -> torch.Tensor:
-        ctx.save_for_backward(h, weight, scale, weight_t)  # h: what GELU's gradient needs, as unfused
-        q, q_scale = gelu_quantized(h.reshape(-1, h.shape[-1]), use_kernel)
-        y = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=h.dtype)
-        return y.view(*h.shape[:-1], weight.shape[0])
+    def forward(ctx, y: torch.Tensor, up_bias: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
+                weight_t: torch.Tensor | None, use_kernel: bool) -> torch.Tensor:
+        # y: the up projection's output, saved as the unfused path saves GELU's input (the same bytes); the bias is
+        # added again in the backward, inside the pointwise gelu_backward that inductor generates
+        ctx.save_for_backward(y, up_bias, weight, scale, weight_t)
+        q, q_scale = gelu_quantized(y.reshape(-1, y.shape[-1]), up_bias, use_kernel)
+        z = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=y.dtype)
+        return z.view(*y.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        h, weight, scale, weight_t = ctx.saved_tensors
+        y, up_bias, weight, scale, weight_t = ctx.saved_tensors
         grad_g = fp8.input_gradient(grad_out, weight, scale, weight_t)
-        return torch.ops.aten.gelu_backward(grad_g, h, approximate="tanh"), None, None, None, None
+        grad_y = torch.ops.aten.gelu_backward(grad_g, _add_bias(y, up_bias), approximate="tanh")
+        return grad_y, None, None, None, None, None
 
 
 class GeluFloat8Linear(fp8.Float8FrozenLinear):
-    """An MLP's fp8 down projection with the tanh GELU before it folded in: forward(h) = linear(gelu(h)), the
-    GELU and the row quantisation in one kernel where it can run (a CUDA tensor, or the Triton interpreter)."""
+    """An MLP's fp8 down projection with the tanh GELU before it (and the up projection's bias, when PreActivation
+    leaves it out) folded in: forward(y) = linear(gelu(y + up_bias)), the bias, GELU and row quantisation in one
+    kernel where it can run (a CUDA tensor, or the Triton interpreter)."""
 
     @classmethod
-    def from_float8(cls, linear: fp8.Float8FrozenLinear) -> GeluFloat8Linear:
-        """The same e4m3 buffers and bias under the same names (nothing copied or quantised again)."""
+    def from_float8(cls, linear: fp8.Float8FrozenLinear, up_bias: torch.Tensor | None = None) -> GeluFloat8Linear:
+        """The same e4m3 buffers and bias under the same names (nothing copied or quantised again); up_bias: the
+        frozen up projection's bias, kept as a non-persistent buffer (its parameter stays where it was)."""
         module = cls.__new__(cls)
         torch.nn.Module.__init__(module)
         for name in ("weight_fp8", "weight_scale", "weight_fp8_t"):
             module.register_buffer(name, getattr(linear, name), persistent=False)
+        module.register_buffer("up_bias", None if up_bias is None else up_bias.detach(), persistent=False)
         module.bias = linear.bias
         module.in_features, module.out_features, module.kind = linear.in_features, linear.out_features, "token"
         return module
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        y = _GeluFloat8Matmul.apply(h, self.weight_fp8, self.weight_scale, self.weight_fp8_t, kernel_runs(h))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        z = _GeluFloat8Matmul.apply(y, self.up_bias, self.weight_fp8, self.weight_scale, self.weight_fp8_t,
+                                    kernel_runs(y))
+        return z if self.bias is None else z + self.bias.to(z.dtype)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", tanh GELU on its input (fused with the row quantisation)"
+        folded = " + the up projection's bias" if self.up_bias is not None else ""
+        return super().extra_repr() + f", tanh GELU{folded} on its input (fused with the row quantisation)"
 
 
 class PreActivation(torch.nn.Module):
     """diffusers' GELU module without its activation: the same `proj` (LoRA-wrapped or not) under the same name;
-    the GELU moves into the GeluFloat8Linear that follows."""
+    the GELU moves into the GeluFloat8Linear that follows. fold_bias (a bare fp8 proj only): leave out proj's bias
+    too, which the kernel adds (one pass less over the hidden: y + bias is never written)."""
 
-    def __init__(self, gelu: GELU):
+    def __init__(self, gelu: GELU, fold_bias: bool = False):
         super().__init__()
-        self.proj = gelu.proj
+        self.proj, self.fold_bias = gelu.proj, fold_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+        return self.proj.matmul(x) if self.fold_bias else self.proj(x)
 
 
 def why_not(ff: torch.nn.Module) -> str | None:
@@ -214,8 +238,10 @@ def fuse_mlps(transformer: torch.nn.Module) -> int:
     count = 0
     for _, ff in _mlps(transformer):
         if why_not(ff) is None:
-            ff.net[0] = PreActivation(ff.net[0])
-            ff.net[2] = GeluFloat8Linear.from_float8(ff.net[2])
+            proj = ff.net[0].proj
+            fold = type(proj) is fp8.Float8FrozenLinear and proj.bias is not None  # no LoRA around it
+            ff.net[0] = PreActivation(ff.net[0], fold_bias=fold)
+            ff.net[2] = GeluFloat8Linear.from_float8(ff.net[2], proj.bias if fold else None)
             count += 1
     return count
 
