@@ -3,6 +3,9 @@ config keys it respects. The measurement itself needs a GPU; these use figures o
 
 from __future__ import annotations
 
+import os
+import queue as queues
+
 import pytest
 
 from train.config import LoraConfig
@@ -156,7 +159,8 @@ def test_optimizer_offload_is_the_last_resort(full_sizes):
     assert c.offload_optimizer and p.peak_bytes <= 16 * GB - margin
     on_gpu = memory.predict(full_sizes, m, memory.Choice(c.fp8_base, c.fp8_transposed, c.checkpointed, c.offloaded,
                                                          c.cached))
-    lowered = full_sizes.lora_params * (memory.LORA_STATE_BYTES - memory.LORA_OFFLOADED_STATE_BYTES)
+    lowered = full_sizes.lora_params * (memory.state_bytes_per_param(False, 2, 1, False)
+                                        - memory.state_bytes_per_param(False, 2, 1, True))
     assert on_gpu.peak_bytes - p.peak_bytes == pytest.approx(lowered)
     assert lowered == pytest.approx(5.1 * GB, rel=0.01)
     assert p.step_s == on_gpu.step_s and on_gpu.optimizer_s == 0
@@ -537,3 +541,140 @@ def test_the_cache_build_streams_the_vl_encoder_only_when_it_must():
     assert "python -m train.cache" in str(e.value)
     with pytest.raises(memory.PlanError, match=r"132.8 GB of pinned host memory on this node \(8 process"):
         memory.cache_vl_decision(need, 13.7 * GB, 16 * GB, memory.Host(120 * GB, ranks_per_node=8, world_size=8))
+
+
+def _live_bytes(params=()) -> int:
+    """Bytes of every tensor storage alive in this process (each storage once): the tensors Python holds, and the
+    gradients of `params` (autograd makes them in C++, where gc does not see them until they are read)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    seen = {}
+    for obj in [*gc.get_objects(), *(p.grad for p in params)]:
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(n for ptr, n in seen.items() if ptr)
+
+
+def _step_transient(step) -> int:
+    """The peak of the bytes `step()` allocates above what was alive when it began (torch's profiler counts every
+    CPU allocation and free while it runs)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return max([0] + [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"])
+
+
+def _zero_state_per_param(rank: int, world: int, port: int, stage: int, queue) -> None:
+    """One rank of test_zero_state_bytes_are_deepspeeds_buffers: this rank's bytes per trainable parameter under
+    ZeRO `stage` when the backward's gradients are all there (before DeepSpeed reduces them), after the backward,
+    and at the peak of the optimizer step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    base = _live_bytes()
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    n = sum(p.numel() for p in model.parameters())
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": stage == 2,
+                                    "reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    del model
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()  # the Adam moments exist from here on
+    engine.optimizer.optimizer.step = lambda *a, **k: None  # the GPU's FusedAdam updates in place: no allocation
+    seen = {}
+    reduce = getattr(engine.optimizer, "reduce_gradients", None)
+    if reduce is not None:
+        def measured_reduce(*a, **k):
+            seen["before_reduce"] = _live_bytes(engine.module.parameters()) - base
+            return reduce(*a, **k)
+        engine.optimizer.reduce_gradients = measured_reduce
+    engine.backward(engine(x).float().square().mean())
+    seen["after_backward"] = _live_bytes(engine.module.parameters()) - base
+    seen["in_step"] = seen["after_backward"] + _step_transient(engine.step)
+    queue.put((rank, {k: v / n for k, v in seen.items()}))
+    torch.distributed.destroy_process_group()
+
+
+def _spawn_ranks(world: int, target, *args) -> dict:
+    """Run target(rank, world, port, *args, queue) in `world` spawned processes; rank -> what each put."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    while len(results) < world:
+        try:
+            rank, out = queue.get(timeout=2)
+            results[rank] = out
+        except queues.Empty:
+            assert all(p.is_alive() or p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for p in procs:
+        p.join(20)
+        if p.is_alive():
+            p.terminate()
+    return results
+
+
+def test_zero_state_bytes_are_deepspeeds_buffers():
+    """The plan's bytes per trainable parameter (state_bytes_per_param) against DeepSpeed's own buffers on 2 ranks
+    (gloo, bf16, its ZeRO optimizer as the trainer builds it): at the backward's peak (every gradient there, before
+    the reduction) and in the optimizer step, for stages 0, 1 and 2. Stage 0 holds everything on every rank;
+    stages 1 and 2 split the master weights and moments (stage 2 the gradients too)."""
+    world = 2
+    for stage in (0, 1, 2):
+        for rank, seen in _spawn_ranks(world, _zero_state_per_param, stage).items():
+            backward = memory.state_bytes_per_param(False, stage, world, False)
+            in_step = memory.state_bytes_per_param(False, stage, world, False, in_step=True)
+            peak = max(seen.get("before_reduce", 0), seen["after_backward"])
+            assert peak == pytest.approx(backward, abs=0.05), (rank, stage, seen)
+            assert seen["in_step"] == pytest.approx(in_step, abs=0.05), (rank, stage, seen)
+    assert memory.state_bytes_per_param(False, 2, 1, False) == 16  # one GPU: what the single-GPU plan counted
+
+
+def test_full_fine_tuning_is_planned_per_rank(full_model):
+    """Full fine-tuning of the released 20.4 B transformer, where the host cannot take the optimizer state: on one
+    GPU nothing fits 141 GB and the refusal says over how many GPUs ZeRO-2 makes it fit; at that world size the
+    plan fits, and one rank fewer does not. The state is split over the ranks: 2 + 20 / W bytes per parameter in
+    the step with the bf16 weights, 12.0 at W = 2, which is what two depths of the full fine-tuning benchmark took
+    on 2 GPUs (docs/performance.md)."""
+    full = memory.count_sizes(full_model, LoraConfig().target_modules, 64, full=True)
+    assert full.full and full.trainable_params == full.num_blocks * full.block_params + full.other_params
+    m, budget, host_short = measured(8_448), 141 * GB, "its state needs 367.7 GB of host memory"
+    margin = memory.margin_bytes(0, budget)
+    with pytest.raises(memory.PlanError) as e:
+        memory.choose(full, m, budget, margin, {}, fp8_ok=False, online=False, offload_blocker=host_short)
+    world = int(str(e.value).split("Full fine-tuning fits with ZeRO stage 2 (zero_optimization.stage 2) over ")[1]
+                .split()[0])
+    assert 4 < world <= 16
+    at = lambda w: memory.Sizes(**{**full.__dict__, "dp_world": w})  # noqa: E731
+    c, p = memory.choose(at(world), m, budget, margin, {}, fp8_ok=False, online=False, offload_blocker=host_short)
+    assert not c.fp8_base and c.offloaded == 0 and not c.offload_optimizer and p.fit_bytes <= budget - margin
+    with pytest.raises(memory.PlanError):
+        memory.choose(at(world - 1), m, budget, margin, {}, fp8_ok=False, online=False, offload_blocker=host_short)
+    per_param = 2 + at(2).gpu_state_bytes(False, in_step=True) / full.trainable_params
+    assert per_param == pytest.approx(12.0)
+    with pytest.raises(memory.PlanError, match="does not fit at any number of GPUs"):
+        memory.choose(full, m, 40 * GB, memory.margin_bytes(0, 40 * GB), {}, fp8_ok=False, online=False,
+                      offload_blocker=host_short)

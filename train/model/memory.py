@@ -74,18 +74,23 @@ from pathlib import Path
 import torch
 
 GB = 1e9
-# Per trainable parameter on one GPU while the backward runs (the peak), bf16 mixed precision with DeepSpeed's
-# Adam: LoRA adds its bf16 weight 2, bf16 gradient 2, fp32 master 4, Adam moments 8 (the fp32 gradient copy of
-# the optimizer step exists only after the activations are gone); a full fine-tune's weights are counted with the
-# model's, so 14 more. Plus DeepSpeed's gradient bucket (reduce_bucket_size bf16 elements).
-LORA_STATE_BYTES = 16
-FULL_STATE_BYTES = 14
+# DeepSpeed's bytes on each GPU per trainable parameter, bf16 mixed precision with Adam over a data-parallel world
+# of W ranks (state_bytes_per_param; counted from deepspeed/runtime/zero/stage_1_and_2.py and checked against its
+# live buffers on the CPU in tests/test_memory.py). While the backward runs: the bf16 weight 2 (a LoRA parameter's;
+# a full fine-tune's is counted with the model's), its bf16 gradient 2 (stage 2 keeps only its 1/W partition once
+# a bucket is reduced; stage 1 holds every gradient until the backward's end), the fp32 master 4 and the two Adam
+# moments 8, split over the ranks by ZeRO stages 1 and 2 (stage 0 keeps all of them on every rank). In the step,
+# after the activations are gone, stages 1 and 2 hold the bf16 gradient partition, its flattened copy and its fp32
+# copy at once (8/W), beside the master and moments: 2 + 20/W. Plus DeepSpeed's gradient bucket (reduce_bucket_size
+# bf16 elements).
+WEIGHT_BYTES = 2
+MASTER_AND_MOMENTS_BYTES = 12
+STEP_GRAD_BYTES = 8  # the step's bf16 gradient partition + its flattened copy + its fp32 copy
+STAGE0_STEP_BYTES = 20  # stage 0 (DeepSpeed's bf16 optimizer): weight, bf16 and fp32 gradients, master, moments
 # With DeepSpeed's optimizer offload the master, moments and fp32 gradients are in host memory: a LoRA parameter
-# keeps its bf16 weight and gradient on the GPU, a full fine-tune's weight its bf16 gradient (the weight is counted
-# with the model's). The host holds HOST_STATE_BYTES per parameter (fp32 master, gradient and two moments, and
-# DeepSpeed's pinned bf16 copy of the updated weights).
-LORA_OFFLOADED_STATE_BYTES = 4
-FULL_OFFLOADED_STATE_BYTES = 2
+# keeps its bf16 weight and gradient on the GPU (stage 2 hands each reduced bucket to the host). The host holds
+# HOST_STATE_BYTES per parameter (fp32 master, gradient and two moments, and DeepSpeed's pinned bf16 copy of the
+# updated weights).
 HOST_STATE_BYTES = 18
 # The host optimizer step: DeepSpeedCPUAdam reads the fp32 weight, gradient and moments and writes weight, moments
 # and the bf16 copy (30 bytes per parameter) at an allowance for a many-core host's memory bandwidth.
@@ -139,6 +144,8 @@ class Sizes:
     encoder_bytes: int = 0  # Qwen2.5-VL + VAE in their dtype
     vae_bytes: int = 0  # the VAE alone (what a validation render from the cache loads beside the model)
     full: bool = False  # every weight trains (train.mode = "full"): optimizer state for all of them
+    zero_stage: int = 2  # DeepSpeed's zero_optimization.stage: how the trainable state is split over the ranks
+    dp_world: int = 1  # data-parallel ranks that split it
 
     @property
     def trainable_params(self) -> int:
@@ -148,12 +155,27 @@ class Sizes:
     def state_bytes(self) -> float:
         return self.gpu_state_bytes(offload_optimizer=False)
 
-    def gpu_state_bytes(self, offload_optimizer: bool) -> float:
-        """The trainable parameters' bytes on the GPU beyond the model's weights, with or without DeepSpeed's
-        optimizer offload."""
-        per = ((FULL_OFFLOADED_STATE_BYTES if offload_optimizer else FULL_STATE_BYTES) if self.full else
-               (LORA_OFFLOADED_STATE_BYTES if offload_optimizer else LORA_STATE_BYTES))
-        return self.trainable_params * per
+    def gpu_state_bytes(self, offload_optimizer: bool, in_step: bool = False) -> float:
+        """The trainable parameters' bytes on each GPU beyond the model's weights while the backward runs (or, with
+        `in_step`, in the optimizer step), with or without DeepSpeed's optimizer offload."""
+        return self.trainable_params * state_bytes_per_param(self.full, self.zero_stage, self.dp_world,
+                                                             offload_optimizer, in_step)
+
+
+def state_bytes_per_param(full: bool, stage: int, world: int, offload_optimizer: bool, in_step: bool = False) -> float:
+    """Bytes per trainable parameter on each of `world` GPUs under ZeRO `stage` (the comment at WEIGHT_BYTES): at the
+    backward's peak, or with `in_step` in the optimizer step (no activations then). A full fine-tune's weight is
+    counted with the model's, so it is left out here."""
+    own_weight = 0 if full else WEIGHT_BYTES
+    grad = WEIGHT_BYTES / world if stage == 2 else WEIGHT_BYTES
+    if offload_optimizer:  # DeepSpeed offloads at stage 1 or 2 only (offload_blocker)
+        return own_weight + grad
+    if stage == 0:
+        return (STAGE0_STEP_BYTES if in_step else WEIGHT_BYTES + WEIGHT_BYTES + MASTER_AND_MOMENTS_BYTES) - (
+            WEIGHT_BYTES - own_weight)
+    if in_step:
+        return own_weight + (MASTER_AND_MOMENTS_BYTES + STEP_GRAD_BYTES) / world
+    return own_weight + grad + MASTER_AND_MOMENTS_BYTES / world
 
 
 @dataclass(frozen=True)
@@ -261,7 +283,8 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     acts = (s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + transient
     encode_peak = 0 if c.cached else m.encode_bytes
     kept = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
-    peak = kept + max(acts, encode_peak)
+    in_step = weights + slots + encoders + s.gpu_state_bytes(c.offload_optimizer, in_step=True) + BUCKET_BYTES
+    peak = max(kept + max(acts, encode_peak), in_step)  # the optimizer step holds no activations
     render = 0.0
     if m.render_forward_bytes is not None:  # the decode follows the denoising loop: R and V do not add
         vae = m.render_vae_tiled_bytes if c.vae_tiling else m.render_vae_bytes
@@ -357,12 +380,13 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
             f"({describe(rc, s.num_blocks)}). {oom_advice('validation', 1)}")
     unused = "" if offload_blocker is None or OFFLOAD_KEY in fixed or not offloaded else _unused_offload(
         offloaded, room, s.num_blocks, offload_blocker)
+    unused += _full_hint(s, m, allowed, room)
     raise PlanError(
         f"nothing fits the memory budget: {budget_bytes / GB:.1f} GB with a {margin_bytes / GB:.1f} GB margin; "
         f"the smallest setting allowed ({describe(c, s.num_blocks)}) needs {p.fit_bytes / GB:.1f} GB.{unused} Lower "
-        "qwen_edit.data.area or the micro-batch, a lower qwen_edit.lora.rank, remove settings that pin the "
-        "plan (train.fp8_base false, train.gradient_checkpointing false, data.cache off), or use a bigger GPU "
-        "or the model-parallel mode"
+        f"qwen_edit.data.area or the micro-batch, {'' if s.full else 'a lower qwen_edit.lora.rank, '}remove "
+        "settings that pin the plan (train.fp8_base false, train.gradient_checkpointing false, data.cache off), "
+        "or use a bigger GPU or the model-parallel mode"
     )
 
 
@@ -402,6 +426,27 @@ def _fastest(fits: list) -> tuple[Choice, Prediction] | None:
     if best[False] and (not best[True] or best[False][1].step_s <= ONLINE_SLACK * best[True][1].step_s):
         return best[False]
     return best[True]
+
+
+def _full_hint(s: Sizes, m: Measured, allowed: list[Choice], room: float, most: int = 1024) -> str:
+    """The sentence of a PlanError for full fine-tuning: the fewest data-parallel GPUs over which ZeRO stage 2
+    splits the optimizer state enough for one of the `allowed` settings to fit (every GPU holds the whole bf16
+    model), or that no number does."""
+    if not s.full:
+        return ""
+    on_gpu = {dataclasses.replace(c, offload_optimizer=False) for c in allowed}  # the state split, not moved
+
+    def at(world: int) -> float:
+        return min(predict(dataclasses.replace(s, zero_stage=2, dp_world=world), m, c).fit_bytes for c in on_gpu)
+
+    if at(most) > room:
+        return (f" Full fine-tuning does not fit at any number of GPUs: every GPU holds the whole model "
+                f"({s.num_blocks * s.block_params + s.other_params:,} parameters in bf16) and its activations; "
+                "train a LoRA (qwen_edit.train.mode \"lora\") or use a GPU with more memory.")
+    world = next(w for w in range(max(s.dp_world, 1) + 1, most + 1) if at(w) <= room)
+    return (f" Full fine-tuning fits with ZeRO stage 2 (zero_optimization.stage 2) over {world} or more GPUs "
+            f"(data-parallel ranks: deepspeed --num_gpus, or a hostfile for several nodes), which split the fp32 "
+            f"master weights, Adam moments and gradients: {at(world) / GB:.1f} GB each at {world}.")
 
 
 def _unused_offload(offloaded: list, room: float, num_blocks: int, blocker: str) -> str:
@@ -461,7 +506,7 @@ def count_sizes(model_dir: str | Path, target_modules: list[str], rank: int, enc
     total = sum(p.numel() for p in model.parameters())
     n = len(model.transformer_blocks)
     return Sizes(n, block_params, matrices, fp8_params, token, total - n * block_params, 0 if full else lora,
-                 encoder_bytes, full)
+                 encoder_bytes, full=full)
 
 
 def encoder_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
@@ -808,6 +853,8 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     dtype = getattr(torch, cfg.precision)
     sizes = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank,
                         encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
+    sizes = dataclasses.replace(sizes, zero_stage=(cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0),
+                                dp_world=cfg.world_size)
     render = validation_workload(p, variant) if p.validation.file else None
     if render is not None:
         sizes = dataclasses.replace(sizes, vae_bytes=component_bytes(p.model.path, "vae"))
