@@ -8,7 +8,7 @@ import queue as queues
 
 import pytest
 
-from train.config import LoraConfig
+from train.config import Config, LoraConfig, ModelConfig, ProjectConfig, TrainConfig
 from train.model import memory
 from train.model.tiny import make_tiny, write_full_size_configs
 
@@ -177,8 +177,6 @@ def test_offload_key_of_the_deepspeed_config_is_left_alone(full_sizes):
     """zero_optimization.offload_optimizer in the config pins the plan either way (and is counted); apply() writes
     the offload into the DeepSpeed section only when the config does not set it, as DeepSpeed reads it."""
     from deepspeed.runtime.config import DeepSpeedConfig
-
-    from train.config import Config, ProjectConfig
 
     m = measured(8_448)
     pinned, p = memory.choose(full_sizes, m, 141 * GB, 8.55 * GB, {memory.OFFLOAD_KEY: True}, fp8_ok=True,
@@ -675,6 +673,11 @@ def test_full_fine_tuning_is_planned_per_rank(full_model):
         memory.choose(at(world - 1), m, budget, margin, {}, fp8_ok=False, online=False, offload_blocker=host_short)
     per_param = 2 + at(2).gpu_state_bytes(False, in_step=True) / full.trainable_params
     assert per_param == pytest.approx(12.0)
+    # the run's sizes carry its ZeRO stage and world size, and the mode
+    ds = {"zero_optimization": {"stage": 1}}
+    project = ProjectConfig(model=ModelConfig(path=str(full_model)), train=TrainConfig(mode="full"))
+    run = memory.run_sizes(Config(project=project, deepspeed=ds, world_size=8), online=False)
+    assert (run.zero_stage, run.dp_world, run.full, run.trainable_params) == (1, 8, True, full.trainable_params)
     with pytest.raises(memory.PlanError, match="does not fit at any number of GPUs"):
         memory.choose(full, m, 40 * GB, memory.margin_bytes(0, 40 * GB), {}, fp8_ok=False, online=False,
                       offload_blocker=host_short)

@@ -9,6 +9,10 @@ fastest candidate that fits `budget - margin`:
     T = the transient of the pass (a block's backward, the head, the loss); measured again with checkpointing,
     where it holds a block's recomputed activations too
 
+The LoRA/optimizer state is this rank's share as DeepSpeed's ZeRO stage splits it over the data-parallel ranks
+(state_bytes_per_param); the optimizer step, which holds no activations but more gradient copies, is the other
+bound on the peak.
+
 Weights and optimizer bytes are counted from the transformer's config (the model built on the meta device).
 A, S, T and the block's forward and backward times are measured: a one- and a two-block transformer of the real
 width, prepared exactly as training prepares it (LoRA, fp8, compiled), run forward and backward at the largest
@@ -851,10 +855,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     work = largest_bucket(keys, cfg.micro_batch_size, text_tokens_bound(variant, refs, p.data.area,
                                                                           p.data.condition_area))
     dtype = getattr(torch, cfg.precision)
-    sizes = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank,
-                        encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
-    sizes = dataclasses.replace(sizes, zero_stage=(cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0),
-                                dp_world=cfg.world_size)
+    sizes = run_sizes(cfg, online)
     render = validation_workload(p, variant) if p.validation.file else None
     if render is not None:
         sizes = dataclasses.replace(sizes, vae_bytes=component_bytes(p.model.path, "vae"))
@@ -882,6 +883,16 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
             "host_available_gb": host.available_bytes / GB, "ranks_per_node": host.ranks_per_node,
             "predicted_host_pinned_gb": host_bytes(sizes, choice, host) / GB,
             **_plan_record(choice, pred, sizes, measured, render)}
+
+
+def run_sizes(cfg, online: bool) -> Sizes:
+    """count_sizes for this run's model and LoRA, with its DeepSpeed ZeRO stage and data-parallel world (how the
+    trainable state is split over the ranks) and, online, the encoders that share the GPU."""
+    p = cfg.project
+    sizes = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank,
+                        encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
+    stage = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
+    return dataclasses.replace(sizes, zero_stage=stage, dp_world=cfg.world_size)
 
 
 def _measure_run(p, device: torch.device, work: Workload, render: Workload | None, dtype: torch.dtype,
