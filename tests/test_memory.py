@@ -213,15 +213,17 @@ def test_offload_key_of_the_deepspeed_config_is_left_alone(full_sizes):
 def test_optimizer_offload_needs_adam_zero_and_host_memory(full_sizes):
     """An optimizer DeepSpeed cannot step on the host (not Adam/AdamW), ZeRO stage 0 or a host without the room
     rule the offload out: the plan refuses as before, saying that the offload would fit and why it cannot be used."""
-    ds = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}
-    assert memory.offload_blocker(ds, full_sizes, 64 * GB) is None
-    assert memory.offload_blocker({**ds, "optimizer": {"type": "Adam"}}, full_sizes, 64 * GB) is None
-    lion = memory.offload_blocker({**ds, "optimizer": {"type": "Lion"}}, full_sizes, 64 * GB)
+    ds, roomy = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}, memory.Host(64 * GB)
+    assert memory.offload_blocker(ds, full_sizes, roomy) is None
+    assert memory.offload_blocker({**ds, "optimizer": {"type": "Adam"}}, full_sizes, roomy) is None
+    lion = memory.offload_blocker({**ds, "optimizer": {"type": "Lion"}}, full_sizes, roomy)
     assert 'optimizer.type "Lion"' in lion and "AdamW" in lion
-    assert "stage is 0" in memory.offload_blocker({"optimizer": {"type": "AdamW"}}, full_sizes, 64 * GB)
-    host = memory.offload_blocker(ds, full_sizes, 4 * GB)  # 425 M parameters x 18 bytes: 7.6 GB
-    assert "7.6 GB of host memory" in host and "4.0 GB" in host
-    assert memory.offload_blocker(ds, full_sizes, 4 * GB, ranks_per_node=1, world_size=2) is None  # half each
+    assert "stage is 0" in memory.offload_blocker({"optimizer": {"type": "AdamW"}}, full_sizes, roomy)
+    # 425 M parameters x 18 bytes: 7.6 GB, against 8 GB less its margin (2 GB per process and 5%): 5.6 GB
+    host = memory.offload_blocker(ds, full_sizes, memory.Host(8 * GB))
+    assert "7.6 GB of host memory" in host and "8.0 GB is available, less a 2.4 GB margin" in host
+    assert memory.offload_blocker(ds, full_sizes, memory.Host(8 * GB, 1, 2)) is None  # half each: 3.8 GB
+    assert memory.offload_blocker(ds, full_sizes, memory.Host(8 * GB, 2, 2))  # both ranks on this node
     with pytest.raises(memory.PlanError) as e:
         memory.choose(full_sizes, measured(8_448), 16 * GB, 2.3 * GB, {}, fp8_ok=True, online=False,
                       offload_blocker=lion)

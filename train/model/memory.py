@@ -790,11 +790,10 @@ def configured_offload(ds: dict) -> bool | None:
     return None
 
 
-def offload_blocker(ds: dict, s: Sizes, host_available: float, ranks_per_node: int = 1,
-                    world_size: int = 1) -> str | None:
+def offload_blocker(ds: dict, s: Sizes, host: Host = Host()) -> str | None:
     """Why DeepSpeed's optimizer offload cannot serve this run (None: it can): the optimizer is not Adam/AdamW
-    (DeepSpeedCPUAdam), the ZeRO stage is not 1 or 2, or the host lacks the memory for the state (each rank holds
-    its 1/world_size partition, HOST_STATE_BYTES per parameter)."""
+    (DeepSpeedCPUAdam), the ZeRO stage is not 1 or 2, or the host lacks the room for the state (each rank holds
+    its 1/world_size partition, HOST_STATE_BYTES per parameter; the same margin as for offloaded blocks)."""
     optimizer = ds.get("optimizer") or {}
     if str(optimizer.get("type", "")).lower() not in OFFLOADABLE_OPTIMIZERS:
         return (f"optimizer.type {json.dumps(optimizer.get('type'))} is not one DeepSpeed steps on the host with "
@@ -802,10 +801,10 @@ def offload_blocker(ds: dict, s: Sizes, host_available: float, ranks_per_node: i
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (1, 2):
         return f"zero_optimization.stage is {stage}; DeepSpeed offloads the optimizer of ZeRO stage 1 or 2"
-    need = s.trainable_params * HOST_STATE_BYTES * ranks_per_node / world_size
-    if need > host_available:
-        return (f"its state needs {need / GB:.1f} GB of host memory on this node and {host_available / GB:.1f} GB "
-                "is available")
+    need = s.trainable_params * HOST_STATE_BYTES * host.ranks_per_node / host.world_size
+    if need > host.room_bytes:
+        return (f"its state needs {need / GB:.1f} GB of host memory on this node and {host.available_bytes / GB:.1f}"
+                f" GB is available, less a {host.margin_bytes / GB:.1f} GB margin")
     return None
 
 
@@ -867,7 +866,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     gathered = all_gather_objects((budget, measured))
     budget, measured = min(b for b, _ in gathered), gathered[0][1]
     margin = margin_bytes(p.memory.margin_gb, budget)
-    blocker = offload_blocker(cfg.deepspeed, sizes, host.available_bytes, host.ranks_per_node, cfg.world_size)
+    blocker = offload_blocker(cfg.deepspeed, sizes, host)
     choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker, host)
     note = render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker, host)
     apply(cfg, choice, sizes.num_blocks)
