@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import transformer_inputs
+from conftest import metrics, run_trainer, transformer_inputs, write_config
 
 from train.config import LoraConfig
 from train.model import components, fp8, fused
@@ -251,3 +251,17 @@ def test_cuda_kernel_equals_the_unfused_quantisation():
     x = h.view(4, 128, 12288)
     y, y_ref = torch.compile(fused_lin)(x), base(torch.nn.functional.gelu(x + up_bias, approximate="tanh"))
     assert ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item() < 1e-3
+
+
+def test_trainer_takes_the_key(tiny_edit, tmp_path, monkeypatch):
+    """train/main.py with train.fused_quant (fp8 base, LoRA on attention): the notice names every MLP fused (the
+    kernel runs in the interpreter in the trainer's process) and the 3 steps train to finite losses."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.train.fp8_base": True, "qwen_edit.train.fused_quant": True,
+                                                "qwen_edit.lora.target_modules": ["attn.to_q", "attn.to_v"],
+                                                "qwen_edit.output.log_every_steps": 1})
+    proc = run_trainer(tiny_edit, tmp_path / "run", config=cfg, extra=("--max_steps", "3"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "train.fused_quant: 4 of 4 MLPs take the fused" in proc.stdout
+    losses = [r["loss"] for r in metrics(tmp_path / "run")]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
