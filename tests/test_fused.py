@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import metrics, run_trainer, transformer_inputs, write_config
+from conftest import transformer_inputs
 
 from train.config import LoraConfig
 from train.model import components, fp8, fused
@@ -51,11 +51,10 @@ def _one_step_apart(q: torch.Tensor, ref: torch.Tensor) -> tuple[int, bool]:
                                                    (64, 1000, False)], ids=["ragged", "bias", "mlp_width", "rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_equals_the_unfused_quantisation(interpreter, rows, cols, with_bias, dtype):
-    """e4m3 bytes and row scales of quantize_rows(gelu_tanh(y + bias)) at widths of one ragged chunk (200 of the
-    interpreter's 512 columns), two (1000: the second ragged) and the MLP's 12288 (24 chunks, two passes each).
-    bf16 (the trainer's dtype): scales identical, bytes identical but for at most 0.1% one step apart; fp32 (no bf16
-    rounding to absorb the tanh's last bit): scales within 2 float32 ulps. The bias is bf16 as the model's, added
-    after a cast to y's dtype as Float8FrozenLinear adds it; y = h - bias, so y + bias is about the rows above."""
+    """e4m3 bytes and row scales of quantize_rows(gelu_tanh(y + bias)), widths that leave the last block ragged (200
+    of 256, 12288 of 16384, 1000 of 1024). bf16 (the trainer's dtype): scales identical, bytes identical but for at
+    most 0.1% one step apart; fp32 (no bf16 rounding to absorb the tanh's last bit): scales within 2 float32 ulps.
+    The bias (bf16 as the model's, added after a cast to y's dtype as Float8FrozenLinear adds it) is 0 on rows 1-2."""
     h = _rows(rows, cols, dtype)
     bias = (torch.randn(cols) * 0.5).to(torch.bfloat16) if with_bias else None
     y = h if bias is None else h - bias.to(dtype)  # rows 1-2 keep their meaning after y + bias (up to rounding)
@@ -214,26 +213,6 @@ def test_prepare_for_training_fuses_under_the_interpreter(interpreter):
     assert sum(isinstance(m, fused.GeluFloat8Linear) for m in model.modules()) == 2 * len(model.transformer_blocks)
 
 
-def test_gpu_kernel_compiles_for_hopper():
-    """The kernel's GPU branch (what no CPU test runs) compiles for sm_90a with triton's own ptxas, offline: the
-    hardware e4m3 cast (round to nearest even, saturating), IEEE division as torch's (not the 2-ulp div.full)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {"y_ptr": "*bf16", "bias_ptr": "*bf16", "scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "n_cols": "i32",
-                 "HAS_BIAS": "constexpr", "BLOCK": "constexpr", "INTERPRETER": "constexpr"}
-    source = ASTSource(fused._kernel(False), signature,
-                       constexprs={"HAS_BIAS": True, "BLOCK": fused.BLOCK_COLS, "INTERPRETER": False})
-    try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    except RuntimeError as e:  # a triton without its CUDA backend's tools (ptxas)
-        pytest.skip(f"triton cannot compile for CUDA here: {e}")
-    ptx = kernel.asm["ptx"]
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
-    assert "cubin" in kernel.asm
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernel_equals_the_unfused_quantisation():
@@ -251,17 +230,3 @@ def test_cuda_kernel_equals_the_unfused_quantisation():
     x = h.view(4, 128, 12288)
     y, y_ref = torch.compile(fused_lin)(x), base(torch.nn.functional.gelu(x + up_bias, approximate="tanh"))
     assert ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item() < 1e-3
-
-
-def test_trainer_takes_the_key(tiny_edit, tmp_path, monkeypatch):
-    """train/main.py with train.fused_quant (fp8 base, LoRA on attention): the notice names every MLP fused (the
-    kernel runs in the interpreter in the trainer's process) and the 3 steps train to finite losses."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.train.fp8_base": True, "qwen_edit.train.fused_quant": True,
-                                                "qwen_edit.lora.target_modules": ["attn.to_q", "attn.to_v"],
-                                                "qwen_edit.output.log_every_steps": 1})
-    proc = run_trainer(tiny_edit, tmp_path / "run", config=cfg, extra=("--max_steps", "3"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "train.fused_quant: 4 of 4 MLPs take the fused" in proc.stdout
-    losses = [r["loss"] for r in metrics(tmp_path / "run")]
-    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)

@@ -9,7 +9,7 @@ import queue as queues
 import pytest
 
 from train.config import Config, LoraConfig, ModelConfig, ProjectConfig, TrainConfig
-from train.model import memory
+from train.model import memory, offload
 from train.model.tiny import make_tiny, write_full_size_configs
 
 GB = memory.GB
@@ -338,7 +338,8 @@ def test_node_host_is_the_smallest_any_rank_sees(monkeypatch):
     monkeypatch.setattr(memory, "_host_available", lambda: 123 * GB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
-    assert memory.node_host(8) == memory.Host(123 * GB, 4, 8)
+    monkeypatch.setattr(offload, "shm_free_bytes", lambda: 30 * GB)
+    assert memory.node_host(8) == memory.Host(123 * GB, 4, 8, 30 * GB)
 
 
 # ---------------------------------------------------------------- validation renders
@@ -683,3 +684,27 @@ def test_full_fine_tuning_is_planned_per_rank(full_model):
     with pytest.raises(memory.PlanError, match="does not fit at any number of GPUs"):
         memory.choose(full, m, 40 * GB, memory.margin_bytes(0, 40 * GB), {}, fp8_ok=False, online=False,
                       offload_blocker=host_short)
+
+
+def test_one_shared_copy_of_offloaded_blocks_is_counted_once_per_node(full_sizes):
+    """Where /dev/shm holds the offloaded blocks (with offload.SHM_SPARE_BYTES to spare) and several processes
+    train on the node, the plan counts one copy of them for the node, as the offloader then keeps; otherwise one per
+    process. On 8 processes of a 24 GB budget with 64 GB of host memory, only the shared copy lets the plan offload
+    what the GPU needs."""
+    c = memory.Choice(True, False, 60, 40, True)
+    blocks = 40 * memory.moved_bytes(full_sizes, True)
+    roomy = memory.Host(500 * GB, 8, 8, shm_bytes=blocks + 3 * GB)
+    tight = memory.Host(500 * GB, 8, 8, shm_bytes=blocks + 1 * GB)  # under the spare
+    assert memory.host_bytes(full_sizes, c, roomy) == pytest.approx(blocks)
+    assert memory.host_bytes(full_sizes, c, tight) == pytest.approx(8 * blocks)
+    assert "one copy for the node's 8 training processes" in memory.host_refusal(full_sizes, c, roomy, {})
+    assert "8 training process(es) on this node x 40" in memory.host_refusal(full_sizes, c, tight, {})
+    m, budget = measured(8_448), 24 * GB
+    margin = memory.margin_bytes(0, budget)
+    shared = memory.Host(64 * GB, 8, 8, shm_bytes=32 * GB)
+    chosen, _ = memory.choose(full_sizes, m, budget, margin, {}, fp8_ok=True, online=False, host=shared)
+    assert chosen.offloaded > 40 and not chosen.offload_optimizer
+    assert memory.host_bytes(full_sizes, chosen, shared) <= shared.room_bytes
+    with pytest.raises(memory.PlanError, match="nothing fits this node's host memory"):
+        memory.choose(full_sizes, m, budget, margin, {}, fp8_ok=True, online=False,
+                      host=memory.Host(64 * GB, 8, 8, shm_bytes=0))

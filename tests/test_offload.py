@@ -129,3 +129,101 @@ def test_sharded_checkpoint_and_damaged_files(tmp_path):
     files[-1].unlink()
     with pytest.raises(streaming.WeightsError, match="not in"):
         streaming.shard_files(tmp_path / "m" / "transformer")
+
+
+def _shared_rank(rank: int, world: int, port: int, model_dir: str, queue) -> None:
+    """One process of test_node_shares_one_copy_of_offloaded_blocks: the trainer's streamed build with 2 blocks
+    offloaded, as local rank `rank` of a node of `world` processes."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from train.model import offload
+
+    loaded = {}  # whether this process read the offloaded matrices itself (a placeholder has stride 0)
+    build = offload.BlockOffloader._shared_buffers
+
+    def recording(self, share):
+        loaded[share.writer] = [any(s != 0 for s in offload._get(o, n).stride())
+                                for lay in self.layouts.values() for o, n, *_ in lay.entries]
+        return build(self, share)
+
+    offload.BlockOffloader._shared_buffers = recording
+    torch.manual_seed(3)
+    model, offloader = components.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
+                                                    True, False, fp8_base=True, offload_blocks=2)
+    loss, grads = _loss_and_grads(model.train(), steps=1)
+    queue.put((rank, {"shared": offloader.shared, "loaded": loaded, "loss": loss.item(),
+                      "grads": {n: g.tolist() for n, g in grads[0].items()}}))
+    torch.distributed.destroy_process_group()
+
+
+def test_node_shares_one_copy_of_offloaded_blocks(tiny_edit):
+    """Two processes of one node (gloo, CPU) offloading 2 blocks share one host copy: the first process reads the
+    offloaded weights and writes them into a file under /dev/shm that both map (the name is gone once both have
+    it); the second reads none of them. Both train exactly as a resident build does."""
+    import glob
+
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    from train.model import offload
+
+    if offload.shm_free_bytes() < offload.SHM_SPARE_BYTES + 1e8:
+        pytest.skip("no /dev/shm with room on this machine")
+    model_dir = tiny_edit / "model"
+    torch.manual_seed(3)
+    reference, _ = components.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA, True,
+                                                False, fp8_base=True)
+    loss, grads = _loss_and_grads(reference.train(), steps=1)
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_shared_rank, args=(r, 2, port, str(model_dir), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert results[0]["loaded"] == {True: [True] * len(results[0]["loaded"][True])}  # the writer read them
+    assert results[1]["loaded"] == {False: [False] * len(results[1]["loaded"][False])}  # the other did not
+    for r in (0, 1):
+        assert results[r]["shared"] and results[r]["loss"] == loss.item()
+        assert all(torch.equal(torch.tensor(results[r]["grads"][n]), g) for n, g in grads[0].items())
+    assert not glob.glob(str(offload.SHM_DIR / "qwen_edit_offload_*"))
+
+
+def _share_decision(rank: int, world: int, port: int, shm_dirs: list[str], queue) -> None:
+    """One process of test_no_sharing_where_a_process_sees_another_shm: node_share with its own /dev/shm."""
+    import os
+    from pathlib import Path
+
+    os.environ.update(LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from train.model import offload
+
+    offload.SHM_DIR = Path(shm_dirs[rank])
+    queue.put((rank, offload.node_share(1e6)))
+    torch.distributed.destroy_process_group()
+
+
+def test_no_sharing_where_a_process_sees_another_shm(tmp_path):
+    """Two processes of one host name whose /dev/shm differ (a container each): the second does not see the file
+    the first made, so neither shares (each loads and pins its own copy) and the file is removed."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    dirs = [tmp_path / "shm0", tmp_path / "shm1"]
+    for d in dirs:
+        d.mkdir()
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_share_decision, args=(r, 2, port, [str(d) for d in dirs], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == {0: None, 1: None}
+    assert not [f for d in dirs for f in d.iterdir()]

@@ -250,14 +250,15 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
                          fp8_transposed: bool = False, real_rope: bool = True,
                          quantized: dict | None = None, offload: set[int] | None = None,
-                         compile_mode: str | None = None, fused_quant: bool = False):
+                         compile_mode: str | None = None, fused_quant: bool = False, share=None):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
     offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
     among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
     fused_quant: with fp8_base, the MLPs' GELU + row quantisation in one kernel (train/model/fused.py) where it can
-    run (fused.describe says what was done). Returns the BlockOffloader, or None."""
+    run (fused.describe says what was done). share: the node's shared host copy of the offloaded blocks
+    (offload.NodeShare), or None for this process's own. Returns the BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
         add_lora(transformer, lora)
@@ -275,7 +276,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
         from train.model.offload import BlockOffloader
 
         blocks = transformer.transformer_blocks
-        offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer))
+        offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer), share=share)
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks))
     if real_rope:
@@ -315,14 +316,33 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     as prepare_for_training has it."""
     from train.model import streaming
 
-    placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)))
+    fp8_used = fp8_base and mode == "lora"
+    share = _offload_share(model_dir, dtype, fp8_used, offload_blocks) if mode == "lora" else None
+    placement = streaming.Placement(device, dtype, fp8=fp8_used, offload=set(range(offload_blocks)),
+                                    skip_offloaded=share is not None and not share.writer)
     if fp8_base:
         check_fp8_device()
     transformer, quantized = streaming.load(model_dir, placement, frozen=mode == "lora", random=random_init())
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
-                                     offload=placement.offload, fused_quant=fused_quant)
+                                     offload=placement.offload, fused_quant=fused_quant, share=share)
     return transformer, offloader
+
+
+def _offload_share(model_dir, dtype: torch.dtype, fp8_base: bool, blocks: int):
+    """The node's shared host copy of the first `blocks` offloaded blocks (offload.node_share: one per node when
+    /dev/shm holds it and several processes train there), or None; the same rule as the memory plan's count."""
+    if not blocks:
+        return None
+    from train.model import offload, streaming
+    from train.runtime.metrics import print0
+
+    total = blocks * streaming.block_host_bytes(model_dir, fp8_base, dtype)
+    share = offload.node_share(total)
+    if share is not None:
+        print0(f"offloaded blocks: one copy ({total / 1e9:.2f} GB) for this node's training processes in "
+               f"{offload.SHM_DIR}; this process loads it, each of them pins it", rank=0 if share.writer else 1)
+    return share
 
 
 def checkpoint_first(blocks, count: int):

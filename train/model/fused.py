@@ -1,22 +1,20 @@
 """Fused elementwise work around the fp8 base (`train.fused_quant`, issue 16): opt-in, not measured on a GPU yet.
 
 What it fuses. In each block MLP (diffusers' FeedForward: net.0 = GELU(tanh) module around the up projection,
-net.1 = dropout, net.2 = the down projection) the unfused fp8 path adds the up projection's bias to its matmul
-output y, computes g = gelu(y + bias) in bf16 and then the down projection's `fp8.quantize_rows(g)` (a row absmax
-and a division/cast pass), in kernels inductor generates. Here one Triton kernel reads each row of y from memory
-once and writes the e4m3 row of gelu(y + bias) and its fp32 scale; y + bias and g are never written.
-`_scaled_mm` then runs as before. docs/perf_notes.md (lever 24) counts the bytes.
+net.1 = dropout, net.2 = the down projection) the unfused fp8 path computes g = gelu(h) in bf16 and then the down
+projection's `fp8.quantize_rows(g)`: an absmax over each row and a division/cast pass, in kernels inductor
+generates. Here one Triton kernel reads each row of h once and writes the e4m3 row of gelu(h) and its fp32 scale;
+the bf16 g is never written. `_scaled_mm` then runs as before.
 
 How it is hooked in, without copying diffusers' forward: net.0 becomes `PreActivation` (its `proj`, LoRA-wrapped
-or not, under the same name, without the activation, and without proj's bias where no LoRA wraps proj) and net.2
-becomes `GeluFloat8Linear` (the same e4m3 buffers and bias, the activation and that bias folded in), so
-FeedForward's own loop passes y from one to the other and state-dict names do not change. The kernel is a
-`torch.library.triton_op`, which torch.compile traces inside the compiled blocks; an autograd.Function around it
-gives the input gradient.
+or not, under the same name, without the activation) and net.2 becomes `GeluFloat8Linear` (the same e4m3 buffers
+and bias, the activation folded in), so FeedForward's own loop passes h from one to the other and state-dict
+names do not change. The kernel is a `torch.library.triton_op`, which torch.compile traces inside the compiled
+blocks; an autograd.Function around it gives the input gradient.
 
-What it saves for the backward: y (bf16), the bytes the unfused path saves as GELU's input (the fp8 down projection
-saves nothing of its input since the weight is frozen). The backward is the unfused one: dg from the fp8 matmul
-(fp8.input_gradient), then aten.gelu_backward(dg, y + bias), which inductor fuses into the up projection's
+What it saves for the backward: h (bf16), as the unfused path does (GELU's gradient needs its input; the fp8 down
+projection saves nothing of its input since the weight is frozen). The backward is the unfused one: dg from the
+fp8 matmul (fp8.input_gradient), then aten.gelu_backward(dg, h), which inductor fuses into the up projection's
 quantisation as before.
 
 Where it does not apply: an MLP whose down projection carries LoRA (lora.target_modules names img_mlp.net.2 /
@@ -25,10 +23,9 @@ table's workload (LoRA on the attention projections) fuses every MLP. The attent
 modulation + quantise) are not fused: the modulation happens in the block's forward and the three q/k/v
 projections each quantise it inside diffusers' attention processor, so fusing them means rewriting both.
 
-The Triton interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors for the tests. Its float32 -> bf16 and
--> e4m3 casts truncate, so there the kernel rounds to nearest even by hand, and its tanh comes from exp
-(libdevice is GPU-only); on the GPU the casts are the hardware's (round to nearest even, as torch's) and the tanh
-is libdevice's, as in torch's CUDA GELU."""
+The Triton interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors for the tests; there the tanh is
+computed from exp (libdevice is GPU-only), on the GPU with libdevice's tanh as torch's CUDA GELU does.
+"""
 
 from __future__ import annotations
 
@@ -50,12 +47,7 @@ except ImportError as e:
     triton = None
     _IMPORT_ERROR = str(e)
 
-# Columns per chunk and 8 warps (8 bf16, one 16-byte load, per thread): 39 registers a thread, no spills (ptxas -v,
-# sm_90a), so six programs (rows) share an SM; a whole 16384-column row in registers takes 105 registers at 16 warps
-# and one program per SM. Not tuned on a GPU. The interpreter takes 512-column chunks: the tests' widths span one to
-# 24 of them, the last ragged, at an interpreter's speed.
-BLOCK_COLS = 2048
-INTERPRETER_BLOCK_COLS = 512
+MAX_COLS = 32768  # one row per program, held whole in registers (the MLP's 12288 columns take a 16384 block)
 
 
 def interpreted() -> bool:
@@ -75,53 +67,44 @@ def unavailable() -> str | None:
 def _gelu_quant_rows_kernel(y_ptr, bias_ptr, scale_ptr, q_ptr, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
                             INTERPRETER: tl.constexpr):
     """One row per program: h = y + bias, g = gelu_tanh(h), scale = absmax(g) / 448, q = e4m3(g / scale), with h and
-    g rounded to y's dtype as the unfused path's tensors are. Two passes over the row in BLOCK-column chunks: the
-    absmax, then the quantisation (the row, 24 KB at the MLP's width, is read again from L2, not from memory). Masked
-    lanes load 0 (and the bias 0), gelu(0) = 0, so the absmax ignores them. h and g never reach memory."""
+    g rounded to y's dtype as the unfused path's tensors are. Masked lanes load 0 (and the bias 0), gelu(0) = 0, so
+    the absmax ignores them. Reads y once, writes q and one scale: h and g never reach memory."""
     row = tl.program_id(0).to(tl.int64)
-    absmax = tl.full((), 0.0, tl.float32)
-    scale = tl.full((), 1.0, tl.float32)
-    for step in tl.static_range(2):
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            h = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:  # y + bias.to(y.dtype), as fp8.Float8FrozenLinear adds it, rounded to y's dtype
-                h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
-                if not INTERPRETER:
-                    h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
-                elif y_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter's casts truncate: to nearest even
-                    bits = h.to(tl.int32, bitcast=True)
-                    h = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))  # sqrt(2 / pi) (x + 0.044715 x^3)
-            if INTERPRETER:  # no libdevice: tanh from exp, odd-symmetric so that large |inner| does not overflow
-                e = tl.exp(-2.0 * tl.abs(inner))
-                t = tl.where(inner < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
-            else:
-                t = libdevice.tanh(inner)
-            g = 0.5 * h * (1.0 + t)
-            if not INTERPRETER:
-                g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
-            elif y_ptr.dtype.element_ty == tl.bfloat16:  # as for h above
-                bits = g.to(tl.int32, bitcast=True)
-                g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            if step == 0:
-                # tl.max spelt as what it calls: tl.max is jitted when triton is imported, so the interpreter cannot
-                # call it unless TRITON_INTERPRET was set before that import; it does run tl.reduce with this combine
-                absmax = tl.maximum(absmax, tl.reduce(tl.abs(g), 0, tl.standard._elementwise_max))
-            else:
-                # IEEE division, as torch's (a plain / is the GPU's 2-ulp approximation)
-                q = tl.minimum(tl.maximum(tl.math.div_rn(g, scale), -448.0), 448.0)
-                if INTERPRETER:  # its e4m3 cast does not round to nearest even either: round |q| on the e4m3 grid
-                    # (3 mantissa bits: spacing 2^(exponent - 3), 2^-9 below the normals' 2^-6) by adding and taking
-                    # away 1.5 * 2^23 spacings, then cast an exact value; the sign bit kept (so -0 stays -0)
-                    bits = q.to(tl.int32, bitcast=True)
-                    big = tl.maximum((bits & 0x7F800000).to(tl.float32, bitcast=True), 0.015625) * 0.125 * 12582912.0
-                    rounded = ((tl.abs(q) + big) - big).to(tl.int32, bitcast=True)
-                    q = (rounded | (bits & -2147483648)).to(tl.float32, bitcast=True)
-                tl.store(q_ptr + row * n_cols + cols, q.to(tl.float8e4nv), mask=mask)
-        if step == 0:
-            scale = tl.math.div_rn(tl.maximum(absmax, 1e-12), 448.0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # y + bias.to(y.dtype), as fp8.Float8FrozenLinear adds it
+        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if not INTERPRETER:
+            h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+        elif y_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter's casts truncate: round to nearest even
+            bits = h.to(tl.int32, bitcast=True)
+            h = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))  # sqrt(2 / pi) (x + 0.044715 x^3)
+    if INTERPRETER:  # no libdevice: tanh from exp, odd-symmetric so that large |inner| does not overflow
+        e = tl.exp(-2.0 * tl.abs(inner))
+        t = tl.where(inner < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+    else:
+        t = libdevice.tanh(inner)
+    g = 0.5 * h * (1.0 + t)
+    if not INTERPRETER:
+        g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
+    elif y_ptr.dtype.element_ty == tl.bfloat16:  # as for h above
+        bits = g.to(tl.int32, bitcast=True)
+        g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    # tl.max(x, 0) spelt as what it calls: tl.max is itself jitted when triton is imported, so the interpreter
+    # cannot call it unless TRITON_INTERPRET was set before that import; it does run tl.reduce with this combine.
+    scale = tl.maximum(tl.reduce(tl.abs(g), 0, tl.standard._elementwise_max), 1e-12) / 448.0
+    q = tl.minimum(tl.maximum(g / scale, -448.0), 448.0)
+    if INTERPRETER:  # its float32 -> e4m3 cast does not round to nearest even as the GPU and torch do: round |q|
+        # on the e4m3 grid in float32 (3 mantissa bits: spacing 2^(exponent - 3), 2^-9 below the normals' 2^-6)
+        # by adding and taking away 1.5 * 2^23 spacings, then cast an exact value; the sign kept (so -0 stays -0)
+        bits = q.to(tl.int32, bitcast=True)
+        power = (bits & 0x7F800000).to(tl.float32, bitcast=True)
+        big = tl.maximum(power, 0.015625) * 0.125 * 12582912.0
+        rounded = ((tl.abs(q) + big) - big).to(tl.int32, bitcast=True)
+        q = (rounded | (bits & -2147483648)).to(tl.float32, bitcast=True)  # | the sign bit
+    tl.store(q_ptr + row * n_cols + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -138,10 +121,11 @@ def _launch(y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Te
     rows, cols = y.shape
     q = torch.empty((rows, cols), dtype=fp8.E4M3, device=y.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=y.device)
+    block = triton.next_power_of_2(cols)
     interpret = interpreted()
-    block = min(BLOCK_COLS, triton.next_power_of_2(cols)) if not interpret else INTERPRETER_BLOCK_COLS
     wrap_triton(_kernel(interpret))[(rows,)](y, y if bias is None else bias, scale, q, cols, HAS_BIAS=bias is not None,
-                                             BLOCK=block, INTERPRETER=interpret, num_warps=max(1, block // 256))
+                                             BLOCK=block, INTERPRETER=interpret,
+                                             num_warps=min(16, max(4, block // 1024)))
     return q, scale
 
 
@@ -237,6 +221,8 @@ def why_not(ff: torch.nn.Module) -> str | None:
     if type(net[2]) is not fp8.Float8FrozenLinear:
         return ("its down projection (net.2) carries LoRA, which reads the bf16 GELU output"
                 if hasattr(net[2], "base_layer") else "its down projection is not an fp8 token linear")
+    if net[2].in_features > MAX_COLS:
+        return f"its hidden width {net[2].in_features} is over the kernel's {MAX_COLS} columns"
     return None
 
 

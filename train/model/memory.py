@@ -27,12 +27,14 @@ blocks to pinned host memory (train/model/offload.py), and for online encoding, 
 encoders then never share the GPU with training). A key set in the config is never changed. Without a GPU there
 is nothing to plan: the config runs as written.
 
-Host memory is counted too: every process keeps its own pinned copy of its offloaded blocks' frozen weights (one
-buffer per block, in their stored dtype), so a node with P training processes pins P x K x (bytes of a block's
-matrices), plus, with DeepSpeed's optimizer offload, P x its partition of the optimizer state (HOST_STATE_BYTES per
-trainable parameter / world size). A candidate fits only when that stays below the smallest available host memory
-of any rank (psutil) less host_margin_bytes; the plan then picks the fastest candidate that fits both, which offloads
-fewer blocks and checkpoints more, or trains from the cache, where the host is short. When only the host stops every
+Host memory is counted too: the offloaded blocks' frozen weights live in pinned host memory (one buffer per block,
+in their stored dtype). Where several training processes share a node and /dev/shm has the room, the node keeps one
+copy in /dev/shm that each of them maps and pins (offload.NodeShare): K x (bytes of a block's matrices); otherwise
+each process keeps its own, P x K x (bytes of a block's matrices). Plus, with DeepSpeed's optimizer offload, P x
+its partition of the optimizer state (HOST_STATE_BYTES per trainable parameter / world size). A candidate fits only
+when that stays below the smallest available host memory of any rank (psutil) less host_margin_bytes; the plan then
+picks the fastest candidate that fits both, which offloads fewer blocks and checkpoints more, or trains from the
+cache, where the host is short. When only the host stops every
 candidate that fits the GPU, PlanError names the host figures and what to change; a config whose own
 train.offload_blocks does not fit the host stops before loading, with the plan on or off.
 
@@ -121,6 +123,14 @@ class Host:
     available_bytes: float = math.inf
     ranks_per_node: int = 1
     world_size: int = 1
+    shm_bytes: float = 0.0  # free /dev/shm (the smallest any rank of the node saw): room for one shared copy
+
+    def shares(self, blocks_bytes: float) -> bool:
+        """Whether the node's processes share one copy of `blocks_bytes` of offloaded weights (offload.can_share:
+        the rule the offloader follows)."""
+        from train.model.offload import can_share
+
+        return can_share(blocks_bytes, self.ranks_per_node, self.shm_bytes)
 
     @property
     def margin_bytes(self) -> float:
@@ -242,6 +252,8 @@ def host_bytes(s: Sizes, c: Choice, host: Host, dtype_bytes: int = 2) -> float:
     with DeepSpeed's optimizer offload, its partition of the optimizer state."""
     blocks = c.offloaded * moved_bytes(s, c.fp8_base, dtype_bytes)
     state = s.trainable_params * HOST_STATE_BYTES / host.world_size if c.offload_optimizer else 0.0
+    if host.shares(blocks):  # one copy of the blocks for the node, in /dev/shm
+        return blocks + host.ranks_per_node * state
     return host.ranks_per_node * (blocks + state)
 
 
@@ -254,8 +266,13 @@ def fits_host(s: Sizes, c: Choice, host: Host) -> bool:
 def host_refusal(s: Sizes, c: Choice, host: Host, fixed: dict, dtype_bytes: int = 2) -> str:
     """Why `c` does not fit this node's host memory, with its figures and what to change (a PlanError's text)."""
     per_block = moved_bytes(s, c.fp8_base, dtype_bytes)
-    parts = (f"{host.ranks_per_node} training process(es) on this node x {c.offloaded} offloaded blocks x "
-             f"{per_block / GB:.2f} GB ({'fp8' if c.fp8_base else 'bf16'} weights)")
+    kind = 'fp8' if c.fp8_base else 'bf16'
+    if host.shares(c.offloaded * per_block):
+        parts = (f"one copy for the node's {host.ranks_per_node} training processes in /dev/shm of {c.offloaded} "
+                 f"offloaded blocks x {per_block / GB:.2f} GB ({kind} weights)")
+    else:
+        parts = (f"{host.ranks_per_node} training process(es) on this node x {c.offloaded} offloaded blocks x "
+                 f"{per_block / GB:.2f} GB ({kind} weights)")
     if c.offload_optimizer:
         state = host.ranks_per_node * s.trainable_params * HOST_STATE_BYTES / host.world_size
         parts += f" + {state / GB:.1f} GB of DeepSpeed's offloaded optimizer state"
@@ -950,8 +967,9 @@ def _pinned_note(s: Sizes, c: Choice, host: Host) -> str:
     pinned = host_bytes(s, c, host)
     if not pinned:
         return ""
-    return (f", {pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es)), of "
-            f"{host.available_bytes / GB:.1f} GB available")
+    shared = " in one copy in /dev/shm" if host.shares(c.offloaded * moved_bytes(s, c.fp8_base)) else ""
+    return (f", {pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es)"
+            f"{shared}), of {host.available_bytes / GB:.1f} GB available")
 
 
 def _host_available() -> float:
@@ -963,9 +981,11 @@ def _host_available() -> float:
 def node_host(world_size: int) -> Host:
     """This node's Host: the smallest available host memory any rank sees (a collective, so that every rank plans
     alike) and the processes per node from the launcher's environment."""
+    from train.model.offload import shm_free_bytes
     from train.runtime.engine import all_gather_objects
 
-    return Host(min(all_gather_objects(_host_available())), _ranks_per_node(), world_size)
+    seen = all_gather_objects((_host_available(), shm_free_bytes()))
+    return Host(min(a for a, _ in seen), _ranks_per_node(), world_size, min(f for _, f in seen))
 
 
 def check_offload_host(cfg, host: Host) -> None:

@@ -24,9 +24,72 @@ a NaN loss instead of silently wrong numbers; tests/test_offload.py checks gradi
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
 ALIGN = 256  # byte alignment of each tensor inside a slot (what CUDA kernels assume of an allocation)
+SHM_DIR = Path("/dev/shm")
+SHM_SPARE_BYTES = 2e9  # left free in /dev/shm: the data loader's workers pass their batches through it
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+
+
+class ShareError(RuntimeError):
+    """/dev/shm could not take the node's shared copy after all (another job filled it after the check)."""
+
+    without_traceback = True  # engine.exit_with prints the message alone
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """One copy per node of the offloaded blocks' host buffers: a file under /dev/shm that every training process
+    of the node maps; the node's first process (`writer`) fills it, and each process registers the mapping as
+    pinned memory with CUDA (the way torch.distributed's state-dict staging pins shared memory)."""
+
+    path: str
+    writer: bool
+
+
+def shm_free_bytes() -> float:
+    """Free bytes of /dev/shm (0 where there is none)."""
+    try:
+        return float(shutil.disk_usage(SHM_DIR).free)
+    except OSError:
+        return 0.0
+
+
+def can_share(total_bytes: float, ranks_per_node: int, shm_free: float) -> bool:
+    """Whether the node's processes share one copy of `total_bytes` of offloaded weights (several processes, and
+    /dev/shm holds it with SHM_SPARE_BYTES to spare); the memory plan counts host memory by the same rule."""
+    return ranks_per_node > 1 and total_bytes > 0 and total_bytes + SHM_SPARE_BYTES <= shm_free
+
+
+def node_share(total_bytes: float) -> NodeShare | None:
+    """The NodeShare of this process for `total_bytes` of offloaded weights, or None (each process keeps its own
+    copy): decided alike by the node's processes from the smallest /dev/shm room any of them sees. A collective
+    when a process group is up."""
+    from train.runtime.engine import all_gather_objects
+
+    host, local_rank = socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0"))
+    seen = all_gather_objects((host, local_rank, shm_free_bytes(), uuid.uuid4().hex))
+    mine = [x for x in seen if x[0] == host]
+    if not can_share(total_bytes, len(mine), min(x[2] for x in mine)):
+        return None
+    token = seen[0][3]  # the run's: one name per node and run
+    share = NodeShare(str(SHM_DIR / f"qwen_edit_offload_{token}_{host}"), writer=local_rank == min(x[1] for x in mine))
+    if share.writer:  # the file, empty until the offloader fills it: every process must see it
+        os.close(os.open(share.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    all_gather_objects(True)  # the writers have made it
+    if all(all_gather_objects(os.path.exists(share.path))):
+        return share
+    if share.writer:  # a process of this host name sees another /dev/shm (a container of its own): no sharing
+        os.unlink(share.path)
+    return None
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -97,7 +160,8 @@ class BlockOffloader:
     leaves them in ordinary host memory, so a block never exists on the GPU whole).
     """
 
-    def __init__(self, blocks: dict[int, torch.nn.Module], device: torch.device, num_slots: int = 2):
+    def __init__(self, blocks: dict[int, torch.nn.Module], device: torch.device, num_slots: int = 2,
+                 share: NodeShare | None = None):
         if num_slots < 2:
             raise ValueError("an offloader needs at least 2 slots (one computing, one being filled)")
         self.device, self.order = torch.device(device), sorted(blocks)
@@ -108,14 +172,21 @@ class BlockOffloader:
                 if is_param:
                     _as_buffer(owner, name)
         self.layouts = {i: _Layout([(owner, name) for owner, name, _ in found]) for i, found in tensors.items()}
-        pin = self.device.type == "cuda"
-        self.host = {}
+        self.shared = share is not None
+        if share is not None:
+            self.host = self._shared_buffers(share)
+        else:
+            pin = self.device.type == "cuda"
+            self.host = {i: torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=pin)
+                         for i, lay in self.layouts.items()}
+        writes = share is None or share.writer  # the others' tensors are placeholders (streaming.Placement)
         for i, layout in self.layouts.items():
-            flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
-            for owner, name, view in layout.views(flat):
-                view.copy_(_get(owner, name))
+            for owner, name, view in layout.views(self.host[i]):
+                if writes:
+                    view.copy_(_get(owner, name))
                 _bind(owner, name, placeholder(view.shape, view.dtype, self.device))
-            self.host[i] = flat
+        if share is not None:
+            self._pin_shared()
         slot_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
         self.resident: list[int | None] = [None] * num_slots  # block index held by each slot
@@ -125,6 +196,60 @@ class BlockOffloader:
         self.ready = [torch.cuda.Event() if cuda else None for _ in range(num_slots)]
         self.copies = self.fetches = self.waited = 0  # block copies, block uses, uses not prefetched, so far
         self.handles = [b.register_forward_pre_hook(self._pre_hook(i)) for i, b in blocks.items()]
+
+    def _shared_buffers(self, share: NodeShare) -> dict[int, torch.Tensor]:
+        """Each block's host buffer as a slice of the node's shared file (NodeShare). ShareError on every process
+        when the writer cannot reserve it: the other processes did not load these weights (the streaming loader
+        left them to the writer), and one copy per process is not what the memory plan counted."""
+        from train.runtime.engine import all_gather_objects
+
+        offsets, total = {}, 0
+        for i, layout in self.layouts.items():
+            offsets[i], total = total, total + layout.nbytes
+        problem = None
+        if share.writer:
+            try:
+                fd = os.open(share.path, os.O_RDWR)  # node_share made it
+                try:
+                    os.posix_fallocate(fd, 0, total)  # every page now: a full /dev/shm fails here, not mid-copy
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                problem = f"{share.path}: {e}"
+                if os.path.exists(share.path):
+                    os.unlink(share.path)
+        problems = [x for x in all_gather_objects(problem) if x]
+        if problems:
+            raise ShareError(f"offloaded blocks: {SHM_DIR} could not take the node's shared copy of "
+                             f"{total / 1e9:.1f} GB ({problems[0]}). Free {SHM_DIR} (other jobs' files, a larger "
+                             "docker --shm-size) or offload fewer blocks (qwen_edit.memory.budget_gb higher, "
+                             "train.offload_blocks lower)")
+        whole = torch.from_file(share.path, shared=True, size=total, dtype=torch.uint8)
+        all_gather_objects(True)  # every process has mapped it: the name can go, the pages stay until all exit
+        if share.writer:
+            os.unlink(share.path)
+        self._whole = whole
+        return {i: whole[offsets[i]: offsets[i] + layout.nbytes] for i, layout in self.layouts.items()}
+
+    def _pin_shared(self) -> None:
+        """Wait for the writer, then register the shared mapping with CUDA as pinned memory (on a GPU), so that
+        its copies to the device run asynchronously; where CUDA refuses, keep a pinned copy of this process's
+        own."""
+        from train.runtime.engine import all_gather_objects
+
+        all_gather_objects(True)  # the writer has filled the buffers
+        if self.device.type != "cuda":
+            return
+        whole = self._whole
+        err = int(torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), whole.numel(), CUDA_HOST_REGISTER_PORTABLE))
+        if err == 0:
+            return
+        print(f"offloaded blocks: CUDA could not pin the shared host buffer (cudaError {err}); this process keeps "
+              "a pinned copy of its own", flush=True)
+        own = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
+        own.copy_(whole)
+        self.host = {i: own[buf.data_ptr() - whole.data_ptr():][: buf.numel()] for i, buf in self.host.items()}
+        self.shared, self._whole = False, None
 
     @property
     def host_bytes(self) -> int:

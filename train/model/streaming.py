@@ -44,6 +44,7 @@ class Placement:
     dtype: torch.dtype
     fp8: bool = False  # the blocks' frozen linears in e4m3 (train.fp8_base)
     offload: set[int] = field(default_factory=set)  # block indices whose large frozen tensors stay on the host
+    skip_offloaded: bool = False  # another process of the node fills the shared host copy of those (NodeShare)
 
     def block(self, name: str) -> int | None:
         m = _BLOCK.match(name)
@@ -103,6 +104,14 @@ def empty_transformer(transformer_dir: Path):
         return QwenImageTransformer2DModel.from_config(config)
 
 
+def block_host_bytes(model_dir: str | Path, fp8_base: bool, dtype: torch.dtype) -> int:
+    """Bytes of one offloaded block's host buffer (its matrices; e4m3 for the fp8 linears), from the config."""
+    block = empty_transformer(Path(model_dir) / "transformer").transformer_blocks[0]
+    placement = Placement(torch.device("meta"), dtype, fp8=fp8_base)
+    return sum(p.numel() * (1 if _fp8_target(f"transformer_blocks.0.{name}", placement) else dtype.itemsize)
+               for name, p in block.named_parameters() if moves(p))
+
+
 def _fp8_target(name: str, placement: Placement) -> bool:
     return placement.fp8 and name.endswith(".weight") and fp8._kind(name[: -len(".weight")]) is not None
 
@@ -131,10 +140,14 @@ def load(model_dir: str | Path, placement: Placement, frozen: bool, random: bool
         seen.add(name)
         value = tensor.to(placement.dtype) if tensor.is_floating_point() else tensor
         on_host = placement.block(name) in placement.offload and moves(tensor)
+        skip = on_host and placement.skip_offloaded  # the node's shared copy comes from its writer
         if _fp8_target(name, placement):
             q, scale = fp8.quantize_weight(value.to(placement.device))  # quantised on the GPU, bf16 freed
-            quantized[name[: -len(".weight")]] = (q.cpu() if on_host else q, scale)
+            q = placeholder(q.shape, q.dtype, torch.device("cpu")) if skip else (q.cpu() if on_host else q)
+            quantized[name[: -len(".weight")]] = (q, scale)  # every process needs the row scales
             value = placeholder(p.shape, placement.dtype, placement.device)
+        elif skip:
+            value = placeholder(p.shape, placement.dtype, torch.device("cpu"))
         else:
             value = value.to("cpu" if on_host else placement.device)
         _assign(model, name, value)

@@ -66,7 +66,8 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
                                  f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e
     if offloader is not None:
         print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
-               f"({offloader.host_bytes / 1e9:.1f} GB pinned), {offloader.device_bytes / 1e9:.2f} GB of device slots",
+               f"({offloader.host_bytes / 1e9:.1f} GB pinned{', one copy for the node' if offloader.shared else ''}), "
+               f"{offloader.device_bytes / 1e9:.2f} GB of device slots",
                rank=int(os.environ.get("RANK", "0")))
     if p.train.fp8_base:
         count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
