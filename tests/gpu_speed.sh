@@ -60,8 +60,9 @@ for row in $rows; do
       run_row peer 200 "${fast[@]}" "${timing[@]}" --peer diffsynth --peer_variants bf16:compile,bf16:eager ;;
     cudagraphs)  # the fastest configuration with each compiled block replayed as a CUDA graph (reduce-overhead)
       run_row cudagraphs 150 "${fast[@]}" --compile_mode reduce-overhead "${timing[@]}" ;;
-    fused_quant)  # the fastest configuration with the MLPs' GELU + e4m3 row quantisation in one Triton kernel
-      # (train.fused_quant, docs/perf_notes.md lever 24), against the `fast` row of the same call: ROWS="fast fused_quant"
+    fused_quant)  # the fastest configuration with the MLPs' GELU (and its gradient) fused into the e4m3 row
+      # quantisations (train.fused_quant, docs/perf_notes.md lever 24), against the `fast` row of the same call:
+      # ROWS="fast fused_quant"
       run_row fused_quant 150 "${fast[@]}" --fused_quant "${timing[@]}" ;;
     fast)  # the fastest configuration alone (docs/performance.md), the reference for single-lever rows
       run_row fast 130 "${fast[@]}" "${timing[@]}" ;;

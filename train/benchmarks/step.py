@@ -149,9 +149,9 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8_transposed", action="store_true",
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
     p.add_argument("--fused_quant", action="store_true",
-                   help="with --fp8_base (ours): each MLP's tanh GELU and the e4m3 row quantisation of its output in "
-                        "one Triton kernel (train.fused_quant, train/model/fused.py); CUDA only, else a notice and "
-                        "the unfused path")
+                   help="with --fp8_base (ours): the MLPs' GELU and its gradient fused with the e4m3 row "
+                        "quantisations in Triton kernels (train.fused_quant, train/model/fused.py); CUDA only, else "
+                        "a notice and the unfused path")
     p.add_argument("--fp8_impl", choices=fp8_impls.IMPLS, default="ours",
                    help="with --fp8_base: train/model/fp8.py (ours, default) or torchao's float8 training linear "
                         "(torchao_training) or fp8 inference linears (torchao_inference); "
