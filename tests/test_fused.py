@@ -176,7 +176,7 @@ def test_fused_mlps_in_the_model(interpreter):
     assert fused.describe(model) == ("train.fused_quant: 4 of 4 MLPs fused: 2 whole (forward and backward kernels), "
                                      "2 forward only (LoRA wraps their up projection)")
     torch.manual_seed(2)
-    inputs = transformer_inputs(model)
+    inputs = transformer_inputs(model, 4, 4, 8)
     out, out_ref = model(**inputs)[0], reference(**inputs)[0]
     assert ((out - out_ref).norm() / out_ref.norm()).item() < 1e-5
     out.square().mean().backward()
@@ -332,3 +332,22 @@ def test_trainer_falls_back_with_a_notice(tiny_edit, tmp_path, monkeypatch):
     assert "Traceback" not in proc.stderr
     losses = [r["loss"] for r in metrics(tmp_path / "run")]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+
+
+def test_fused_mlps_with_offloaded_blocks(interpreter):
+    """Offloaded blocks (train.offload_blocks: their frozen tensors swapped in and out of device slots) give
+    exactly the resident fused model's loss and LoRA gradients: the whole-MLP path reads net.0.proj's e4m3 weights
+    through the module at each call, so it sees the slot they are in."""
+    def run(offload: set[int]):
+        torch.manual_seed(0)
+        model = build_transformer()
+        components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
+                                        True, False, fp8_base=True, fused_quant=True, offload=offload)
+        assert model.transformer_blocks[0].img_mlp.net[2]._up  # the whole-MLP path
+        loss = model(**transformer_inputs(model, 4, 4, 8, torch.Generator().manual_seed(5)))[0].square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (loss_a, grads_a), (loss_b, grads_b) = run(set()), run({0, 1})
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
