@@ -256,9 +256,10 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
     offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
     among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
-    fused_quant: with fp8_base, the MLPs' GELU + row quantisation in one kernel (train/model/fused.py) where it can
-    run (fused.describe says what was done). share: the node's shared host copy of the offloaded blocks
-    (offload.NodeShare), or None for this process's own. Returns the BlockOffloader, or None."""
+    fused_quant: with fp8_base, the MLPs' GELU and its gradient fused with the e4m3 row quantisations in Triton
+    kernels (train/model/fused.py) where they can run (fused.describe says what was done). share: the node's shared
+    host copy of the offloaded blocks (offload.NodeShare), or None for this process's own. Returns the
+    BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
         add_lora(transformer, lora)
