@@ -69,22 +69,30 @@ def can_share(total_bytes: float, ranks_per_node: int, shm_free: float) -> bool:
     return ranks_per_node > 1 and total_bytes > 0 and total_bytes + SHM_SPARE_BYTES <= shm_free
 
 
+def _my_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def node_share(total_bytes: float) -> NodeShare | None:
     """The NodeShare of this process for `total_bytes` of offloaded weights, or None (each process keeps its own
     copy): decided alike by the node's processes from the smallest /dev/shm room any of them sees. A collective
     when a process group is up."""
     from train.runtime.engine import all_gather_objects
 
-    host, local_rank = socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0"))
-    seen = all_gather_objects((host, local_rank, shm_free_bytes(), uuid.uuid4().hex))
-    mine = [x for x in seen if x[0] == host]
-    if not can_share(total_bytes, len(mine), min(x[2] for x in mine)):
+    host = socket.gethostname()
+    seen = all_gather_objects((host, shm_free_bytes(), uuid.uuid4().hex))  # in rank order
+    mine = [rank for rank, x in enumerate(seen) if x[0] == host]
+    if not can_share(total_bytes, len(mine), min(seen[r][1] for r in mine)):
         return None
-    token = seen[0][3]  # the run's: one name per node and run
-    share = NodeShare(str(SHM_DIR / f"qwen_edit_offload_{token}_{host}"), writer=local_rank == min(x[1] for x in mine))
+    token = seen[0][2]  # the run's: one name per node and run
+    # one writer per host name (its lowest rank), even where several launcher nodes share a host name
+    share = NodeShare(str(SHM_DIR / f"qwen_edit_offload_{token}_{host}"), writer=_my_rank() == mine[0])
     if share.writer:  # the file, empty until the offloader fills it: every process must see it
         os.close(os.open(share.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-    all_gather_objects(True)  # the writers have made it
+    all_gather_objects(True)  # the writer has made it
     if all(all_gather_objects(os.path.exists(share.path))):
         return share
     if share.writer:  # a process of this host name sees another /dev/shm (a container of its own): no sharing
