@@ -681,6 +681,9 @@ def test_full_fine_tuning_is_planned_per_rank(full_model):
     project = ProjectConfig(model=ModelConfig(path=str(full_model)), train=TrainConfig(mode="full"))
     run = memory.run_sizes(Config(project=project, deepspeed=ds, world_size=8), online=False)
     assert (run.zero_stage, run.dp_world, run.full, run.trainable_params) == (1, 8, True, full.trainable_params)
+    stage0 = memory.Sizes(**{**full.__dict__, "dp_world": world, "zero_stage": 0})  # nothing split at stage 0
+    with pytest.raises(memory.PlanError, match=f"ZeRO stage 2 \\(zero_optimization.stage 2\\) over {world} or more"):
+        memory.choose(stage0, m, budget, margin, {}, fp8_ok=False, online=False, offload_blocker=host_short)
     with pytest.raises(memory.PlanError, match="does not fit at any number of GPUs"):
         memory.choose(full, m, 40 * GB, memory.margin_bytes(0, 40 * GB), {}, fp8_ok=False, online=False,
                       offload_blocker=host_short)

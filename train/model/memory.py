@@ -464,7 +464,8 @@ def _full_hint(s: Sizes, m: Measured, allowed: list[Choice], room: float, most: 
         return (f" Full fine-tuning does not fit at any number of GPUs: every GPU holds the whole model "
                 f"({s.num_blocks * s.block_params + s.other_params:,} parameters in bf16) and its activations; "
                 "train a LoRA (qwen_edit.train.mode \"lora\") or use a GPU with more memory.")
-    world = next(w for w in range(max(s.dp_world, 1) + 1, most + 1) if at(w) <= room)
+    start = max(s.dp_world, 1) + (1 if s.zero_stage == 2 else 0)  # stage 0 or 1 may fit at this world with 2
+    world = next(w for w in range(start, most + 1) if at(w) <= room)
     return (f" Full fine-tuning fits with ZeRO stage 2 (zero_optimization.stage 2) over {world} or more GPUs "
             f"(data-parallel ranks: deepspeed --num_gpus, or a hostfile for several nodes), which split the fp32 "
             f"master weights, Adam moments and gradients: {at(world) / GB:.1f} GB each at {world}.")
