@@ -711,3 +711,17 @@ def test_one_shared_copy_of_offloaded_blocks_is_counted_once_per_node(full_sizes
     with pytest.raises(memory.PlanError, match="nothing fits this node's host memory"):
         memory.choose(full_sizes, m, budget, margin, {}, fp8_ok=True, online=False,
                       host=memory.Host(64 * GB, 8, 8, shm_bytes=0))
+
+
+def test_the_counted_per_gpu_figures_the_docs_quote(full_model):
+    """The counts README.md and docs/performance.md quote, before activations: full fine-tuning of the 20.4 B
+    transformer at ZeRO-2 needs its bf16 copy plus the step's share of the state, 245 / 143 / 92 GB per GPU on
+    2 / 4 / 8 GPUs; LoRA r64 on the default targets holds 6.8 GB of state on one GPU and 1.6 GB on each of 8."""
+    full = memory.count_sizes(full_model, LoraConfig().target_modules, 64, full=True)
+    for world, gb in ((2, 245), (4, 143), (8, 92)):
+        ranked = memory.Sizes(**{**full.__dict__, "dp_world": world})
+        counted = full.trainable_params * 2 + ranked.gpu_state_bytes(False, in_step=True)
+        assert round(counted / GB) == gb, (world, counted / GB)
+    lora = memory.count_sizes(full_model, LoraConfig().target_modules, 64)
+    assert round(lora.gpu_state_bytes(False) / GB, 1) == 6.8
+    assert round(memory.Sizes(**{**lora.__dict__, "dp_world": 8}).gpu_state_bytes(False) / GB, 1) == 1.6
