@@ -310,16 +310,15 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
                       lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
                       checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
-                      fused_quant: bool = False):
+                      fused_quant: bool = False, share=None):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
     (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded; fused_quant
-    as prepare_for_training has it."""
+    as prepare_for_training has it. share: the node's shared host copy of them (memory.offload_share), or None;
+    a process that is not its writer does not read the offloaded weights."""
     from train.model import streaming
 
-    fp8_used = fp8_base and mode == "lora"
-    share = _offload_share(model_dir, dtype, fp8_used, offload_blocks) if mode == "lora" else None
-    placement = streaming.Placement(device, dtype, fp8=fp8_used, offload=set(range(offload_blocks)),
+    placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)),
                                     skip_offloaded=share is not None and not share.writer)
     if fp8_base:
         check_fp8_device()
@@ -328,22 +327,6 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
                                      offload=placement.offload, fused_quant=fused_quant, share=share)
     return transformer, offloader
-
-
-def _offload_share(model_dir, dtype: torch.dtype, fp8_base: bool, blocks: int):
-    """The node's shared host copy of the first `blocks` offloaded blocks (offload.node_share: one per node when
-    /dev/shm holds it and several processes train there), or None; the same rule as the memory plan's count."""
-    if not blocks:
-        return None
-    from train.model import offload, streaming
-    from train.runtime.metrics import print0
-
-    total = blocks * streaming.block_host_bytes(model_dir, fp8_base, dtype)
-    share = offload.node_share(total)
-    if share is not None:
-        print0(f"offloaded blocks: one copy ({total / 1e9:.2f} GB) for this node's training processes in "
-               f"{offload.SHM_DIR}; this process loads it, each of them pins it", rank=0 if share.writer else 1)
-    return share
 
 
 def checkpoint_first(blocks, count: int):

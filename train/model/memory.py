@@ -902,6 +902,17 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
             **_plan_record(choice, pred, sizes, measured, render)}
 
 
+def offload_share(model_dir: str | Path, lora, blocks: int, fp8_base: bool, dtype_bytes: int):
+    """The node's shared host copy (offload.node_share) of the first `blocks` offloaded blocks, sized as host_bytes
+    counts them, or None (nothing offloaded, one process, no room in /dev/shm). A collective."""
+    if not blocks:
+        return None
+    from train.model import offload
+
+    sizes = count_sizes(model_dir, lora.target_modules, lora.rank)
+    return offload.node_share(blocks * moved_bytes(sizes, fp8_base, dtype_bytes))
+
+
 def run_sizes(cfg, online: bool) -> Sizes:
     """count_sizes for this run's model and LoRA, with its DeepSpeed ZeRO stage and data-parallel world (how the
     trainable state is split over the ranks) and, online, the encoders that share the GPU."""

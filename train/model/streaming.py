@@ -104,14 +104,6 @@ def empty_transformer(transformer_dir: Path):
         return QwenImageTransformer2DModel.from_config(config)
 
 
-def block_host_bytes(model_dir: str | Path, fp8_base: bool, dtype: torch.dtype) -> int:
-    """Bytes of one offloaded block's host buffer (its matrices; e4m3 for the fp8 linears), from the config."""
-    block = empty_transformer(Path(model_dir) / "transformer").transformer_blocks[0]
-    placement = Placement(torch.device("meta"), dtype, fp8=fp8_base)
-    return sum(p.numel() * (1 if _fp8_target(f"transformer_blocks.0.{name}", placement) else dtype.itemsize)
-               for name, p in block.named_parameters() if moves(p))
-
-
 def _fp8_target(name: str, placement: Placement) -> bool:
     return placement.fp8 and name.endswith(".weight") and fp8._kind(name[: -len(".weight")]) is not None
 

@@ -56,11 +56,14 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     p = cfg.project
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     t = p.train
+    dtype = getattr(torch, cfg.precision)
+    share = memory.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
+                                 t.fp8_base and t.mode == "lora", dtype.itemsize)
     try:
         transformer, offloader = components.load_for_training(
-            p.model.path, getattr(torch, cfg.precision), device or torch.device("cpu"), t.mode, p.lora,
+            p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
-            t.fused_quant)
+            t.fused_quant, share)
     except torch.cuda.OutOfMemoryError as e:
         raise memory.OutOfMemory(f"CUDA out of memory while loading the transformer. "
                                  f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e
