@@ -18,24 +18,61 @@ from train.model import images, pipelines
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
 
-def rotated_jpeg(path: Path, orientation: int = 6) -> None:
-    """A 48x32 stored JPEG, red on top and blue below, tagged so that viewers turn it 90 degrees clockwise
-    (orientation 6): shown 32x48, red on the right, blue on the left."""
+def rotated_jpeg(path: Path, orientation: int = 6, format: str | None = None) -> None:
+    """A 48x32 stored image (JPEG unless `format` says otherwise), red on top and blue below, tagged so that viewers
+    turn it: orientation 6 turns it 90 degrees clockwise (shown 32x48, red on the right, blue on the left)."""
     im = Image.new("RGB", (48, 32), RED)
     im.paste(BLUE, (0, 16, 48, 32))
     exif = Image.Exif()
     exif[0x0112] = orientation
-    im.save(path, quality=95, exif=exif.tobytes())
+    im.save(path, format, quality=95, exif=exif.tobytes())
 
 
-def test_exif_orientation_applied_and_sizes_read_as_shown(tmp_path):
-    rotated_jpeg(tmp_path / "phone.jpg")
-    shown = images.open_rgb(tmp_path / "phone.jpg")
-    assert shown.size == (32, 48)
+# EXIF orientation -> (shown size, (x, y) of a red and of a blue pixel as shown)
+SHOWN = {6: ((32, 48), (28, 24), (3, 24)),  # 90 degrees clockwise: the top goes right
+         8: ((32, 48), (3, 24), (28, 24)),  # 90 degrees counter-clockwise: the top goes left
+         3: ((48, 32), (24, 28), (24, 3))}  # 180 degrees: the top goes to the bottom
+
+
+@pytest.mark.parametrize("orientation", SHOWN)
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp"])
+def test_exif_orientation_applied_and_sizes_read_as_shown(tmp_path, suffix, orientation):
+    """JPEG, PNG (eXIf chunk) and WebP carrying an EXIF Orientation tag are opened as shown, and the header-only
+    size readers (bucketing, pre-flight, rendering checks) agree with what is decoded."""
+    path = tmp_path / f"phone{suffix}"
+    rotated_jpeg(path, orientation)
+    size, red, blue = SHOWN[orientation]
+    shown = images.open_rgb(path)
+    assert shown.size == size
     pixels = np.asarray(shown).astype(int)
-    assert np.abs(pixels[24, 28] - RED).max() < 40 and np.abs(pixels[24, 3] - BLUE).max() < 40
-    with Image.open(tmp_path / "phone.jpg") as im:
-        assert im.size == (48, 32) and images.oriented_size(im) == (32, 48)
+    assert np.abs(pixels[red[1], red[0]] - RED).max() < 40 and np.abs(pixels[blue[1], blue[0]] - BLUE).max() < 40
+    with Image.open(path) as im:
+        assert im.size == (48, 32) and images.oriented_size(im) == size
+    assert images.shown_size(path) == images.decoded_size(path) == size
+
+
+def test_every_reader_opens_user_images_through_one_opener():
+    """No module but train/model/images.py opens an image file (so none can skip its orientation, alpha or depth
+    handling); validation only reopens the PNGs it rendered itself."""
+    own_renders = {Path("train/trainer/validation.py")}
+    root = Path(__file__).resolve().parents[1]
+    openers = {path.relative_to(root) for path in (root / "train").rglob("*.py") if "Image.open(" in path.read_text()}
+    assert openers - own_renders == {Path("train/model/images.py")}
+
+
+def test_rendering_checks_decode_as_the_readers_do(tmp_path):
+    """train.infer's and validation's request check reads references through the same decoder as pre-flight: a
+    rotated phone JPEG passes, a corrupt file gets the pre-flight's reason."""
+    rotated_jpeg(tmp_path / "phone.jpg")
+    (tmp_path / "noise.png").write_bytes(b"not an image" * 40)
+    fine = pipelines.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
+    bad = pipelines.EditRequest(0, 2, [tmp_path / "noise.png"], "edit", 0, "out")
+    assert pipelines.check_request(fine, "edit", 32 * 48) is None
+    with pytest.raises(images.ImageProblem) as reason:
+        images.decoded_size(tmp_path / "noise.png")
+    assert pipelines.check_request(bad, "edit") == f"{tmp_path / 'noise.png'}: {reason.value}"
+    assert "cannot be decoded (UnidentifiedImageError" in str(reason.value) and "re-save it as PNG/JPEG" in str(
+        reason.value)
 
 
 def test_alpha_composited_over_background():

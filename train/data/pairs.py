@@ -20,7 +20,7 @@ from pathlib import Path
 
 import datasets
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from train.data import prompts, sampling
@@ -33,11 +33,7 @@ from train.runtime.metrics import print0
 def image_sizes(data_dir: Path, names: list[str]) -> list[tuple[int, int]]:
     """(width, height) of each image as shown (after its EXIF orientation), read from its header (nothing is
     decoded)."""
-    sizes = []
-    for name in names:
-        with Image.open(data_dir / name) as im:
-            sizes.append(images.oriented_size(im))
-    return sizes
+    return [images.shown_size(data_dir / name) for name in names]
 
 
 def _check_image(path: Path) -> str | None:
@@ -46,17 +42,9 @@ def _check_image(path: Path) -> str | None:
     if path.stat().st_size == 0:
         return "file is empty (0 bytes); re-export the image or remove the row"
     try:
-        with Image.open(path) as im:
-            im.load()
-            mode = im.mode
-            try:
-                images.to_rgb(im)  # what the dataset will do with it (orientation, alpha, bit depth)
-            except (ValueError, KeyError) as e:
-                return f"image mode {mode!r} cannot be converted to RGB ({e}); re-save it as 8-bit RGB"
-    except Image.DecompressionBombError as e:
-        return f"too large ({e}); downscale it or remove the row"
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        return f"cannot be decoded ({type(e).__name__}: {e}); re-save it as PNG/JPEG or remove the row"
+        images.decoded_size(path)  # what the dataset will do with it (orientation, alpha, bit depth)
+    except images.ImageProblem as e:
+        return f"{e} or remove the row"
     return None
 
 

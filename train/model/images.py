@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from train.config.files import DEFAULT_BACKGROUND, background_rgb
 
@@ -60,3 +60,35 @@ def oriented_size(im: Image.Image) -> tuple[int, int]:
     """(width, height) as shown after the EXIF orientation, read from the header (nothing is decoded)."""
     orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
     return (im.height, im.width) if orientation in _SWAPS_SIDES else im.size
+
+
+def shown_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) of the file as a viewer shows it, from its header (see `oriented_size`)."""
+    with Image.open(path) as im:
+        return oriented_size(im)
+
+
+class ImageProblem(ValueError):
+    """An image file that cannot be read as RGB; the message says why and how to fix the file."""
+
+
+def decoded_size(path: str | Path) -> tuple[int, int]:
+    """Decode `path` fully as every reader does (`open_rgb`) and return its shown (width, height); ImageProblem
+    says why it cannot be (not decodable, too large, a mode that does not convert) and the fix. The checks before
+    training and before rendering use it, so what passes them is what the readers can open."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            mode = im.mode
+            try:
+                return to_rgb(im).size
+            except (ValueError, KeyError) as e:  # raised by Pillow's convert for a mode it cannot map
+                raise ImageProblem(f"image mode {mode!r} cannot be converted to RGB ({e}); re-save it as 8-bit "
+                                   "RGB") from e
+    except ImageProblem:
+        raise
+    except Image.DecompressionBombError as e:  # an Exception of its own, not an OSError
+        raise ImageProblem(f"too large to decode safely ({e}); downscale it") from e
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
+        raise ImageProblem(f"cannot be decoded ({type(e).__name__}: {e}); re-save it as PNG/JPEG (8 or 16 bits "
+                           "per channel)") from e

@@ -953,18 +953,10 @@ def _plan_record(choice: Choice, pred: Prediction, sizes: Sizes, measured: Measu
 
 def validation_workload(p, variant: str) -> Workload:
     """render_workload of validation.file's edits at the inference section's areas (the images' headers read)."""
-    from PIL import Image
-
-    from train.model import pipelines
+    from train.model import images, pipelines
 
     requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
-    sizes = []
-    for q in requests:
-        edit = []
-        for path in q.references:
-            with Image.open(path) as im:
-                edit.append(im.size)
-        sizes.append(edit)
+    sizes = [[images.shown_size(path) for path in q.references] for q in requests]
     return render_workload(sizes, variant, p.inference.area, p.inference.condition_area)
 
 

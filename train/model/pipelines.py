@@ -117,13 +117,9 @@ def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024, c
         if not ref.is_file():
             return f"{ref}: file not found"
         try:
-            with Image.open(ref) as im:
-                im.load()
-                size = im.size
-        except Image.DecompressionBombError as e:  # an Exception of its own, not an OSError
-            return f"{ref}: too large to decode safely ({e}); downscale it"
-        except (OSError, SyntaxError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
-            return f"{ref}: cannot be decoded ({type(e).__name__}: {e})"
+            size = images.decoded_size(ref)  # as open_references will read it: oriented, composited, 8-bit
+        except images.ImageProblem as e:
+            return f"{ref}: {e}"
         if min(conditioning.dimensions(area, SimpleNamespace(width=size[0], height=size[1]))) < 32:
             return (f"{ref}: {size[0]}x{size[1]} px resizes to a side below 32 px at the pipeline's area; crop it "
                     "to a less extreme aspect ratio")
