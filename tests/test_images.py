@@ -88,6 +88,22 @@ def test_alpha_composited_over_background():
     assert images.to_rgb(palette).getpixel((0, 0)) == (255, 255, 255)
 
 
+@pytest.mark.parametrize("suffix, mode, key, other", [
+    (".png", "RGB", (10, 20, 30), (1, 2, 3)), (".png", "L", 10, 200), (".png", "I;16", 257 * 10, 65535),
+    (".gif", "P", 0, 1)])
+def test_single_transparent_colour_composited(tmp_path, suffix, mode, key, other):
+    """A PNG whose tRNS chunk names one transparent grey or RGB value (8- or 16-bit), and a GIF's transparent
+    palette index, show the background there; the other pixel keeps its colour."""
+    im = Image.new(mode, (2, 1), key)
+    if mode == "P":
+        im.putpalette([10, 20, 30, 1, 2, 3])
+    im.putpixel((1, 0), other)
+    im.save(tmp_path / f"keyed{suffix}", transparency=key)
+    shown = images.open_rgb(tmp_path / f"keyed{suffix}", "#00ff00")
+    assert shown.getpixel((0, 0)) == (0, 255, 0)
+    assert shown.getpixel((1, 0)) == {"RGB": (1, 2, 3), "L": (200,) * 3, "I;16": (255,) * 3, "P": (1, 2, 3)}[mode]
+
+
 def sixteen_bit_rgb_png(path: Path, value: int) -> None:
     """A 4x4 PNG of 16 bits per channel (Pillow cannot write one), every sample = value."""
     def chunk(kind: bytes, body: bytes) -> bytes:

@@ -52,8 +52,8 @@ class DataConfig:
     condition_area: int = 384 * 384
     """Pixel area of the copies the VL encoder sees (2509 only; v1 shows it the VAE copy)."""
     alpha_background: str = "white"
-    """Colour that transparent pixels (RGBA, LA, palette transparency) are composited over, for training,
-    validation and train.infer: a name ("white", "black") or "#rrggbb"."""
+    """Colour that transparent pixels (RGBA, LA, palette or tRNS transparency) are composited over, for training,
+    the latent cache, validation and train.infer: a name ("white", "black") or "#rrggbb"."""
     bad_rows: Literal["stop", "skip"] = "stop"
     """What to do when the pre-flight check finds bad rows: stop with the report, or skip them (reported)."""
     num_workers: int = 2

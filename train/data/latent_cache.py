@@ -38,7 +38,8 @@ from train.runtime import engine
 from train.runtime.metrics import print0
 
 INDEX = "index.json"
-FORMAT = 2  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py)
+FORMAT = 3  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py;
+# 3: a tRNS chunk's transparent colour composited over data.alpha_background)
 PART_BYTES = 2 << 30  # a rank starts a new shard part after this many bytes of tensors
 # Model components whose files the encodings depend on; files with these suffixes are large weights and are
 # identified by name and size (reading 16 GB to hash it would take minutes), all others by content.

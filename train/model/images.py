@@ -3,9 +3,10 @@
 Three things separate the decoded pixels from what a viewer shows, and all are handled here:
 - EXIF orientation: phone cameras store the sensor's pixels and an Orientation tag; viewers apply the tag, so the
   pixels are transposed with Pillow's own `ImageOps.exif_transpose` (and `oriented_size` reads the shown size).
-- Transparency: RGBA/LA/PA (and palette images with a transparent index) are composited over a background colour
-  (data.alpha_background, white by default), as a viewer on a white page shows them, instead of dropping alpha
-  (which turns transparent pixels into whatever colour they hide, often black).
+- Transparency: RGBA/LA/PA, palette images with transparent entries and grey/RGB images whose tRNS chunk names a
+  transparent colour are composited over a background colour (data.alpha_background, white by default), as a
+  viewer on a white page shows them, instead of dropping alpha (which turns transparent pixels into whatever
+  colour they hide, often black).
 - Bit depth: 16-bit and 32-bit grey ("I;16", "I") are scaled to 8 bits (65535 -> 255) rather than clipped;
   float ("F") images are scaled from [0, 1]. Pillow decodes 16-bit RGB PNGs to 8-bit RGB itself.
 """
@@ -25,13 +26,19 @@ _HIGH_DEPTH = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I
 
 
 def _to_8bit(im: Image.Image) -> Image.Image:
-    """High-depth grey scaled (not clipped) into an 8-bit "L" image."""
+    """High-depth grey scaled (not clipped) into an 8-bit "L" image ("LA" when a 16-bit PNG's tRNS chunk names a
+    transparent grey value: those pixels get alpha 0, to be composited as any other transparency)."""
     values = np.asarray(im, dtype=np.float64)
     if im.mode == "F":
         scaled = values * 255.0  # float images hold [0, 1]
     else:
         scaled = values * (255.0 / _HIGH_DEPTH[im.mode])
-    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
+    grey = Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
+    key = im.info.get("transparency")
+    if not isinstance(key, int):
+        return grey
+    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), mode="L")
+    return Image.merge("LA", (grey, alpha))
 
 
 def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image:
@@ -40,7 +47,9 @@ def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image
     im = ImageOps.exif_transpose(im)
     if im.mode in _HIGH_DEPTH or im.mode == "F":
         im = _to_8bit(im)
-    if (im.mode == "P" and "transparency" in im.info) or im.mode == "PA":
+    if ("transparency" in im.info and im.mode in ("P", "L", "RGB")) or im.mode == "PA":
+        # a palette's transparent entries, or the one transparent colour of a grey/RGB PNG's tRNS chunk (or a
+        # GIF's): Pillow's convert turns them into alpha
         im = im.convert("RGBA")
     if im.mode in ("RGBA", "LA", "RGBa", "La"):
         rgba = im.convert("RGBA")
