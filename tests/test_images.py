@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from train.data.pairs import EditDataset, preflight
+from train.data.rows import BadRowsError
 from train.model import images, pipelines
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
@@ -104,29 +105,77 @@ def test_single_transparent_colour_composited(tmp_path, suffix, mode, key, other
     assert shown.getpixel((1, 0)) == {"RGB": (1, 2, 3), "L": (200,) * 3, "I;16": (255,) * 3, "P": (1, 2, 3)}[mode]
 
 
-def sixteen_bit_rgb_png(path: Path, value: int) -> None:
-    """A 4x4 PNG of 16 bits per channel (Pillow cannot write one), every sample = value."""
+PNG_SAMPLES = {0: 1, 2: 3, 4: 2, 6: 4}  # PNG colour type (grey, RGB, grey + alpha, RGBA) -> samples per pixel
+
+
+def sixteen_bit_png(path: Path, value: int, color_type: int = 2) -> None:
+    """A 4x4 PNG of 16 bits per sample (Pillow cannot write one), every sample = value."""
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    raw = b"".join(b"\0" + np.full((4, 3), value, dtype=">u2").tobytes() for _ in range(4))
-    header = struct.pack(">IIBBBBB", 4, 4, 16, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
-                     + chunk(b"IEND", b""))
+    row = np.full((4, PNG_SAMPLES[color_type]), value, dtype=">u2").tobytes()
+    header = struct.pack(">IIBBBBB", 4, 4, 16, color_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(b"".join(b"\0" + row for _ in range(4)))) + chunk(b"IEND", b""))
+
+
+def tiff(path: Path, array: np.ndarray, sample_format: int = 1) -> None:
+    """An uncompressed little-endian TIFF of a (2, 3, samples) array (16-bit RGB/RGBA or float RGB, which Pillow
+    cannot write); sample_format 1 = unsigned integers, 3 = floats."""
+    height, width, samples = array.shape
+    pixels = array.astype(array.dtype.newbyteorder("<")).tobytes()
+    bits = struct.pack(f"<{samples}H", *[array.dtype.itemsize * 8] * samples)
+    formats = struct.pack(f"<{samples}H", *[sample_format] * samples)
+    bits_at, formats_at = 8 + len(pixels), 8 + len(pixels) + len(bits)
+    tags = [(256, 3, 1, width), (257, 3, 1, height), (258, 3, samples, bits_at), (259, 3, 1, 1),
+            (262, 3, 1, 2), (273, 4, 1, 8), (277, 3, 1, samples), (278, 3, 1, height), (279, 4, 1, len(pixels)),
+            *([(338, 3, 1, 2)] if samples == 4 else []), (339, 3, samples, formats_at)]  # 338: unassociated alpha
+    ifd = struct.pack("<H", len(tags)) + b"".join(struct.pack("<HHII", *t) for t in tags) + struct.pack("<I", 0)
+    path.write_bytes(b"II*\0" + struct.pack("<I", formats_at + len(formats)) + pixels + bits + formats + ifd)
 
 
 def test_high_bit_depth_scaled_not_clipped(tmp_path):
-    """16-bit grey (I;16 PNG), 32-bit grey (I TIFF), float (F TIFF) and 16-bit RGB PNGs become 8 bits scaled."""
+    """16-bit grey (I;16 PNG, big-endian I;16B TIFF), 32-bit grey (I TIFF, of 16- or 32-bit values), float (F TIFF),
+    16-bit RGB PNGs and TIFFs become 8 bits scaled (16-bit RGB keeps its high byte, as Pillow decodes it)."""
     grey = np.array([[0, 257 * 100, 65535]], dtype=np.uint16)
     Image.fromarray(grey).save(tmp_path / "deep.png")
+    Image.fromarray(grey.astype(">u2")).save(tmp_path / "big_endian.tif")
     Image.fromarray(grey.astype(np.int32)).save(tmp_path / "int.tif")
+    Image.fromarray(np.array([[0, 2**30, 2**31 - 1]], dtype=np.int32)).save(tmp_path / "int32.tif")
     Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32)).save(tmp_path / "float.tif")
-    sixteen_bit_rgb_png(tmp_path / "rgb48.png", 0xABCD)
-    assert Image.open(tmp_path / "deep.png").mode == "I;16"
-    assert np.asarray(images.open_rgb(tmp_path / "deep.png"))[0, :, 0].tolist() == [0, 100, 255]
-    assert np.asarray(images.open_rgb(tmp_path / "int.tif"))[0, :, 0].tolist() == [0, 100, 255]
+    sixteen_bit_png(tmp_path / "rgb48.png", 0xABCD)
+    tiff(tmp_path / "rgb48.tif", np.full((2, 3, 3), 0xABCD, dtype=np.uint16))
+    assert [Image.open(tmp_path / name).mode for name in ("deep.png", "big_endian.tif", "int32.tif")] == [
+        "I;16", "I;16B", "I"]
+    for name in ("deep.png", "big_endian.tif", "int.tif"):
+        assert np.asarray(images.open_rgb(tmp_path / name))[0, :, 0].tolist() == [0, 100, 255], name
+    assert np.asarray(images.open_rgb(tmp_path / "int32.tif"))[0, :, 0].tolist() == [0, 128, 255]
     assert np.asarray(images.open_rgb(tmp_path / "float.tif"))[0, :, 0].tolist() == [0, 128, 255]
     assert images.open_rgb(tmp_path / "rgb48.png").getpixel((0, 0)) == (0xAB, 0xAB, 0xAB)
+    assert images.open_rgb(tmp_path / "rgb48.tif").getpixel((0, 0)) == (0xAB, 0xAB, 0xAB)
+
+
+@pytest.mark.parametrize("color_type", [4, 6])
+def test_sixteen_bit_alpha_composited(tmp_path, color_type):
+    """16-bit grey + alpha and RGBA PNGs (and a 16-bit RGBA TIFF): 0xABCD grey at alpha 0xABCD over black is
+    0xAB * 0xAB / 255 (about 115), over white that plus the rest of white (about 199)."""
+    sixteen_bit_png(tmp_path / "alpha.png", 0xABCD, color_type)
+    tiff(tmp_path / "rgba64.tif", np.full((2, 3, 4), 0xABCD, dtype=np.uint16))
+    for path in (tmp_path / "alpha.png", tmp_path / "rgba64.tif"):
+        over_black = images.open_rgb(path, "black").getpixel((0, 0))
+        over_white = images.open_rgb(path).getpixel((0, 0))
+        assert all(abs(v - 0xAB * 0xAB / 255) <= 1 for v in over_black), (path, over_black)
+        assert all(abs(v - (0xAB * 0xAB / 255 + 255 - 0xAB)) <= 1 for v in over_white), (path, over_white)
+
+
+def test_undecodable_depth_refused_naming_row_and_file(tmp_path):
+    """A float RGB TIFF, which Pillow cannot decode, stops the pre-flight with the row, the file and the fix."""
+    tiff(tmp_path / "hdr.tif", np.full((2, 3, 3), 0.5, dtype=np.float32), sample_format=3)
+    Image.new("RGB", (3, 2)).save(tmp_path / "ok.png")
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"image": "ok.png", "edit_image": "hdr.tif", "prompt": "p"}))
+    with pytest.raises(BadRowsError, match=r"row 1 \(hdr.tif\): cannot be decoded \(UnidentifiedImageError.*re-save "
+                                           r"it as PNG/JPEG \(8 or 16 bits per channel\) or remove the row"):
+        preflight(tmp_path, "edit", "stop")
 
 
 def test_dataset_and_preflight_see_the_shown_image(tmp_path):

@@ -7,8 +7,10 @@ Three things separate the decoded pixels from what a viewer shows, and all are h
   transparent colour are composited over a background colour (data.alpha_background, white by default), as a
   viewer on a white page shows them, instead of dropping alpha (which turns transparent pixels into whatever
   colour they hide, often black).
-- Bit depth: 16-bit and 32-bit grey ("I;16", "I") are scaled to 8 bits (65535 -> 255) rather than clipped;
-  float ("F") images are scaled from [0, 1]. Pillow decodes 16-bit RGB PNGs to 8-bit RGB itself.
+- Bit depth: 16-bit grey ("I;16", "I;16B" ...) is scaled to 8 bits (65535 -> 255) rather than clipped, 32-bit grey
+  ("I") from its 16- or 32-bit range, float ("F") from [0, 1]. Pillow itself decodes 16-bit RGB, RGBA and grey +
+  alpha PNGs and TIFFs to 8 bits per channel (keeping the high byte, within one level of scaling). What Pillow
+  cannot decode (a float RGB TIFF, say) is refused by `decoded_size` with the file named.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def _to_8bit(im: Image.Image) -> Image.Image:
     if im.mode == "F":
         scaled = values * 255.0  # float images hold [0, 1]
     else:
-        scaled = values * (255.0 / _HIGH_DEPTH[im.mode])
+        # "I" holds 16-bit samples (older Pillows' 16-bit PNGs) or 32-bit ones (TIFF): a value past 16 bits says
+        # which, so a 32-bit image is scaled from its own range instead of saturating
+        top = _HIGH_DEPTH[im.mode] if im.mode != "I" or values.max(initial=0) <= 65535 else 2**31 - 1
+        scaled = values * (255.0 / top)
     grey = Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
     key = im.info.get("transparency")
     if not isinstance(key, int):
