@@ -106,6 +106,9 @@ class Metrics:
     def step(self):
         pass
 
+    def unpause(self):
+        pass
+
     def log(self, record):
         self.records.append(record)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from train.runtime.metrics import Metrics, progress_line
 
 RECORD = {"step": 20, "epoch": 1, "loss": 0.123456, "lr": 1e-4, "grad_norm": 0.5, "step_time_s": 0.5,
@@ -102,3 +104,79 @@ def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
     with metrics.PeakMeter(torch.device("cpu")) as cpu:
         pass
     assert cpu.bytes is None and metrics.peak_memory_gb(torch.device("cpu")) == 0.0
+
+
+class _Clock:
+    """time.perf_counter's stand-in: advances only when a test says so."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, capsys):
+    """loop.train: a checkpoint save (50 s) and a validation render (100 s) after step 2 are not step time; every
+    step takes 1 s, and both windows' step_time_s, samples/s and ETA say so (before, the second said 76 s)."""
+    from types import SimpleNamespace
+
+    import torch
+    from test_fault_injection import Engine as _Engine
+    from test_fault_injection import Source
+
+    from train.config import Config, ProjectConfig
+    from train.runtime import metrics as metrics_module
+    from train.runtime.engine import Dist
+    from train.trainer import loop
+
+    clock = _Clock()
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=clock))
+
+    class Engine(_Engine):
+        def forward(self, hidden_states, **kwargs):
+            return (hidden_states.float() * self.weight,)
+
+        def step(self):
+            clock.t += 1.0  # one optimizer step of the stand-in takes 1 s
+            super().step()
+
+    def save(*args, **kwargs):
+        clock.t += 50.0
+
+    def render(step: int) -> None:
+        if step == 2:
+            clock.t += 100.0
+
+    monkeypatch.setattr(loop.checkpoint, "save", save)
+    cfg = Config(ProjectConfig(), deepspeed={"gradient_accumulation_steps": 1})
+    cfg.project.train.max_steps, cfg.project.output.log_every_steps, cfg.project.output.save_every_steps = 4, 2, 2
+    metrics = Metrics(tmp_path, total_steps=4, tensorboard=False, interactive=False)
+    loop.train(cfg, Dist(0, 1, 0, torch.device("cpu")), Engine(), Source(8), {}, metrics, {"variant": "edit"},
+               after_step=render)
+    metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["step_time_s"], r["samples_per_s"]) for r in records] == [(2, 1.0, 1.0), (4, 1.0, 1.0)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("step_time 1.000s | 1.00 samples/s | ETA 2s"), lines
+
+
+def test_terminal_bar_leaves_paused_time_out_of_its_rate(tmp_path):
+    """On a terminal, Metrics.unpause (called by the loop after a save or render) restarts tqdm's clock from its
+    last print: the bar's elapsed time and rate count the steps alone, so its ETA does not jump after a render."""
+    clock = _Clock()
+    metrics = Metrics(tmp_path, total_steps=10, tensorboard=False, interactive=True)
+    metrics.step()
+    bar = metrics.bar
+    bar._time, bar.mininterval = clock, 0  # tqdm reads its clock through _time
+    bar.start_t = bar.last_print_t = clock()
+    bar.last_print_n = bar.n
+    for _ in range(3):
+        clock.t += 1.0
+        metrics.step()
+    clock.t += 100.0  # a validation render
+    metrics.unpause()
+    clock.t += 1.0
+    metrics.step()
+    assert bar.format_dict["elapsed"] == 4.0 and bar.format_dict["rate"] == pytest.approx(1.0)
+    metrics.close()

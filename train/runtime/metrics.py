@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -169,6 +170,12 @@ class Metrics:
         if self._bar() is not None:
             self.bar.update(n)
 
+    def unpause(self) -> None:
+        """Work between two steps that is not training (a validation render, a checkpoint save) is over: the bar's
+        clock restarts from its last print (tqdm's unpause), so its rate and ETA leave that time out."""
+        if self.bar is not None:
+            self.bar.unpause()
+
     def log(self, record: dict) -> None:
         if self.gpu_monitor is not None:
             record = {**record, **self.gpu_monitor.window()}
@@ -246,6 +253,7 @@ def plot_loss(metrics_path: str | Path, out_path: str | Path, size: tuple[int, i
 
 class NullMetrics:
     def step(self, n: int = 1) -> None: ...
+    def unpause(self) -> None: ...
     def log(self, record: dict) -> None: ...
     def message(self, text: str) -> None: ...
     def image(self, tag: str, image, step: int) -> None: ...
@@ -264,6 +272,16 @@ class Throughput:
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.t0, 1e-9)
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Time spent inside is left out of the window (validation renders, checkpoint saves, exports between two
+        steps): step_time_s, samples/s and the ETA then describe training alone."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t0 += time.perf_counter() - start
 
     def read(self, steps: int) -> dict:
         elapsed = self.elapsed()

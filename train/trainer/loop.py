@@ -215,9 +215,11 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
             window.end_step(step, engine.was_step_applied(), metrics)
             if should_log(step, out, t.max_steps) and window.num_steps:
                 metrics.log(window.record(step, epoch, trainer_state["variant"], engine, source, d))
-            save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
-            if after_step is not None:
-                after_step(step)
+            with window.speed.excluded():  # saves and renders are not step time (the log's rate and ETA)
+                save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
+                if after_step is not None:
+                    after_step(step)
+            metrics.unpause()
             if step >= t.max_steps:
                 break
         epoch += 1

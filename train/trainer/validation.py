@@ -398,7 +398,7 @@ class Validator:
     def __call__(self, step: int) -> None:
         if not should_validate(step, self.cfg.project.validation, self.cfg.project.train.max_steps):
             return
-        images = self.render()
+        images = self.render(label=f"step {step}")
         if self.d.is_main:
             references = [self._references(q) for q in self.requests]
             grid = make_grid(references, {"before": self.before, f"step {step}": images},
