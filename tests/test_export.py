@@ -163,6 +163,20 @@ def test_exports_carry_metadata_and_the_users_permissions(lora_run, lora_exports
     assert max_diff(load_file(files[2]), load_file(files[4])) > 0  # step 2 is its own weights
 
 
+def test_exports_follow_a_non_default_umask(tmp_path):
+    """The umask is read without being changed (no moment at 0 for other threads' files), and an export written
+    under umask 027 is 0640: readable by the group, by nobody else."""
+    old = os.umask(0o027)
+    try:
+        assert exports.user_umask() == 0o027 and umask() == 0o027
+        path = exports.write_diffusers_lora({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 4),
+                                             "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(4, 2)},
+                                            tmp_path, alpha=2.0, rank=2)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, oct(path.stat().st_mode)
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.slow
 def test_export_agrees_with_deepspeeds_zero_to_fp32_script(lora_run, lora_exports, tmp_path):
     """DeepSpeed's own zero_to_fp32.py (copied next to the checkpoint) consolidates to the same tensors."""

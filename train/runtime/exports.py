@@ -246,13 +246,27 @@ def export_metadata(config: dict, variant: str, step: int) -> dict[str, str]:
             "qwen_edit.config_sha256": digest}
 
 
+def user_umask() -> int:
+    """The process's umask, read from /proc/self/status where Linux gives it: the only portable way to read it,
+    os.umask(0), sets it for a moment, and a file another thread (the metrics writer, a loader) creates then would
+    be world-writable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)  # set straight back
+    return mask
+
+
 def apply_umask(path: Path) -> None:
     """Give `path` (a file, or every file below a directory) the permissions the user's umask asks for: safetensors
     writes its files 0600 (through a private temporary file), which hides an export from the user's group."""
-    mask = os.umask(0)
-    os.umask(mask)  # reading the umask means setting it; set it straight back
+    mode = 0o666 & ~user_umask()
     for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
-        f.chmod(0o666 & ~mask)
+        f.chmod(mode)
 
 
 def write_diffusers_lora(layers: dict[str, torch.Tensor], out: str | Path, alpha: float, rank: int,
