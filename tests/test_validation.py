@@ -126,6 +126,27 @@ def test_make_grid_layout():
     assert (text_rows < 128).any() and captioned.getpixel((16, 16 + c + 8)) == (255, 0, 0)
 
 
+def test_make_grid_wraps_long_prompts():
+    """A prompt wider than the grid is broken at spaces over as many caption lines as it needs, each within the
+    grid, every word kept; the row under it moves down by those lines."""
+    from PIL import ImageDraw
+
+    red = Image.new("RGB", (32, 32), "red")
+    prompt = "replace the sky with a sunset over the sea and keep the face of the person exactly as it is"
+    lines = validation.caption_lines(prompt, 2 * 32 - 4)
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    assert len(lines) > 2 and " ".join(lines) == prompt
+    assert all(draw.textlength(line) <= 60 for line in lines)
+    assert validation.caption_lines("a-single-word-wider-than-the-grid", 10) == ["a-single-word-wider-than-the-grid"]
+    grid = validation.make_grid([[red], [red]], {"now": [red, red]}, [prompt, "short"])
+    c = validation.CAPTION
+    assert grid.size == (2 * 32, 16 + len(lines) * c + 32 + c + 32)
+    assert grid.getpixel((16, 16 + len(lines) * c + 8)) == (255, 0, 0)  # edit 1's reference under its lines
+    assert grid.getpixel((16, 16 + len(lines) * c + 32 + c + 8)) == (255, 0, 0)  # edit 2's under its one line
+    text = np.asarray(grid.convert("L"))[16:16 + len(lines) * c]
+    assert all((text[k * c:(k + 1) * c] < 128).any() for k in range(len(lines))), "a caption line is blank"
+
+
 def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
     """'before' images are saved once and reused while the edits and sampler settings stay the same; a resumed
     LoRA run without them renders the base (adapters off); a resumed full fine-tune leaves the column empty."""
