@@ -24,6 +24,9 @@ env_defaults() {
   export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}            # weights come from local directories only
   export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
   export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}        # NVLink SHARP off: unsupported on many shared hosts
+  # DeepSpeed's CPU ops compile under torch's extensions folder, which is keyed on Python and CUDA but not on the
+  # venv: two venvs sharing ~/.cache/torch_extensions rebuild each other's op (minutes each time). One per venv.
+  if [ "$PY" = "$VENV/bin/python" ]; then export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}; fi
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}        # no GPU: DeepSpeed's CPU accelerator with gloo
   fi
@@ -32,7 +35,7 @@ env_defaults() {
     local env_file
     env_file=$(mktemp "${TMPDIR:-/tmp}/qwen-edit-env.XXXXXX")
     for f in "$HOME/.deepspeed_env" ./.deepspeed_env; do [ -f "$f" ] && cat "$f" >> "$env_file"; done
-    for name in HF_HUB_OFFLINE TRANSFORMERS_OFFLINE NCCL_NVLS_ENABLE DS_ACCELERATOR; do
+    for name in HF_HUB_OFFLINE TRANSFORMERS_OFFLINE NCCL_NVLS_ENABLE DS_ACCELERATOR TORCH_EXTENSIONS_DIR; do
       if [ -n "${!name:-}" ] && ! grep -q "^$name=" "$env_file"; then echo "$name=${!name}" >> "$env_file"; fi
     done
     export DS_ENV_FILE=$env_file

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -33,7 +35,7 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
                                "    print('held', flush=True)\n    time.sleep(600)\n"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert first_line(holder, timeout=120) == "held"
         with pytest.raises(outdir.OutputDirError, match=f"pid {holder.pid} "):
             with outdir.claim(tmp_path, resume=True, overwrite=False, holder=True):
                 pass
@@ -124,9 +126,11 @@ def test_two_runs_on_one_directory(tiny_edit, tmp_path):
 
 _NODE_RANK = """
 import os, sys
+import datetime
 import torch, torch.distributed as dist
 from train.runtime import engine, outdir
-dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RANK"]), world_size=4)
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RANK"]), world_size=4,
+                        timeout=datetime.timedelta(seconds=120))  # a rank that never comes fails the test
 d = engine.Dist(dist.get_rank(), 4, int(os.environ["LOCAL_RANK"]), torch.device("cpu"))
 ds = {"checkpoint": {"use_node_local_storage": sys.argv[3] == "node_local"}}
 try:
@@ -140,22 +144,36 @@ dist.destroy_process_group()
 """
 
 
+_RENDEZVOUS = itertools.count()
+
+
 def run_two_nodes(tmp_path, storage: str, release: bool = True) -> tuple[list[subprocess.Popen], list[str]]:
     """4 ranks over gloo as two 'nodes' of 2 (ranks 0-1 and 2-3), each node's ranks given their own output
-    directory (as node-local disks have one path but two contents); returns the processes and first lines."""
-    store = f"file://{tmp_path / 'rendezvous'}"
+    directory (as node-local disks have one path but two contents); returns the processes and first lines.
+    Each call gets its own rendezvous file: torch's FileStore can leave its file behind, and a later group that
+    reads the earlier one's keys waits for ranks that are gone."""
+    store = f"file://{tmp_path / f'rendezvous{next(_RENDEZVOUS)}'}"
     procs = [subprocess.Popen([sys.executable, "-c", _NODE_RANK, store, str(tmp_path / f"node{rank // 2}"), storage],
                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank),
                                    "LOCAL_RANK": str(rank % 2)}) for rank in range(4)]
-    lines = [p.stdout.readline().strip() for p in procs]
+    lines = [first_line(p, timeout=300) for p in procs]
     return procs, lines
+
+
+def first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The process's first line of output, or "" when it prints none in `timeout` s (it is then killed)."""
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        proc.kill()
+        return ""
+    return proc.stdout.readline().strip()
 
 
 def end(procs: list[subprocess.Popen]) -> None:
     for p in procs:
-        p.stdin.write("\n")
-        p.stdin.flush()
+        if p.poll() is None:
+            p.stdin.write("\n")
+            p.stdin.flush()
     for p in procs:
         assert p.wait(timeout=120) == 0
 
