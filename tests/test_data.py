@@ -16,7 +16,17 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from train.data.pairs import BadRowsError, EditDataset, Row, build_loader, check_row, collate, preflight, read_rows
+from train.data.pairs import (
+    BadRowsError,
+    EditDataset,
+    Row,
+    build_loader,
+    check_row,
+    collate,
+    misfit,
+    preflight,
+    read_rows,
+)
 from train.model import conditioning
 
 AREA = 64 * 64
@@ -365,6 +375,55 @@ def test_preflight_names_pairs_whose_aspect_ratios_cannot_align(tmp_path, capsys
     kept = preflight(write_jsonl(tmp_path, rows), "edit_plus", "stop")
     out = capsys.readouterr().out
     assert len(kept) == 3
-    assert "data: 2 row(s) whose target and reference aspect ratios differ by more than 1%" in out
-    assert "row 2 (t2.png 64x64): reference 1 r2_0.png 64x60" in out
-    assert "row 3 (t3.png 64x64): reference 2 r3_1.png 100x64" in out and "row 1 " not in out
+    assert "data: 2 reference(s) cannot align pixel for pixel with their target (aspect ratios more than 1%" in out
+    assert "row 2 (t2.png 64x64): reference 1 r2_0.png 64x60: aspect ratio +6.7% off the target's" in out
+    assert "row 3 (t3.png 64x64): reference 2 r3_1.png 100x64: aspect ratio +56.2% off" in out and "row 1 " not in out
+
+
+def test_misfit_compares_the_resized_lattices():
+    """Same size, or the same ratio at another resolution, aligns; ratios 0.5% apart that round to different sizes
+    at data.area (200x128 -> 64x64, 201x128 -> 96x64 at 64^2) do not, nor do ratios more than 1% apart."""
+    area = 64 * 64
+    assert misfit((200, 128), (200, 128), area) is None and misfit((200, 128), (400, 256), area) is None
+    assert misfit((200, 128), (201, 128), None) is None  # without data.area only the ratios are compared
+    assert misfit((200, 128), (201, 128), area) == ("resizes to 96x64, the target to 64x64 (their aspect ratios "
+                                                    "round to different sizes)")
+    assert misfit((64, 64), (64, 60), area) == "aspect ratio +6.7% off the target's"
+
+
+def test_misaligned_pairs_listed_in_full_next_to_the_report(tmp_path, capsys):
+    """With data.area the pre-flight also flags pairs resized onto different lattices; the console names the first
+    ones, misaligned_rows.txt (next to bad_rows.txt) all of them, and a later run whose pairs align removes it."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    rows = [good(data, i) for i in range(1, 14)]
+    for i in range(1, 13):  # plain images: only their sizes matter
+        Image.new("RGB", (200, 128)).save(data / f"t{i}.png")
+        Image.new("RGB", (201, 128)).save(data / f"r{i}_0.png")
+    preflight(write_jsonl(data, rows), "edit", "stop", report_path=out / "bad_rows.txt", area=64 * 64)
+    console = capsys.readouterr().out
+    listed = (out / "misaligned_rows.txt").read_text().splitlines()
+    assert len(listed) == 12 and listed[11] == ("row 12 (t12.png 200x128): reference 1 r12_0.png 201x128: resizes "
+                                                "to 96x64, the target to 64x64 (their aspect ratios round to "
+                                                "different sizes)")
+    assert "data: 12 reference(s) cannot align" in console and f"all listed in {out / 'misaligned_rows.txt'}" in console
+    assert "row 10 (t10.png" in console and "row 11 (t11.png" not in console and "... and 2 more" in console
+    assert not (out / "bad_rows.txt").exists() and "row 13 " not in console
+    preflight(write_jsonl(data, rows[12:]), "edit", "stop", report_path=out / "bad_rows.txt", area=64 * 64)
+    assert not (out / "misaligned_rows.txt").exists() and "cannot align" not in capsys.readouterr().out
+
+
+def test_rotated_phone_reference_aligns_with_its_upright_target(tmp_path, capsys):
+    """A phone JPEG stored 48x32 with EXIF orientation 6 is shown 32x48: as the reference of an upright 32x48 PNG it
+    is a same-size pair (not flagged, same tensor shape), though the stored sizes differ."""
+    stored = Image.new("RGB", (48, 32), (200, 30, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "phone.jpg", exif=exif.tobytes())
+    png(tmp_path / "upright.png", size=(32, 48))
+    rows = [{"image": "upright.png", "edit_image": "phone.jpg", "prompt": "tidy"}]
+    kept = preflight(write_jsonl(tmp_path, rows), "edit", "stop", area=32 * 48)
+    assert kept[0].sizes == [(32, 48), (32, 48)] and "cannot align" not in capsys.readouterr().out
+    sample = EditDataset(tmp_path, kept, "edit", 32 * 48, 32 * 48)[0]
+    (_, height, width) = sample["target"].shape
+    assert sample["reference_pixels"][0].shape == sample["target"].shape and height > width

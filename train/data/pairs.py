@@ -5,6 +5,8 @@ separated by ';') and `prompt`; a row without `edit_image` is a text-to-image sa
 an edit model trains on it without a reference). Paths are relative to the data folder. Every row is checked before
 training (each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
 each row and file, or are skipped and counted when data.bad_rows = "skip". Nothing is dropped silently.
+Pairs whose reference cannot land pixel for pixel on the target's resized lattice are named too (they train:
+a reframing edit is legitimate), all of them in misaligned_rows.txt next to the report.
 
 Before the checks, prompts are processed (train/data/prompts.py: normalised, mapped, blocked rows dropped or kept)
 and rows without a `category` value get one from data.category_rules. The loader's batch sampler
@@ -162,31 +164,78 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
         where = f"listed in {report_path}" if report_path is not None else "not written (no report path)"
         print0(f"data: bad_rows = \"skip\": {num_skipped} of {len(rows) + num_unparsed} rows left out "
                f"({len(problems)} problem(s), {where}); {len(good)} rows train", rank=rank)
-    for line in misaligned(good):
-        print0(f"data: {line}", rank=rank)
+    report_alignment(misaligned(good, area), report_path, rank)
     return good
 
 
+def report_alignment(found: list[str], report_path: Path | None, rank: int) -> None:
+    """Name the pairs that cannot align on the console; rank 0 writes all of them next to the bad-rows report
+    (`report_path`), and removes an earlier run's list when every pair aligns."""
+    path = None if report_path is None else report_path.parent / MISALIGNED_REPORT
+    if path is not None and rank == 0:
+        if found:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(found) + "\n")
+        else:
+            path.unlink(missing_ok=True)
+    for line in alignment_report(found, path):
+        print0(f"data: {line}", rank=rank)
+
+
 ALIGN_TOLERANCE = 0.01  # aspect ratios this far apart shift the far edge by 1% of the side (10 px at 1024)
+MISALIGNED_REPORT = "misaligned_rows.txt"  # next to the bad-rows report: every pair that cannot align
 
 
-def misaligned(rows: list[Row], limit: int = 10) -> list[str]:
-    """Report lines for rows whose target and a reference have different aspect ratios: both are resized to the
-    same area keeping their own ratio, so a pixel of one does not land on the same content of the other (the
-    model then learns a shift or zoom). Expected when the edit changes the framing (F2P: a face crop -> a full
-    photo); otherwise crop or pad the pair to one size. [] when every pair aligns."""
+def _resized(size: tuple[int, int], area: int | None) -> tuple[int, int] | None:
+    return None if area is None else conditioning.dimensions(area, types.SimpleNamespace(width=size[0],
+                                                                                        height=size[1]))
+
+
+def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None) -> str | None:
+    """Why a reference (width, height) cannot land pixel for pixel on its target's resized lattice, or None.
+
+    Both are resized to about `area` keeping their own aspect ratio, sides rounded to multiples of 32 (the
+    pipelines' sizing; at inference the output takes the reference's size). They align when the ratios agree and
+    the two roundings give one size: a same-size pair always does, and so does a reference of the same ratio at
+    another resolution. Ratios more than ALIGN_TOLERANCE apart stretch one against the other; ratios that round
+    to different sizes (near a rounding step) differ by one 32-px step in a side, a shift of up to 32 px at the
+    far edge."""
+    ratio = (reference[0] / reference[1]) / (target[0] / target[1]) - 1
+    if abs(ratio) > ALIGN_TOLERANCE:
+        return f"aspect ratio {ratio:+.1%} off the target's"
+    resized, target_resized = _resized(reference, area), _resized(target, area)
+    if resized != target_resized:
+        return (f"resizes to {resized[0]}x{resized[1]}, the target to {target_resized[0]}x{target_resized[1]} "
+                "(their aspect ratios round to different sizes)")
+    return None
+
+
+def misaligned(rows: list[Row], area: int | None = None) -> list[str]:
+    """One line per row whose target and a reference cannot align (see `misfit`; the lattice is compared when
+    `area`, data.area, is given): the model would learn a shift or zoom as part of the edit. Expected when the
+    edit changes the framing (F2P: a face crop -> a full photo); otherwise crop or pad the pair to one size."""
     found = []
     for row in rows:
-        (tw, th), *refs = row.sizes or [(1, 1)]
-        bad = [k + 1 for k, (w, h) in enumerate(refs) if abs((w / h) / (tw / th) - 1) > ALIGN_TOLERANCE]
-        if bad:
-            found.append(f"row {row.line} ({row.target} {tw}x{th}): reference {', '.join(map(str, bad))} "
-                         + ", ".join(f"{row.references[k - 1]} {refs[k - 1][0]}x{refs[k - 1][1]}" for k in bad))
+        if not row.sizes:  # unchecked here: another rank's share when no process group is up
+            continue
+        (tw, th), *refs = row.sizes
+        for k, (name, size) in enumerate(zip(row.references, refs, strict=True)):
+            why = misfit((tw, th), size, area)
+            if why:
+                found.append(f"row {row.line} ({row.target} {tw}x{th}): reference {k + 1} {name} "
+                             f"{size[0]}x{size[1]}: {why}")
+    return found
+
+
+def alignment_report(found: list[str], report_path: Path | None, limit: int = 10) -> list[str]:
+    """Console lines naming the first `limit` misaligned pairs and where the full list is; [] when none."""
     if not found:
         return []
-    head = (f"{len(found)} row(s) whose target and reference aspect ratios differ by more than "
-            f"{ALIGN_TOLERANCE:.0%}: their resized pixels cannot align (expected when the edit reframes, e.g. "
-            "F2P's face crop -> photo; otherwise crop or pad both images of a pair to one size):")
+    where = f"; all listed in {report_path}" if report_path is not None else ""
+    head = (f"{len(found)} reference(s) cannot align pixel for pixel with their target (aspect ratios more than "
+            f"{ALIGN_TOLERANCE:.0%} apart, or resized to different sizes): the model learns the shift or zoom as "
+            "part of the edit. Expected when the edit reframes (F2P's face crop -> photo); otherwise crop or pad "
+            f"both images of a pair to one size{where}:")
     more = [f"  ... and {len(found) - limit} more"] if len(found) > limit else []
     return [head, *(f"  {f}" for f in found[:limit]), *more]
 

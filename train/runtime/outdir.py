@@ -8,7 +8,7 @@
   resume it, pick a new directory, or pass --overwrite to delete that run's files first.
 - The run's own files (config.json, metrics, the deletion asked for by --overwrite) are written only once every
   check has passed and the model, data and engine are built (`start_writing`); a start that fails leaves the
-  directory as it was (the pre-flight's bad_rows.txt report aside).
+  directory as it was (the pre-flight's bad_rows.txt and misaligned_rows.txt reports aside).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from train.runtime import engine
 
 LOCK_FILE = ".lock"
 # What a run leaves in its directory (besides global_step*); the cache (OUTPUT/cache, built beforehand by
-# python -m train.cache) and the pre-flight's bad_rows.txt do not make a directory used.
+# python -m train.cache) and the pre-flight's reports (bad_rows.txt, misaligned_rows.txt) do not make a directory
+# used.
 RUN_FILES = ("latest", "config.json", "metrics.jsonl", "summary.json", "export", "tensorboard", "validation")
 
 
