@@ -180,3 +180,65 @@ def test_terminal_bar_leaves_paused_time_out_of_its_rate(tmp_path):
     metrics.step()
     assert bar.format_dict["elapsed"] == 4.0 and bar.format_dict["rate"] == pytest.approx(1.0)
     metrics.close()
+
+
+def test_progress_off_a_terminal_prints_whole_lines(monkeypatch):
+    """metrics.progress (the cache build's and train.infer's bar): off a terminal, tqdm's own text as one plain line
+    per refresh (every interval_s and at the end), no carriage return; on a terminal, tqdm's bar as it is."""
+    import io
+
+    from tqdm import tqdm
+
+    from train.runtime import metrics as metrics_module
+
+    clock = _Clock()
+    log = io.StringIO()
+    bar = metrics_module.progress(desc="encoding", unit="sample", total=100, file=log, interval_s=30.0)
+    bar._time = clock
+    bar.start_t = bar.last_print_t = clock()
+    for _ in range(100):
+        clock.t += 1.0  # a sample a second: a line at 30, 60, 90 s, and the last one
+        bar.update()
+    bar.close()
+    lines = log.getvalue().split("\n")
+    assert "\r" not in log.getvalue() and lines[-1] == ""
+    assert [line.split("|")[0] for line in lines[:-1]] == ["encoding:   0%", "encoding:  30%", "encoding:  60%",
+                                                          "encoding:  90%", "encoding: 100%"], lines
+    assert lines[-2].endswith("100/100 [01:40<00:00,  1.00sample/s]")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    on_terminal = metrics_module.progress(desc="encoding", unit="sample", total=3, file=Terminal())
+    assert type(on_terminal) is tqdm
+    on_terminal.close()
+
+
+def test_library_bars_turned_off_only_off_a_terminal(monkeypatch):
+    """transformers' and diffusers' bars (loading weights) stay on a terminal and are turned off in a log."""
+    import io
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    from train.runtime.metrics import library_bars_off_terminal
+
+    calls = []
+    monkeypatch.setattr(transformers_logging, "disable_progress_bar", lambda: calls.append("transformers"))
+    monkeypatch.setattr(diffusers_logging, "disable_progress_bar", lambda: calls.append("diffusers"))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert not library_bars_off_terminal(Terminal()) and calls == []
+    assert library_bars_off_terminal(io.StringIO()) and calls == ["transformers", "diffusers"]
+
+
+def test_readme_shows_the_plain_progress_line():
+    """README's Console paragraph quotes the line progress_line prints for RECORD."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"`{progress_line(RECORD, 200)}`" in readme

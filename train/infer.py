@@ -28,7 +28,7 @@ import torch
 from train import config
 from train.model import components, lora_io, memory, pipelines
 from train.runtime import engine, gpumon
-from train.runtime.metrics import prefix_rank_output, print0
+from train.runtime.metrics import prefix_rank_output, print0, progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,11 +110,9 @@ def output_path(out_dir: str, request: pipelines.EditRequest) -> Path:
 
 def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settings, d: engine.Dist):
     """Render and write every request of `todo`; returns (written, bad rows as (line, problem))."""
-    from tqdm import tqdm
-
     written, bad = 0, []
-    for request in tqdm(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
-                        file=sys.stdout, dynamic_ncols=True):
+    for request in progress(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
+                            file=sys.stdout):
         problem = pipelines.check_request(request, variant, settings.inference.area,
                                           settings.inference.condition_area, getattr(pipe, "processor", None))
         if problem is None:

@@ -35,7 +35,7 @@ from train import config
 from train.data import pairs, sources
 from train.model import components, conditioning, memory
 from train.runtime import engine
-from train.runtime.metrics import print0
+from train.runtime.metrics import print0, progress
 
 INDEX = "index.json"
 FORMAT = 3  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py;
@@ -166,12 +166,10 @@ def _prepare_dir(directory: Path, d: engine.Dist) -> None:
 def encode_share(directory: Path, dataset, encoders: components.Encoders, variant: str, d: engine.Dist,
                  num_workers: int = 0) -> list[dict]:
     """Encode dataset items rank, rank + world, ... into this rank's shard parts; their index records."""
-    from tqdm import tqdm
-
     share = torch.utils.data.Subset(dataset, range(d.rank, len(dataset), d.world_size))
     loader = torch.utils.data.DataLoader(share, batch_size=1, num_workers=num_workers, collate_fn=pairs.collate)
     records, tensors, pending, part = [], {}, [], 0
-    for raw in tqdm(loader, desc="encoding", unit="sample", disable=not d.is_main, dynamic_ncols=True):
+    for raw in progress(loader, desc="encoding", unit="sample", disable=not d.is_main):
         b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
         line, dtype = raw["lines"][0], b.cond.reference_tokens.dtype
         sample = {"x0": b.x0[0].to(dtype), "ref": b.cond.reference_tokens[0], "embeds": b.cond.prompt_embeds[0]}

@@ -33,12 +33,63 @@ class _Prefixed:
 
 
 def prefix_rank_output(environ=None) -> None:
-    """Tag every stdout/stderr line of a non-zero rank with its rank and node (launcher env variables)."""
+    """Tag every stdout/stderr line of a non-zero rank with its rank and node (launcher env variables); every command
+    calls it first. Off a terminal, the libraries' own progress bars are turned off too (library_bars_off_terminal)."""
+    library_bars_off_terminal()
     env = os.environ if environ is None else environ
     rank = int(env.get("RANK", "0"))
     if rank != 0:
         prefix = f"[rank {rank} node {env.get('CROSS_RANK', '0')}] "
         sys.stdout, sys.stderr = _Prefixed(sys.stdout, prefix), _Prefixed(sys.stderr, prefix)
+
+
+def library_bars_off_terminal(stream=None) -> bool:
+    """Turn transformers' and diffusers' own progress bars off (loading weights, pipeline components) when `stream`
+    (sys.stderr, where they draw) is not a terminal: in a log each of their redraws would join one long line. True
+    when they were turned off."""
+    stream = sys.stderr if stream is None else stream
+    if stream.isatty():
+        return False
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # also huggingface_hub's
+    diffusers_logging.disable_progress_bar()
+    return True
+
+
+def _tqdm_lines():
+    """tqdm printing a whole line per refresh instead of redrawing one (tqdm's documented way: override display)."""
+    from tqdm import tqdm
+
+    class LineTqdm(tqdm):
+        def display(self, msg=None, pos=None):
+            if msg == "":  # tqdm clearing its line on close: there is no line to clear in a log
+                return False
+            self.fp.write(f"{self if msg is None else msg}\n")
+            self.fp.flush()
+            return True
+
+        def close(self):
+            if not self.disable and self.n != self.last_print_n:
+                self._ema_dt = lambda: None  # the last line's rate: the whole run's mean, as tqdm's own close
+                self.display()
+            super().close()
+
+    return LineTqdm
+
+
+def progress(iterable=None, *, desc: str, unit: str, total: int | None = None, disable: bool = False, file=None,
+             interval_s: float = 30.0):
+    """A tqdm bar over `iterable` on `file` (default sys.stderr, as tqdm's) when that is a terminal; elsewhere (a
+    log, a pipe, a batch job) the same tqdm text as one plain line every `interval_s` seconds and at the end."""
+    file = sys.stderr if file is None else file
+    if file.isatty():
+        from tqdm import tqdm
+
+        return tqdm(iterable, desc=desc, unit=unit, total=total, disable=disable, file=file, dynamic_ncols=True)
+    return _tqdm_lines()(iterable, desc=desc, unit=unit, total=total, disable=disable, file=file, leave=False,
+                         mininterval=interval_s, maxinterval=interval_s)
 
 
 def print0(*args, rank: int = 0, **kwargs) -> None:
