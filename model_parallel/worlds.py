@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.plan import Placement, Plan
+from train.runtime import engine
 
 
 @dataclass
@@ -51,7 +52,8 @@ def init_worlds(plan: Plan, me: Placement, timeout_s: int) -> Links:
     timeout = timedelta(seconds=timeout_s)
     env = os.environ
     world_size = int(env["WORLD_SIZE"])
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, me.rank == 0, timeout=timeout)
+    with engine.rendezvous_port():  # a taken port: one line naming --master_port
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, me.rank == 0, timeout=timeout)
     backend = "nccl" if me.device.startswith("cuda") else "gloo"
     role = "encoder" if me.is_encoder else "decoder"
     dist.init_process_group(backend, store=dist.PrefixStore(f"{role}/", store), rank=me.role_rank,

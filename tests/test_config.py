@@ -124,6 +124,20 @@ def test_minimal_setup_is_valid(setup):
     assert PROJECT_KEY not in config.deepspeed
 
 
+def test_relative_paths_are_relative_to_the_working_directory(setup, monkeypatch):
+    """README "Training your model": a relative path in the JSON is read from the directory the command starts
+    in, not from the JSON file's folder."""
+    setup.set(q("model.path"), "model").set(q("data.path"), "data").set(q("output.dir"), "out")
+    (setup.root / "configs").mkdir()
+    cfg = setup.root / "configs" / "run.json"
+    cfg.write_text(json.dumps(setup.raw))
+    monkeypatch.chdir(setup.root)
+    assert load_config(parse_args(["--ds_config", str(cfg)]), 1, False).project.model.path == "model"
+    monkeypatch.chdir(cfg.parent)  # the JSON's own folder has no model/
+    with pytest.raises(ConfigError, match="model.path: 'model' has no model_index.json"):
+        load_config(parse_args(["--ds_config", str(cfg)]), 1, False)
+
+
 # --- the file itself ----------------------------------------------------------------------------------------------
 
 

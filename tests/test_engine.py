@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from train.runtime.engine import plain_arch_list
@@ -62,26 +64,61 @@ def test_multi_tensor_grad_checks_equal_deepspeeds(monkeypatch, poison):
         assert norm.item() == reference.item() == -1.0  # DeepSpeed's mark of an invalid norm
 
 
-def test_taken_master_port_is_one_line_naming_the_fix(tiny_edit, tmp_path, monkeypatch, capsys):
-    """A rendezvous port that another process holds ends train/main.py with exit 2 and one line naming
-    --master_port, not a c10d traceback."""
+def _entry_point(name: str, tiny, tmp_path) -> tuple[object, list[str]]:
+    """The command `name` and arguments that reach its rendezvous (train.main's model_parallel: a world of 2)."""
+    from conftest import TINY_CONFIG, write_config
+
+    from train import cache, infer, main
+
+    common = ["--model", str(tiny / "model"), "--data", str(tiny / "data"), "--output_dir", str(tmp_path / "out")]
+    if name == "infer":
+        row = {"edit_image": str(tiny / "data" / "0000_ref.png"), "prompt": "make the circle red"}
+        (tmp_path / "edits.jsonl").write_text(json.dumps(row) + "\n")
+        return infer, ["--model", str(tiny / "model"), "--input", str(tmp_path / "edits.jsonl"),
+                       "--out", str(tmp_path / "pictures")]
+    if name == "model_parallel":
+        mp = write_config(tmp_path / "mp.json", **{"qwen_edit.parallel": {"mode": "model_parallel",
+                                                                         "stages": ["cpu", "cpu"]}})
+        return main, ["--ds_config", str(mp), *common]
+    return {"main": main, "cache": cache}[name], ["--ds_config", str(TINY_CONFIG), *common]
+
+
+@pytest.mark.parametrize("name", ["main", "cache", "infer", "model_parallel"])
+def test_taken_master_port_is_one_line_naming_the_fix(name, tiny_edit, tmp_path, monkeypatch, capsys):
+    """A rendezvous port that another process holds ends train.main (both parallel modes), train.cache and
+    train.infer with exit 2 and one line naming --master_port, not a c10d traceback."""
     import socket
 
-    from conftest import TINY_CONFIG
-
-    from train import main
-
+    command, argv = _entry_point(name, tiny_edit, tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         # as the launcher sets them (monkeypatch restores them: init_distributed fills them in otherwise)
-        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(port)).items():
-            monkeypatch.setenv(name, value)
-        code = main.main(["--ds_config", str(TINY_CONFIG), "--model", str(tiny_edit / "model"),
-                          "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out")])
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2" if name == "model_parallel" else "1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            monkeypatch.setenv(key, value)
+        code = command.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
+    assert code == 2, err
     assert err[-1].startswith(f"error: port {port} (the launcher's --master_port, default 29500) is already in use")
-    assert "deepspeed --master_port" in err[-1] and "Traceback" not in "\n".join(err)
+    assert "deepspeed --master_port " in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_taken_port_without_the_launcher_names_master_port(monkeypatch):
+    """A plain `python train/main.py` takes its port from MASTER_PORT: the line names that variable instead."""
+    import socket
+
+    import torch.distributed as dist
+
+    from train.runtime import engine
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(engine.PortInUseError, match=rf"^port {port} \(MASTER_PORT\) is already in use.*"
+                           r"MASTER_PORT=\d+ python \.\.\., or leave MASTER_PORT unset$"):
+            with engine.rendezvous_port(launched=False):
+                dist.TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)

@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(), check_parallel=check_parallel)
     except config.ConfigError as e:
         return engine.refuse_early(e, rank)
-    d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
+    try:
+        d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
+    except engine.PortInUseError as e:
+        return engine.refuse_early(e, rank)
     code = 0
     try:
         variant = components.detect_variant(cfg.project.model.path, cfg.project.model.variant)

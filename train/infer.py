@@ -179,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print0("error: " + "\n  - ".join(["invalid arguments:", *problems]), rank=rank, file=sys.stderr)
         return 2
-    d = engine.init_distributed(settings.parallel.collective_timeout_s)
+    try:
+        d = engine.init_distributed(settings.parallel.collective_timeout_s)
+    except engine.PortInUseError as e:
+        return engine.refuse_early(e, rank)
     code = run(args, settings, d)
     engine.teardown()  # not after a crash: the other ranks would wait in it (the launcher stops them instead)
     return code

@@ -41,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
     except components.ModelError as e:
         return engine.refuse_early(e, rank)
-    if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
-        import model_parallel
-
-        return model_parallel.main(cfg, args.resume, args.overwrite)
     try:
+        if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
+            import model_parallel
+
+            return model_parallel.main(cfg, args.resume, args.overwrite)
         d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)
-    except engine.PortInUseError as e:
+    except engine.PortInUseError as e:  # raised before the ranks connect (model_parallel: by its worlds)
         return engine.refuse_early(e, rank)
     code = 0
     try:

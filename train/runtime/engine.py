@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -71,10 +72,28 @@ class PortInUseError(RuntimeError):
     """The rendezvous port is taken; the message names the flag that picks another."""
 
 
+@contextmanager
+def rendezvous_port(launched: bool = True):
+    """Turn c10d's error for a taken MASTER_PORT (rank 0's TCPStore cannot bind it: EADDRINUSE, a long traceback)
+    into a PortInUseError naming the fix. `launched`: under the deepspeed launcher (its --master_port) rather than
+    a plain `python ...` that reads MASTER_PORT from the environment."""
+    try:
+        yield
+    except torch.distributed.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        port, free = os.environ.get("MASTER_PORT", "?"), _free_port()
+        fix = (f"pass another one, e.g. deepspeed --master_port {free} ... (or bash launch.sh --master_port {free} ...)"
+               if launched else f"set another one, e.g. MASTER_PORT={free} python ..., or leave MASTER_PORT unset")
+        what = "the launcher's --master_port, default 29500" if launched else "MASTER_PORT"
+        raise PortInUseError(f"port {port} ({what}) is already in use, likely by another training run; {fix}") from e
+
+
 def init_distributed(timeout_s: int = 600) -> Dist:
     """Set the device, then the process group; a plain `python train/main.py` becomes a world of one."""
     prepare_environment()
-    if "RANK" not in os.environ:  # not under a launcher
+    launched = "RANK" in os.environ
+    if not launched:  # a plain `python train/main.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -87,16 +106,9 @@ def init_distributed(timeout_s: int = 600) -> Dist:
     from deepspeed.accelerator import get_accelerator
 
     # The timeout bounds how long survivors wait in a collective for a rank that died (e.g. on another node).
-    try:
+    with rendezvous_port(launched):
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False,
                                    timeout=timedelta(seconds=timeout_s))
-    except torch.distributed.DistNetworkError as e:
-        if "EADDRINUSE" not in str(e):
-            raise
-        raise PortInUseError(
-            f"port {os.environ['MASTER_PORT']} (the launcher's --master_port, default 29500) is already in use, "
-            "likely by another training run; pass another one, e.g. deepspeed --master_port "
-            f"{_free_port()} ... (or bash launch.sh --master_port N ...)") from e
     release_shm_buffer()
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 
