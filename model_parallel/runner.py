@@ -281,8 +281,8 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
         else:
             import deepspeed
 
+            engine.skip_cpu_shm_op()
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)  # adopts it
-            engine.release_shm_buffer()
             # decoder rank 0 writes the run's files, so it holds the directory (a collective of the decoders)
             with outdir.claim(cfg.project.output.dir, resume is not None, overwrite,
                               outdir.is_holder(cfg.deepspeed, d)):

@@ -34,14 +34,16 @@ def zero2_run(tiny_edit, tmp_path_factory) -> Path:
 
 
 def test_zero2_leaves_no_shared_memory(zero2_run):
-    """DeepSpeed's CPU all-reduce buffers (64 MiB per rank in /dev/shm) are unlinked
-    (train.runtime.engine.release_shm_buffer); before, every CPU launch leaked them until the machine ran out of
-    memory."""
+    """A CPU launch neither builds nor loads DeepSpeed's shared-memory all-reduce op
+    (train.runtime.engine.skip_cpu_shm_op), so it maps none of its 64 MiB per-rank /dev/shm buffers, which
+    DeepSpeed never unlinks: before, every CPU launch leaked them until the machine ran out of memory, and the
+    op's JIT build cost minutes whenever torch's extension cache looked stale."""
     port = (zero2_run / "master_port").read_text()
     shm = Path("/dev/shm")
     assert shm.is_dir()  # Linux: where DeepSpeed's shm op puts them
     left = [p.name for p in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
     assert not left, left
+    assert "deepspeed_shm_comm" not in (zero2_run / "stdout.txt").read_text()  # 'built successfully' when loaded
 
 
 def test_zero2_loss_falls(zero2_run):

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
@@ -105,33 +104,28 @@ def init_distributed(timeout_s: int = 600) -> Dist:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    skip_cpu_shm_op()
     # The timeout bounds how long survivors wait in a collective for a rank that died (e.g. on another node).
     with rendezvous_port(launched):
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False,
                                    timeout=timedelta(seconds=timeout_s))
-    release_shm_buffer()
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 
 
-SHM_DIR = Path("/dev/shm")
+def skip_cpu_shm_op() -> None:
+    """Keep DeepSpeed's shared-memory all-reduce op out of CPU runs; a no-op on GPUs.
 
-
-def release_shm_buffer() -> None:
-    """Unlink this rank's /dev/shm buffer of DeepSpeed's CPU all-reduce once every rank has mapped it.
-
-    On the CPU accelerator deepspeed.init_distributed creates deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}
-    (64 MiB) per rank, maps every rank's, and never removes the name: each CPU launch leaked 64 MiB per rank, and
-    a day of test runs filled a 24 GB machine's /dev/shm until processes stalled. When init_distributed returns
-    on every rank (the barrier), all mappings exist and nothing opens the name again, so it can go now: the memory
-    is freed when the last process unmaps it, also after a crash or a kill. A collective; a no-op on GPUs.
-    """
-    if torch.cuda.is_available() or not torch.distributed.is_initialized():
+    On the CPU accelerator every deepspeed.init_distributed JIT-compiles (minutes on 2 cores, again whenever
+    torch's extension cache looks stale) and loads deepspeed_shm_comm, and maps a 64 MiB /dev/shm buffer per rank
+    that it never unlinks. Its one user is deepspeed.comm.inference_all_reduce, which training never calls: the
+    engine's gradient all-reduce is torch.distributed's (gloo) either way. build_shm_op returns None for an op
+    that deepspeed.ops.__compatible_ops__ marks incompatible, so no build, no load and no buffer."""
+    if torch.cuda.is_available():
         return
-    torch.distributed.barrier()
-    env = os.environ
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_{env.get('MASTER_PORT', '')}_"
-            f"{torch.distributed.get_rank()}")
-    (SHM_DIR / name).unlink(missing_ok=True)
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
