@@ -187,6 +187,22 @@ def test_changed_resolution_is_refused(built, tmp_path):
     assert "python -m train.cache" in message and "delete" in message
 
 
+def test_snapped_sizes_are_a_dependency_and_older_caches_count_as_unsnapped(built):
+    """At micro-batch > 1 the images are cropped to snapped aspect ratios (data.bucket_aspect_steps), so a cache
+    built at micro-batch 1 is refused there, naming the key; an index from before the key was recorded stands for
+    the pipelines' sizes (0), as every such cache was built."""
+    cfg, variant, rows, dataset, index = built
+    cfg.deepspeed["train_micro_batch_size_per_gpu"] = 2
+    try:
+        message = refusal(cfg, variant, rows, dataset)
+    finally:
+        cfg.deepspeed["train_micro_batch_size_per_gpu"] = 1
+    assert f"{latent_cache.SNAP_KEY}: cache '0', now '8'" in message
+    wanted = latent_cache.dependencies(cfg, variant, rows, torch.float32)
+    older = {**index, "depends_on": {k: v for k, v in index["depends_on"].items() if k != latent_cache.SNAP_KEY}}
+    assert latent_cache.stale_message(Path("cache"), older, wanted) is None
+
+
 def test_changed_template_is_refused(built, monkeypatch):
     """A different prompt template in train/model/conditioning.py: the cache is refused, naming the template."""
     cfg, variant, rows, dataset, _ = built

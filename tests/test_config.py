@@ -323,6 +323,8 @@ def test_area_of_one_tile_is_accepted(setup):
     ("lora.dropout", -0.1, "must be in [0, 1), got -0.1"),
     ("train.shift", -1.0, "must be >= 0 (0 = the scheduler's dynamic shift)"),
     ("train.logit_std", 0, "must be > 0"),
+    ("data.bucket_aspect_steps", -1, "must be >= 0 (0 = the pipelines' own sizes, e.g. 8 = aspect ratios 9% apart), "
+                                     "got -1"),
 ])
 def test_out_of_range(setup, key, value, want):
     """Other range checks name the key and the allowed range."""

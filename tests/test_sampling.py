@@ -267,6 +267,142 @@ def test_build_loader_batches_mixed_sizes_and_reports_missing_weights(tmp_path):
         list(build_loader(ds, 2, 0, 1, 0, 0, False, False, buckets=False))
 
 
+# --- aspect-ratio snapping (data.bucket_aspect_steps) and the defaults that train every row ---------------------
+
+# 16 rows of assorted shapes (target and reference of one size each, as most edit pairs are): squares, 5:4 / 4:3 /
+# 1.3, 3:4 / 4:5, 3:2 / 16:10, 16:9 / 1.85, and three shapes alone even after snapping: a 4:1 panorama, an A4 page
+# scan and a 5:6 face crop. At the released pipelines' 1024^2 their own sizes put 12 of the 16 alone in a bucket.
+ASSORTED = [(64, 64)] * 4 + [(100, 80), (120, 90), (130, 100), (90, 120), (80, 100), (150, 100), (160, 100),
+                             (160, 90), (185, 100), (200, 50), (70, 99), (100, 120)]
+LONE = {14, 15, 16}  # lines of the panorama, the page scan and the face crop
+SNAP_AREA = 384 * 384
+
+
+def assorted(tmp_path) -> list:
+    """The ASSORTED rows written (each reference a copy of its target) and pre-flighted."""
+    rows = []
+    for i, size in enumerate(ASSORTED, start=1):
+        png(tmp_path / f"t{i}.png", size=size, seed=i)
+        shutil.copy(tmp_path / f"t{i}.png", tmp_path / f"r{i}.png")
+        rows.append({"image": f"t{i}.png", "edit_image": f"r{i}.png", "prompt": f"edit {i}"})
+    write_jsonl(tmp_path, rows)
+    return preflight(tmp_path, "edit", "stop", area=SNAP_AREA, condition_area=SNAP_AREA // 4, steps=8)
+
+
+def test_snapped_sizes_are_a_fixed_set_that_similar_ratios_share():
+    """conditioning.dimensions with aspect_steps: 0 is the pipelines' own calculate_dimensions; 8 maps ratios to
+    2^(k/8), so near ratios get one size; the crop that fit makes keeps the snapped ratio and cuts at most
+    1 - 2^(-1/16) of one side, at the centre."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    from train.model import conditioning
+
+    area = 1024 * 1024
+    for w, h in ASSORTED + [(4032, 3024), (3000, 2000), (1, 7)]:
+        im = Image.new("RGB", (w, h))
+        assert conditioning.dimensions(area, im) == tuple(int(x) for x in calculate_dimensions(area, w / h))
+        sw, sh = conditioning.dimensions(area, im, 8)
+        assert sw % 32 == 0 and sh % 32 == 0
+        cropped, size = conditioning.fit(im, area, 8)
+        assert size == (sw, sh) and (cropped.width == w or cropped.height == h)
+        assert min(cropped.width / w, cropped.height / h) >= 2 ** (-1 / 16) - 1 / min(w, h)
+        ratio = conditioning.snapped_ratio(w / h, 8)
+        assert abs(cropped.width / cropped.height / ratio - 1) <= 1 / min(cropped.size), (w, h)
+    sizes = {conditioning.dimensions(area, Image.new("RGB", s), 8) for s in [(100, 80), (120, 90), (130, 100)]}
+    assert sizes == {(1152, 896)}  # 5:4, 4:3 and 1.3 share one bucket; the pipelines give them 3 sizes
+    marked = Image.new("RGB", (160, 100), "black")
+    marked.paste((255, 0, 0), (0, 0, 2, 100))  # a red stripe at the left edge: 16:10 -> 1.54 trims 2 px per side
+    cropped, _ = conditioning.fit(marked, area, 8)
+    assert cropped.size == (154, 100) and cropped.getpixel((0, 50)) == (0, 0, 0)
+
+
+def test_default_sampling_trains_every_row_of_assorted_shapes(tmp_path):
+    """The config's defaults at micro-batch 2 (snapped ratios, remainders completed): every one of 16 assorted rows
+    is drawn in each of 6 epochs (the first through the real loader: every micro-batch stacks), and the log says
+    so and names no row; the snapping makes fewer buckets than the pipelines' own sizes."""
+    from train.config import DataConfig
+    from train.data.pairs import aspect_steps, sampling_summary
+
+    d = DataConfig()
+    steps = aspect_steps(d.bucket_aspect_steps, 2, d.buckets)
+    assert steps == 8 and d.bucket_fill and aspect_steps(d.bucket_aspect_steps, 1, d.buckets) == 0
+    rows = assorted(tmp_path)
+    ds = EditDataset(tmp_path, rows, "edit", SNAP_AREA, SNAP_AREA // 4, steps=steps)
+    pipeline_sizes = EditDataset(tmp_path, rows, "edit", SNAP_AREA, SNAP_AREA // 4)
+    assert len(set(ds.bucket_keys())) == 8 < len(set(pipeline_sizes.bucket_keys())) == 10
+    loader = build_loader(ds, 2, 0, 1, seed=3, num_workers=0, pin_memory=False, shuffle=d.shuffle,
+                          bucket_fill=d.bucket_fill)
+    text = sampling_summary(loader.batch_sampler, rows)
+    assert "so every row is drawn each cycle" in text and "never drawn" not in text, text
+    batches = list(loader)  # decoded, resized and stacked: every micro-batch has one shape
+    assert {line for b in batches for line in b["lines"]} == set(range(1, 17))
+    assert all(b["target"].shape[0] == 2 for b in batches)
+    lone = [b["lines"] for b in batches if set(b["lines"]) & LONE]
+    assert sorted(lone) == [[14, 14], [15, 15], [16, 16]]  # each alone in its bucket: repeated
+    for epoch in range(1, 6):  # the sampler alone for the later epochs (the same index lists the loader takes)
+        loader.batch_sampler.set_epoch(epoch)
+        assert {rows[i].line for b in loader.batch_sampler for i in b} == set(range(1, 17))
+
+
+def test_without_fill_the_log_names_the_rows_never_drawn_and_the_rest_vary(tmp_path):
+    """data.bucket_fill false: exactly the three rows alone in their snapped bucket are never drawn in 20 epochs,
+    the log names them and says how many others are left out at random; those vary from cycle to cycle, so every
+    other row is drawn."""
+    from train.data.pairs import sampling_summary
+
+    rows = assorted(tmp_path)
+    keys = EditDataset(tmp_path, rows, "edit", SNAP_AREA, SNAP_AREA // 4, steps=8).bucket_keys()
+    sampler = BucketBatchSampler(keys, 2, 0, 1, seed=3)
+    text = sampling_summary(sampler, rows)
+    assert ("4 rows per cycle left out in bucket remainders (1 at random each cycle, 3 never drawn: their bucket is "
+            "smaller than a micro-batch)") in text
+    assert ("sampling: 3 row(s) are never drawn: their shape bucket has fewer rows than a micro-batch of 2: row 14 "
+            "(t14.png), row 15 (t15.png), row 16 (t16.png). To train them, set qwen_edit.data.bucket_fill = true") \
+        in text
+    left_out = []
+    for epoch in range(20):
+        sampler.set_epoch(epoch)
+        drawn = {rows[i].line for b in sampler for i in b}
+        left_out.append(frozenset(set(range(1, 17)) - drawn))
+    assert all(LONE <= out and len(out) == 4 for out in left_out)
+    assert set().union(*left_out) - LONE != set() and len(set(left_out)) > 1
+    assert set.intersection(*map(set, left_out)) == LONE  # no other row is left out of every epoch
+
+
+def test_a_category_too_light_for_one_micro_batch_is_named():
+    """A weight > 0 whose share of an epoch rounds to 0 micro-batches draws nothing: never_drawn lists its rows and
+    the summary says why (bucket_fill cannot help there)."""
+    keys = [(0, 0)] * 20 + [(1, 1)] * 2
+    cats = ["big"] * 20 + ["rare"] * 2
+    s = BucketBatchSampler(keys, 2, 0, 1, 0, categories=cats, category_weights={"big": 1, "rare": 0.01}, fill=True)
+    assert s.quota == {"big": 11, "rare": 0} and s.never_drawn() == [20, 21]  # T = 10 + 1 micro-batches
+    assert "2 rows never drawn: their category's share rounds to 0 micro-batches per epoch" in s.summary()
+    assert not {i for e in range(5) for i in (s.set_epoch(e) or [i for b in s for i in b])} & {20, 21}
+
+
+def test_snapped_pairs_stay_aligned_and_the_vl_copy_is_the_crop(tmp_path):
+    """A target and a reference of one size get the same crop (their pixels stay equal); 2509's VL copy of a
+    reference is made from that crop; the pre-flight's alignment check compares the snapped sizes."""
+    from train.data.pairs import misfit
+    from train.model import conditioning
+
+    png(tmp_path / "a.png", size=(160, 100), seed=1)
+    shutil.copy(tmp_path / "a.png", tmp_path / "b.png")
+    write_jsonl(tmp_path, [{"image": "a.png", "edit_image": "b.png", "prompt": "p"}])
+    rows = preflight(tmp_path, "edit_plus", "stop")
+    sample = EditDataset(tmp_path, rows, "edit_plus", SNAP_AREA, SNAP_AREA // 4, steps=8)[0]
+    assert sample["target"].shape == sample["reference_pixels"][0].shape == (3, 320, 480)
+    assert sample["target"].equal(sample["reference_pixels"][0])
+    crop = conditioning.crop_size(Image.new("RGB", (160, 100)), 8)
+    vl = sample["vl_images"][0]
+    assert crop == (154, 100) and vl.size == conditioning.dimensions(SNAP_AREA // 4, Image.new("RGB", crop))
+    # The pre-flight's alignment check compares the snapped sizes: ratios 0.15% apart across a snapping boundary
+    # (2^(4.5/8) = 1.4768) are cropped to 1.41 and 1.54 and named; a same-size pair never is.
+    assert misfit((1476, 1000), (1478, 1000), 1024 * 1024) is None
+    assert "round to different sizes" in misfit((1476, 1000), (1478, 1000), 1024 * 1024, 8)
+    assert misfit((1477, 1000), (1477, 1000), 1024 * 1024, 8) is None
+
+
 # --- end to end ---------------------------------------------------------------------------------------------------
 
 
@@ -301,7 +437,7 @@ def test_micro_batch_two_trains_on_mixed_aspect_ratios(tiny_edit, tmp_path):
     proc = run_trainer(tiny, out, config=cfg, extra=("--max_steps", "4"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "prompts: 32 rows, 1 normalised" in proc.stdout and "1 with a blocked term (dropped): rows 1" in proc.stdout
-    assert "sampling: 31 rows in 3 shape bucket(s), 15 micro-batches of 2 per rank" in proc.stdout, proc.stdout
+    assert "sampling: 31 rows in 3 shape bucket(s), 16 micro-batches of 2 per rank" in proc.stdout, proc.stdout
     assert "categories per epoch" in proc.stdout
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
@@ -315,13 +451,17 @@ def test_bucket_fill_draws_every_row_every_epoch(shuffle):
     lone = [i for i, k in enumerate(keys) if k == (1, 1)] + [i for i, k in enumerate(keys) if k == (3, 3)]
     plain = BucketBatchSampler(keys, 3, 0, 1, seed=7, shuffle=shuffle)
     assert plain.never_drawn() == sorted(lone)
-    assert "except 3 that are never drawn" in plain.summary() if shuffle else "always the same rows" in plain.summary()
+    assert plain.summary().endswith(
+        "5 rows per cycle left out in bucket remainders (2 at random each cycle, 3 never drawn: their bucket is "
+        "smaller than a micro-batch)" if shuffle else "5 rows per cycle left out in bucket remainders (always the "
+        "same rows)")
     for epoch in range(4):
         drawn = {i for b in ranks(keys, 3, 1, epoch=epoch, shuffle=shuffle)[0] for i in b}
         assert not drawn & set(lone)
     filled = BucketBatchSampler(keys, 3, 0, 1, seed=7, shuffle=shuffle, fill=True)
     assert filled.never_drawn() == [] and len(filled) == 2 + 1 + 1 + 1
-    assert "completed with repeats (data.bucket_fill)" in filled.summary()
+    assert filled.summary().endswith("3 bucket remainder(s) completed with 4 repeat(s) of their own rows per cycle "
+                                     "(data.bucket_fill), so every row is drawn each cycle")
     for epoch in range(4):
         batches = ranks(keys, 3, 1, epoch=epoch, shuffle=shuffle, fill=True)[0]
         assert {i for b in batches for i in b} == set(range(len(keys)))

@@ -91,6 +91,9 @@ def _check_sizes(cfg: ProjectConfig, problems: list[str]) -> None:
     for key, value in {"data.area": cfg.data.area, "data.condition_area": cfg.data.condition_area}.items():
         if 0 < value < 32 * 32:
             problems.append(f"{p}.{key}: {value} px is below one 32x32 tile; use at least 1024 (e.g. 128*128=16384)")
+    if cfg.data.bucket_aspect_steps < 0:
+        problems.append(f"{p}.data.bucket_aspect_steps: must be >= 0 (0 = the pipelines' own sizes, e.g. 8 = "
+                        f"aspect ratios 9% apart), got {cfg.data.bucket_aspect_steps}")
     _check_bounds(cfg, problems)
     try:
         files.background_rgb(cfg.data.alpha_background)

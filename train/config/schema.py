@@ -70,10 +70,15 @@ class DataConfig:
     """Where the cache lives (on a file system every node sees); "" = OUTPUT/cache."""
     buckets: bool = True
     """Group samples by target and reference shapes so every micro-batch has one shape (micro-batch > 1)."""
-    bucket_fill: bool = False
-    """With micro-batch > 1: complete each shape bucket's remainder with repeats of its own rows, so that a row
-    alone in its shape (a panorama, a scan) is trained too; off leaves remainders out (each cycle other rows), and
-    the log names rows that are then never drawn."""
+    bucket_aspect_steps: int = 8
+    """With micro-batch > 1: aspect ratios are snapped to the nearest of 2^(k / N) for whole k, N = this (8: 1,
+    1.09, 1.19, 1.30, 1.41, ..., 9% apart), a fixed set in which similar ratios share a shape bucket; each image is
+    cropped at its centre to its snapped ratio (at most 4.3% of one side at 8) and sized by the pipelines' rule for
+    it. 0 = the pipelines' own sizes, no crop (always so at micro-batch 1)."""
+    bucket_fill: bool = True
+    """With micro-batch > 1: complete each shape bucket's remainder with repeats of its own rows, so that every row
+    trains in every cycle, also one alone in its shape (a panorama, a scan: repeated within its micro-batch); off
+    leaves remainders out (drawn at random each cycle), and the log names the rows that are then never drawn."""
     # NaN and Infinity pass here and are refused by checks._check_sampling with the category's name.
     category_weights: dict[str, Annotated[float, pydantic.AllowInfNan(True)]] = field(default_factory=dict)
     """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing.

@@ -45,6 +45,10 @@ PART_BYTES = 2 << 30  # a rank starts a new shard part after this many bytes of 
 # identified by name and size (reading 16 GB to hash it would take minutes), all others by content.
 COMPONENTS = ("text_encoder", "vae", "processor", "tokenizer")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# The aspect-ratio grid of the training sizes (pairs.aspect_steps): data.bucket_aspect_steps at micro-batch > 1.
+SNAP_KEY = "data.bucket_aspect_steps (at micro-batch > 1; else 0, the pipelines' sizes)"
+# Dependencies recorded since a later version, and the value every cache built before had.
+UNRECORDED = {SNAP_KEY: "0"}
 
 
 class CacheError(ValueError):
@@ -117,6 +121,7 @@ def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype:
         "model.encoder_dtype": str(dtype).removeprefix("torch."),
         "data.area": str(d.area),
         "data.condition_area": str(d.condition_area),
+        SNAP_KEY: str(pairs.aspect_steps(d.bucket_aspect_steps, cfg.micro_batch_size, d.buckets)),
         "data.alpha_background": d.alpha_background,
         "prompt template (train/model/conditioning.py)": _sha(templates),
         "prompt processing (data.normalize_prompts, prompt_mapping, blocked_terms, blocked_policy)": _sha(processing),
@@ -133,7 +138,7 @@ def read_index(directory: Path) -> dict | None:
 
 def stale_message(directory: Path, index: dict, wanted: dict[str, str]) -> str | None:
     """None when the cache was built for exactly `wanted`; otherwise the refusal naming each change and the fix."""
-    have = index.get("depends_on", {})
+    have = {**UNRECORDED, **index.get("depends_on", {})}  # an older cache's value of what it did not record
     changed = [f"{key}: cache {have.get(key, '(not recorded)')!r}, now {value!r}"
                for key, value in wanted.items() if have.get(key) != value]
     if not changed:

@@ -75,32 +75,42 @@ def gather_lists(items: list) -> list:
     return [x for part in engine.all_gather_objects(items) for x in part]
 
 
+def aspect_steps(bucket_aspect_steps: int, micro_batch_size: int, buckets: bool) -> int:
+    """The aspect-ratio grid images are sized on (conditioning.snapped_ratio): data.bucket_aspect_steps where
+    micro-batches stack several samples of one shape bucket, else 0, the pipelines' own sizes (a micro-batch of
+    one needs no shared shape)."""
+    return bucket_aspect_steps if buckets and micro_batch_size > 1 else 0
+
+
 def size_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: int | None,
-                  condition_area: int | None) -> list[str]:
-    """Images whose resize for training (to `area`; 2509's VL copies of references to `condition_area`) rounds a
-    side to 0 px: the pipelines' rounding to multiples of 32 leaves nothing of a very thin strip."""
+                  condition_area: int | None, steps: int = 0) -> list[str]:
+    """Images whose resize for training (to `area`, aspect ratio snapped by `steps`; 2509's VL copies of
+    references, made from the same crop, to `condition_area`) rounds a side to 0 px: the pipelines' rounding to
+    multiples of 32 leaves nothing of a very thin strip."""
     problems = []
     for k, (name, (width, height)) in enumerate(zip([row.target, *row.references], sizes, strict=True)):
-        targets = {"data.area": area}
-        if k and variant != "edit":
-            targets["data.condition_area"] = condition_area
-        for key, value in targets.items():
-            if value is None:
-                continue
-            w, h = conditioning.dimensions(value, types.SimpleNamespace(width=width, height=height))
+        image = types.SimpleNamespace(width=width, height=height)
+        resizes = []
+        if area is not None:
+            resizes.append((f"data.area = {area}", conditioning.dimensions(area, image, steps)))
+        if k and variant != "edit" and condition_area is not None:
+            cw, ch = conditioning.crop_size(image, steps)
+            resizes.append((f"data.condition_area = {condition_area}", conditioning.dimensions(
+                condition_area, types.SimpleNamespace(width=cw, height=ch))))
+        for where, (w, h) in resizes:
             if min(w, h) <= 0:
-                problems.append(f"row {row.line} ({name}): {width}x{height} px resizes to {w}x{h} at {key} = "
-                                f"{value}; crop it to a less extreme aspect ratio or remove the row")
+                problems.append(f"row {row.line} ({name}): {width}x{height} px resizes to {w}x{h} at {where}; "
+                                "crop it to a less extreme aspect ratio or remove the row")
     return problems
 
 
 def prompt_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: int, condition_area: int,
-                    tokens) -> list[str]:
+                    tokens, steps: int = 0) -> list[str]:
     """A prompt longer than the transformer's rotary embedding has positions for next to this row's images (its
     forward would fail at the step that draws the row); `tokens` is the model's Qwen2VLProcessor."""
     if not row.references:
         return []  # text-to-image prompts are truncated to the pipeline's length, as QwenImagePipeline does
-    over = conditioning.prompt_overflow(tokens, row.prompt, variant, sizes, area, condition_area)
+    over = conditioning.prompt_overflow(tokens, row.prompt, variant, sizes, area, condition_area, aspect_steps=steps)
     if over is None:
         return []
     length, room = over
@@ -110,25 +120,27 @@ def prompt_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: 
 
 
 def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, condition_area: int | None = None,
-             tokens=None) -> tuple[int, list[str], list[tuple[int, int]] | None]:
+             tokens=None, steps: int = 0
+             ) -> tuple[int, list[str], list[tuple[int, int]] | None]:
     problems = check_row(row, data_dir, variant)
     if problems:
         return row.line, problems, None
     sizes = image_sizes(data_dir, [row.target, *row.references])
-    problems = size_problems(row, sizes, variant, area, condition_area)
+    problems = size_problems(row, sizes, variant, area, condition_area, steps)
     if not problems and tokens is not None and area and condition_area:
-        problems = prompt_problems(row, sizes, variant, area, condition_area, tokens)
+        problems = prompt_problems(row, sizes, variant, area, condition_area, tokens, steps)
     return row.line, problems, None if problems else sizes
 
 
 def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
               report_path: Path | None = None, processor: prompts.PromptProcessor | None = None,
               category_rules: dict[str, str] | None = None, area: int | None = None,
-              condition_area: int | None = None, tokens=None) -> list[Row]:
+              condition_area: int | None = None, tokens=None, steps: int = 0) -> list[Row]:
     """Process the prompts (`processor`, whose `report` then holds the counts), assign categories from
     `category_rules`, then check every row (each rank a strided share; with `area`/`condition_area` also that
-    the resized images keep both sides, and with `tokens`, the model's Qwen2VLProcessor, that the prompt fits
-    the transformer's text positions); stop or skip per `policy`.
+    the resized images, aspect ratios snapped by `steps` (`aspect_steps`), keep both sides, and with `tokens`,
+    the model's Qwen2VLProcessor, that the prompt fits the transformer's text positions); stop or skip per
+    `policy`.
 
     Same result on every rank: the good rows, with their image sizes.
     """
@@ -141,7 +153,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
             raise BadRowsError(f"all {num_read} rows in {data_dir} have a blocked term (data.blocked_terms); "
                                "shorten the list, or set qwen_edit.data.blocked_policy to \"keep\"")
     rows = assign_categories(rows, category_rules or {})
-    mine = [_inspect(row, data_dir, variant, area, condition_area, tokens) for row in rows[rank::world_size]]
+    mine = [_inspect(row, data_dir, variant, area, condition_area, tokens, steps) for row in rows[rank::world_size]]
     checked = {line: (issues, sizes) for line, issues, sizes in gather_lists(mine)}
     problems += [p for line in sorted(checked) for p in checked[line][0]]
     good = []
@@ -164,7 +176,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
         where = f"listed in {report_path}" if report_path is not None else "not written (no report path)"
         print0(f"data: bad_rows = \"skip\": {num_skipped} of {len(rows) + num_unparsed} rows left out "
                f"({len(problems)} problem(s), {where}); {len(good)} rows train", rank=rank)
-    report_alignment(misaligned(good, area), report_path, rank)
+    report_alignment(misaligned(good, area, steps), report_path, rank)
     return good
 
 
@@ -186,12 +198,12 @@ ALIGN_TOLERANCE = 0.01  # aspect ratios this far apart shift the far edge by 1% 
 MISALIGNED_REPORT = "misaligned_rows.txt"  # next to the bad-rows report: every pair that cannot align
 
 
-def _resized(size: tuple[int, int], area: int | None) -> tuple[int, int] | None:
+def _resized(size: tuple[int, int], area: int | None, steps: int = 0) -> tuple[int, int] | None:
     return None if area is None else conditioning.dimensions(area, types.SimpleNamespace(width=size[0],
-                                                                                        height=size[1]))
+                                                                                        height=size[1]), steps)
 
 
-def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None) -> str | None:
+def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None, steps: int = 0) -> str | None:
     """Why a reference (width, height) cannot land pixel for pixel on its target's resized lattice, or None.
 
     Both are resized to about `area` keeping their own aspect ratio, sides rounded to multiples of 32 (the
@@ -199,18 +211,18 @@ def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None
     the two roundings give one size: a same-size pair always does, and so does a reference of the same ratio at
     another resolution. Ratios more than ALIGN_TOLERANCE apart stretch one against the other; ratios that round
     to different sizes (near a rounding step) differ by one 32-px step in a side, a shift of up to 32 px at the
-    far edge."""
+    far edge. With `steps` (data.bucket_aspect_steps) the sizes are those of the snapped ratios."""
     ratio = (reference[0] / reference[1]) / (target[0] / target[1]) - 1
     if abs(ratio) > ALIGN_TOLERANCE:
         return f"aspect ratio {ratio:+.1%} off the target's"
-    resized, target_resized = _resized(reference, area), _resized(target, area)
+    resized, target_resized = _resized(reference, area, steps), _resized(target, area, steps)
     if resized != target_resized:
         return (f"resizes to {resized[0]}x{resized[1]}, the target to {target_resized[0]}x{target_resized[1]} "
                 "(their aspect ratios round to different sizes)")
     return None
 
 
-def misaligned(rows: list[Row], area: int | None = None) -> list[str]:
+def misaligned(rows: list[Row], area: int | None = None, steps: int = 0) -> list[str]:
     """One line per row whose target and a reference cannot align (see `misfit`; the lattice is compared when
     `area`, data.area, is given): the model would learn a shift or zoom as part of the edit. Expected when the
     edit changes the framing (F2P: a face crop -> a full photo); otherwise crop or pad the pair to one size."""
@@ -220,7 +232,7 @@ def misaligned(rows: list[Row], area: int | None = None) -> list[str]:
             continue
         (tw, th), *refs = row.sizes
         for k, (name, size) in enumerate(zip(row.references, refs, strict=True)):
-            why = misfit((tw, th), size, area)
+            why = misfit((tw, th), size, area, steps)
             if why:
                 found.append(f"row {row.line} ({row.target} {tw}x{th}): reference {k + 1} {name} "
                              f"{size[0]}x{size[1]}: {why}")
@@ -241,12 +253,13 @@ def alignment_report(found: list[str], report_path: Path | None, limit: int = 10
 
 
 class EditDataset(torch.utils.data.Dataset):
-    """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs); images are opened as a
-    viewer shows them (train/model/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
+    """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs), each image first
+    cropped to its aspect ratio snapped by `steps` (`aspect_steps`; conditioning.fit); images are opened as a viewer
+    shows them (train/model/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
 
     def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int,
-                 background: str = images.DEFAULT_BACKGROUND):
-        self.data_dir, self.background = Path(data_dir), background
+                 background: str = images.DEFAULT_BACKGROUND, steps: int = 0):
+        self.data_dir, self.background, self.steps = Path(data_dir), background, steps
         # Arrow-backed, so workers share the table instead of pickling Python lists.
         self.table = datasets.Dataset.from_list([
             {"line": r.line, "image": r.target, "edit_image": r.references, "prompt": r.prompt,
@@ -261,7 +274,7 @@ class EditDataset(torch.utils.data.Dataset):
         return self.table.data.column(name).to_pylist()
 
     def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
-        w, h = conditioning.dimensions(self.area, types.SimpleNamespace(width=width, height=height))
+        w, h = conditioning.dimensions(self.area, types.SimpleNamespace(width=width, height=height), self.steps)
         return h // conditioning.PIXELS_PER_LATENT, w // conditioning.PIXELS_PER_LATENT
 
     def bucket_keys(self) -> list[tuple[tuple[int, int], ...]]:
@@ -284,9 +297,10 @@ class EditDataset(torch.utils.data.Dataset):
         rec = self.table[i]
         target = self._open(rec["image"], rec["line"])
         refs = [self._open(name, rec["line"]) for name in rec["edit_image"]]
-        vl_images, ref_pixels = conditioning.reference_inputs(refs, self.variant, self.area, self.condition_area)
+        vl_images, ref_pixels = conditioning.reference_inputs(refs, self.variant, self.area, self.condition_area,
+                                                              self.steps)
         return {
-            "target": conditioning.to_pixels(target, self.area),
+            "target": conditioning.to_pixels(target, self.area, self.steps),
             "reference_pixels": ref_pixels,
             "vl_images": vl_images,
             "prompt": rec["prompt"],
@@ -367,13 +381,20 @@ def build_loader(dataset: EditDataset, micro_batch_size: int, rank: int, world_s
 
 
 def sampling_summary(sampler: sampling.BucketBatchSampler, rows: list[Row], limit: int = 10) -> str:
-    """The sampler's log line, then the rows it can never draw (each by line and target) and the fixes."""
-    never = sampler.never_drawn()
-    if not never:
-        return sampler.summary()
-    named = [f"row {rows[i].line} ({rows[i].target})" for i in never[:limit]]
-    more = f", and {len(never) - limit} more" if len(never) > limit else ""
-    return (f"{sampler.summary()}\nsampling: {len(never)} row(s) are never drawn: their shape bucket has fewer rows "
-            f"than a micro-batch of {sampler.micro_batch_size}: {', '.join(named)}{more}. To train them, set "
-            "qwen_edit.data.bucket_fill = true (remainders completed with repeats), add rows of their shape, or "
-            "lower train_micro_batch_size_per_gpu")
+    """The sampler's log line, then the rows it can never draw (each by line and target), why, and the fixes."""
+    reasons = [
+        (sampler.too_small(), f"their shape bucket has fewer rows than a micro-batch of {sampler.micro_batch_size}",
+         "set qwen_edit.data.bucket_fill = true (remainders completed with repeats), lower "
+         "qwen_edit.data.bucket_aspect_steps (coarser aspect-ratio buckets: more rows share one), add rows of their "
+         "shape, or lower train_micro_batch_size_per_gpu"),
+        (sampler.unshared(), "their category's share of an epoch rounds to 0 micro-batches",
+         "raise their category's weight in qwen_edit.data.category_weights"),
+    ]
+    lines = [sampler.summary()]
+    for never, why, fix in reasons:
+        if never:
+            named = [f"row {rows[i].line} ({rows[i].target})" for i in never[:limit]]
+            more = f", and {len(never) - limit} more" if len(never) > limit else ""
+            lines.append(f"sampling: {len(never)} row(s) are never drawn: {why}: {', '.join(named)}{more}. "
+                         f"To train them, {fix}")
+    return "\n".join(lines)

@@ -18,7 +18,8 @@ micro-batch and all get the same number (collectives stay in lock-step). The rul
   without balancing), rounded down to a multiple of world_size. Group g gets t_g of them, the largest-remainder
   share of T by weight (so |t_g / T - w_g / sum w| < 1 / T), and takes the first t_g micro-batches of its
   cycles (e, 0), (e, 1), ... in a row: a large, lightly weighted category is subsampled (other samples each
-  epoch), a small, heavily weighted one repeats, cycle after cycle. Without balancing, t = T: an epoch is one
+  epoch), a small, heavily weighted one repeats, cycle after cycle. A category whose t_g rounds to 0 is never
+  drawn (`never_drawn` lists its samples too). Without balancing, t = T: an epoch is one
   cycle less the < world_size micro-batches of the rounding. A sample appears twice in an epoch only when its
   category is drawn more often than its micro-batches (t_g > cycle length), so otherwise ranks are disjoint.
 - Dealing: the epoch's micro-batches are shuffled, seeded by (seed, epoch), and micro-batch j goes to rank
@@ -98,14 +99,23 @@ class BucketBatchSampler(Sampler[list[int]]):
     def _cycle_length(self, group: str) -> int:
         return sum(self._num_batches(len(ix)) for ix in self._groups[group].values())
 
-    def never_drawn(self) -> list[int]:
-        """Samples no epoch ever draws: those of a drawn category whose shape bucket (within the category) has fewer
-        samples than a micro-batch; [] with `fill`. Categories of weight 0 are left out on purpose, not listed."""
+    def too_small(self) -> list[int]:
+        """Samples of a drawn category whose shape bucket (within the category) has fewer samples than a
+        micro-batch: without `fill` no epoch draws them."""
         if self.fill:
             return []
-        drawn = [g for g, w in self.weights.items() if w > 0 and g in self._groups]
-        return sorted(i for g in drawn for ix in self._groups[g].values() if len(ix) < self.micro_batch_size
+        return sorted(i for g, q in self.quota.items() if q > 0 for ix in self._groups.get(g, {}).values()
+                      if len(ix) < self.micro_batch_size for i in ix)
+
+    def unshared(self) -> list[int]:
+        """Samples of a category with a weight > 0 too small for one micro-batch of the epoch (t_g rounds to 0)."""
+        return sorted(i for g, q in self.quota.items() if q == 0 for ix in self._groups.get(g, {}).values()
                       for i in ix)
+
+    def never_drawn(self) -> list[int]:
+        """Samples no epoch ever draws (`too_small` and `unshared`). Categories of weight 0 are left out on purpose,
+        not listed."""
+        return sorted(self.too_small() + self.unshared())
 
     def _check_groups(self) -> None:
         sizes = {g: sum(map(len, b.values())) for g, b in self._groups.items()}
@@ -182,17 +192,24 @@ class BucketBatchSampler(Sampler[list[int]]):
         yield from self.epoch_batches(self.epoch)[self.rank::self.world_size][skip:]
 
     def summary(self) -> str:
-        """One line for the log: buckets, micro-batches per rank, and what balancing draws."""
+        """One line for the log: buckets, micro-batches per rank, what is left out or repeated, and what
+        balancing draws."""
         b = self.micro_batch_size
-        remainder = sum(len(ix) % b for bk in self._groups.values() for ix in bk.values())
-        never = len(self.never_drawn())
+        drawn = [bk for g, bk in self._groups.items() if self.weights.get(g, 0) > 0 and self.quota[g] > 0]
+        remainders = [len(ix) % b for bk in drawn for ix in bk.values() if len(ix) % b]
+        small = len(self.too_small())
         if self.fill:
-            rest = f"{remainder} rows per cycle in bucket remainders, completed with repeats (data.bucket_fill)"
-        elif self.shuffle:
-            rest = (f"{remainder} rows per cycle in bucket remainders (other rows each cycle"
-                    + (f", except {never} that are never drawn)" if never else ")"))
+            rest = (f"{len(remainders)} bucket remainder(s) completed with {sum(b - r for r in remainders)} repeat(s) "
+                    "of their own rows per cycle (data.bucket_fill), so every row is drawn each cycle")
+        elif not self.shuffle:
+            rest = f"{sum(remainders)} rows per cycle left out in bucket remainders (always the same rows)"
         else:
-            rest = f"{remainder} rows per cycle in bucket remainders (always the same rows)"
+            parts = [f"{sum(remainders) - small} at random each cycle"] if sum(remainders) > small else []
+            parts += [f"{small} never drawn: their bucket is smaller than a micro-batch"] if small else []
+            rest = f"{sum(remainders)} rows per cycle left out in bucket remainders ({', '.join(parts) or 'none'})"
+        if self.unshared():
+            rest += (f"; {len(self.unshared())} rows never drawn: their category's share rounds to 0 micro-batches "
+                     "per epoch")
         text = (f"sampling: {self.num_samples} rows in {self.num_buckets} shape bucket(s), {len(self)} micro-batches "
                 f"of {b} per rank per epoch on {self.world_size} rank(s); " + rest)
         if self.weighted:
@@ -200,4 +217,3 @@ class BucketBatchSampler(Sampler[list[int]]):
                      f"{self.quota.get(g, 0)} micro-batches" for g, w in sorted(self.weights.items())]
             text += "; categories per epoch: " + "; ".join(parts)
         return text
-

@@ -15,6 +15,7 @@ Shape legend: B batch, C latent channels (16), h/w latent height/width, L packed
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -63,30 +64,65 @@ _image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_LATENT * 2)
 _calculate_dimensions = pipeline_qwenimage_edit_plus.calculate_dimensions
 
 
-def dimensions(area: int, image: Image.Image) -> tuple[int, int]:
-    """(width, height) of `image` scaled to about `area` pixels, multiples of 32, as the pipelines round."""
-    width, height = _calculate_dimensions(area, image.width / image.height)
+def snapped_ratio(ratio: float, aspect_steps: int = 0) -> float:
+    """`ratio` (width / height) snapped to the nearest of 2^(k / aspect_steps) for whole k (log scale), a fixed set
+    in which similar aspect ratios coincide (data.bucket_aspect_steps); 0 = unchanged."""
+    if not aspect_steps:
+        return ratio
+    return 2.0 ** (round(aspect_steps * math.log2(ratio)) / aspect_steps)
+
+
+def dimensions(area: int, image: Image.Image, aspect_steps: int = 0) -> tuple[int, int]:
+    """(width, height) of `image` scaled to about `area` pixels, multiples of 32, as the pipelines round; with
+    `aspect_steps`, the pipelines' size for its snapped aspect ratio (the image is then cropped to it, `fit`)."""
+    width, height = _calculate_dimensions(area, snapped_ratio(image.width / image.height, aspect_steps))
     return int(width), int(height)
 
 
-def resize(image: Image.Image, area: int) -> Image.Image:
-    width, height = dimensions(area, image)
+def crop_size(image: Image.Image, aspect_steps: int = 0) -> tuple[int, int]:
+    """(width, height) of the centred window of `image` that `fit` keeps: the largest with its snapped aspect
+    ratio (all of it when `aspect_steps` is 0; else at most 1 - 2^(-1 / (2 aspect_steps)) of one side is cut)."""
+    ratio = snapped_ratio(image.width / image.height, aspect_steps)
+    if image.width > image.height * ratio:  # wider than the snapped ratio: trim the sides
+        return max(1, min(image.width, round(image.height * ratio))), image.height
+    return image.width, max(1, min(image.height, round(image.width / ratio)))
+
+
+def fit(image: Image.Image, area: int, aspect_steps: int = 0) -> tuple[Image.Image, tuple[int, int]]:
+    """`image` cropped at its centre to its snapped aspect ratio (unchanged when `aspect_steps` is 0) and the size
+    (width, height) to resize it to. Images of one size get the same window, so a target and a reference of one
+    size still land on the same pixel lattice."""
+    size = dimensions(area, image, aspect_steps)  # of the whole image: the crop's own ratio is a pixel off
+    width, height = crop_size(image, aspect_steps)
+    if (width, height) != image.size:
+        left, top = (image.width - width) // 2, (image.height - height) // 2
+        image = image.crop((left, top, left + width, top + height))
+    return image, size
+
+
+def resize(image: Image.Image, area: int, aspect_steps: int = 0) -> Image.Image:
+    image, (width, height) = fit(image, area, aspect_steps)
     return _image_processor.resize(image, height, width)
 
 
-def to_pixels(image: Image.Image, area: int) -> torch.Tensor:
-    """Resize to ~`area` and map to a [-1, 1] tensor of shape (3, H, W), as the pipelines' preprocess."""
-    width, height = dimensions(area, image)
+def to_pixels(image: Image.Image, area: int, aspect_steps: int = 0) -> torch.Tensor:
+    """Resize to ~`area` (cropped to its snapped aspect ratio with `aspect_steps`, see `fit`) and map to a [-1, 1]
+    tensor of shape (3, H, W), as the pipelines' preprocess."""
+    image, (width, height) = fit(image, area, aspect_steps)
     return _image_processor.preprocess(image, height, width)[0]
 
 
-def reference_inputs(images: list[Image.Image], variant: str, area: int, condition_area: int):
-    """The references as the pipelines feed them: (images for the VL model, VAE pixel tensors (3, H, W))."""
+def reference_inputs(images: list[Image.Image], variant: str, area: int, condition_area: int,
+                     aspect_steps: int = 0):
+    """The references as the pipelines feed them: (images for the VL model, VAE pixel tensors (3, H, W)). With
+    `aspect_steps` each reference is first cropped to its snapped aspect ratio (`fit`); the VL model sees the crop."""
     if variant == "edit":
         # v1 resizes once and gives that same image to the VL model and the VAE.
-        resized = [resize(im, area) for im in images]
+        resized = [resize(im, area, aspect_steps) for im in images]
         return resized, [_image_processor.preprocess(im, im.height, im.width)[0] for im in resized]
-    return [resize(im, condition_area) for im in images], [to_pixels(im, area) for im in images]
+    fitted = [fit(im, area, aspect_steps) for im in images]
+    return ([resize(im, condition_area) for im, _ in fitted],
+            [_image_processor.preprocess(im, height, width)[0] for im, (width, height) in fitted])
 
 
 def prompt_texts(prompts: list[str], num_references: int, variant: str) -> list[str]:
@@ -119,14 +155,17 @@ def prompt_length(processor, prompt: str, variant: str, vl_sizes: list[tuple[int
 
 
 def prompt_overflow(processor, prompt: str, variant: str, sizes: list[tuple[int, int]], area: int,
-                    condition_area: int, with_target: bool = True) -> tuple[int, int] | None:
+                    condition_area: int, with_target: bool = True,
+                    aspect_steps: int = 0) -> tuple[int, int] | None:
     """(prompt length, room) when `prompt` with references of (width, height) `sizes` needs more text positions
-    than the transformer has (sized as training and the pipelines size them), else None. `sizes` starts with the
-    target's when `with_target`."""
-    dims = [dimensions(area, SimpleNamespace(width=w, height=h)) for w, h in sizes]
-    refs = sizes[1:] if with_target else sizes
+    than the transformer has (sized as training and the pipelines size them, with `aspect_steps`), else None. `sizes`
+    starts with the target's when `with_target`."""
+    images = [SimpleNamespace(width=w, height=h) for w, h in sizes]
+    dims = [dimensions(area, im, aspect_steps) for im in images]
+    refs = images[1:] if with_target else images
     vl = dims[len(sizes) - len(refs):] if variant == "edit" else [
-        dimensions(condition_area, SimpleNamespace(width=w, height=h)) for w, h in refs]
+        dimensions(condition_area, SimpleNamespace(width=w, height=h))
+        for w, h in (crop_size(im, aspect_steps) for im in refs)]
     length = prompt_length(processor, prompt, variant, vl)
     room = text_room([(h // PIXELS_PER_LATENT, w // PIXELS_PER_LATENT) for w, h in dims])
     return (length, room) if length > room else None

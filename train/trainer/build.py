@@ -33,12 +33,13 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     """The pre-flight's rows (bad rows reported) and the DataLoader over them."""
     p = cfg.project
     processor = prompts.PromptProcessor.from_config(p.data)
+    steps = pairs.aspect_steps(p.data.bucket_aspect_steps, cfg.micro_batch_size, p.data.buckets)
     rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
-                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path))
+                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path), steps=steps)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
-                               p.data.alpha_background)
+                               p.data.alpha_background, steps)
     loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
