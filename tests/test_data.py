@@ -203,6 +203,40 @@ def test_skip_keeps_exactly_the_good_rows_and_writes_report(tmp_path, capsys):
     assert len(text.splitlines()) == 4 and all(p in text for p in MIXED_PROBLEMS)
 
 
+def test_training_prints_the_skipped_count_and_report_path(tiny_edit, tmp_path, capsys):
+    """Where training skips rows (train.trainer.build.build_data, also behind train.cache and model_parallel):
+    with data.bad_rows "skip" the console says how many rows were left out of how many and names
+    OUTPUT/bad_rows.txt, which lists each one; the rest train."""
+    import shutil
+
+    from conftest import write_config
+
+    from train import config
+    from train.runtime import engine
+    from train.trainer import build
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_edit / "data", data)
+    meta = data / "metadata.jsonl"
+    records = [json.loads(line) for line in meta.read_text().splitlines()][:9]
+    for k in range(7):  # 7 of 9 rows bad, as in the issue: 4 missing targets, 3 empty prompts
+        records[k].update({"image": f"missing{k}.png"} if k < 4 else {"prompt": " "})
+    meta.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_config(tmp_path / "cfg.json", **{"qwen_edit.data.num_workers": 0,
+                                                  "qwen_edit.data.bad_rows": "skip"})
+    out = tmp_path / "out"
+    args = config.parse_args(["--ds_config", str(path), "--model", str(tiny_edit / "model"), "--data", str(data),
+                              "--output_dir", str(out)])
+    cfg = config.load_config(args, 1, has_gpu=False)
+    world = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    rows, _ = build.build_data(cfg, world, "edit")
+    console = capsys.readouterr().out
+    report = out / "bad_rows.txt"
+    assert (f'data: bad_rows = "skip": 7 of 9 rows left out (7 problem(s), listed in {report}); 2 rows train'
+            in console), console
+    assert [r.line for r in rows] == [8, 9] and len(report.read_text().splitlines()) == 7
+
+
 def test_skip_with_no_usable_rows_raises(tmp_path):
     """With "skip", a dataset whose every row is bad still raises, saying no rows are left."""
     write_jsonl(tmp_path, [{**good(tmp_path, 1), "prompt": ""}, "not json"])
