@@ -337,6 +337,9 @@ def test_default_sampling_trains_every_row_of_assorted_shapes(tmp_path):
     batches = list(loader)  # decoded, resized and stacked: every micro-batch has one shape
     assert {line for b in batches for line in b["lines"]} == set(range(1, 17))
     assert all(b["target"].shape[0] == 2 for b in batches)
+    keys = ds.bucket_keys()  # from the header sizes: the snapped sizes the pixels have
+    assert all(keys[b["lines"][0] - 1] == tuple((t.shape[2] // 8, t.shape[3] // 8)
+                                                for t in [b["target"], *b["reference_pixels"]]) for b in batches)
     lone = [b["lines"] for b in batches if set(b["lines"]) & LONE]
     assert sorted(lone) == [[14, 14], [15, 15], [16, 16]]  # each alone in its bucket: repeated
     for epoch in range(1, 6):  # the sampler alone for the later epochs (the same index lists the loader takes)

@@ -78,7 +78,8 @@ class DataConfig:
     bucket_fill: bool = True
     """With micro-batch > 1: complete each shape bucket's remainder with repeats of its own rows, so that every row
     trains in every cycle, also one alone in its shape (a panorama, a scan: repeated within its micro-batch); off
-    leaves remainders out (drawn at random each cycle), and the log names the rows that are then never drawn."""
+    leaves the remainders out (chosen at random each cycle), and the log names the rows that are then never
+    drawn."""
     # NaN and Infinity pass here and are refused by checks._check_sampling with the category's name.
     category_weights: dict[str, Annotated[float, pydantic.AllowInfNan(True)]] = field(default_factory=dict)
     """Relative sampling weight per category (the row's `category` column, or category_rules); {} = no balancing.
