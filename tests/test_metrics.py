@@ -69,6 +69,28 @@ def test_loss_curve_png_falls_with_the_loss(tmp_path):
     assert plot_loss(tmp_path / "empty.jsonl", tmp_path / "none.png") is None
 
 
+def test_loss_curve_has_round_grid_lines_and_survives_odd_records(tmp_path):
+    """The axes carry grid lines at round values (nice_ticks: 1, 2 or 5 x 10^k apart); a NaN loss, a record without
+    a loss and a torn last line (a run killed while writing) are left out instead of failing the run's end."""
+    import numpy as np
+    from PIL import Image
+
+    from train.runtime.metrics import nice_ticks, plot_loss
+
+    assert nice_ticks(0, 1) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(1, 200) == [50, 100, 150, 200]
+    assert nice_ticks(0.0123, 0.0456) == [0.02, 0.03, 0.04]
+    assert nice_ticks(3.0, 3.0) == [3.0]
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 2.0 - s / 100}) for s in range(10, 101, 10)]
+    lines[3] = json.dumps({"step": 40, "loss": float("nan")})
+    path.write_text("\n".join(lines + [json.dumps({"step": 101, "note": "no loss"}), '{"step": 110, "lo']))
+    pixels = np.asarray(Image.open(plot_loss(path, tmp_path / "loss.png")).convert("RGB")).astype(int)
+    grey = (pixels == 225).all(axis=-1)
+    rows, cols = np.nonzero(grey.sum(axis=1) > 300)[0], np.nonzero(grey.sum(axis=0) > 150)[0]
+    assert len(rows) >= 3 and len(cols) >= 3  # horizontal grid lines at round losses, vertical at round steps
+
+
 def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
     """PeakMeter resets torch's one peak counter to measure its block alone (everything allocated counts, as in the
     memory plan's predictions) while peak_memory_gb, what metrics.jsonl logs, reports the run's peak as if no meter
