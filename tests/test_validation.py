@@ -239,6 +239,69 @@ def test_before_images_keyed_on_what_produced_them(tiny_edit, tmp_path, monkeypa
     assert rendered() and not rendered()
     replace(tmp_path / "ref.png", (tmp_path / "ref.png").read_bytes())
     assert rendered() and not rendered()
+    vae = next((model / "vae").glob("*.safetensors"))
+    replace(vae, vae.read_bytes())  # another VAE (or text encoder) in the same model directory
+    assert rendered() and not rendered()
+    cfg.project.lora.alpha = 2 * cfg.project.lora.alpha  # the same init_from file, loaded at another scale
+    assert rendered() and not rendered()
+    cfg.deepspeed = {"bf16": {"enabled": True}}
+    assert rendered() and not rendered()
+    cfg.project.train.fp8_base = True
+    assert rendered() and not rendered()
+    cfg.project.validation.every_steps = 7  # not what the images are made of: reused
+    assert not rendered()
+
+
+def test_before_images_say_why_they_are_rendered_again(tiny_edit, tmp_path, monkeypatch):
+    """Saved 'before' images of another base are rendered again with a line naming what changed; a resumed LoRA run
+    renders the base (adapters off), saves it as such and reuses it on its next resume, while a fresh run does not
+    take those (its 'before' is base + lora.init_from)."""
+    import shutil
+
+    from train.runtime.engine import Dist
+    from train.runtime.metrics import NullMetrics
+
+    for name in ("a", "b"):
+        shutil.copytree(tiny_edit / "model", tmp_path / name)
+    edits = tmp_path / "val.jsonl"
+    edits.write_text(f'{{"edit_image": "{tiny_edit}/data/0000_ref.png", "prompt": "make it red"}}\n')
+    cfg = Config(ProjectConfig(), deepspeed={})
+    cfg.project.model.path, cfg.project.output.dir = str(tmp_path / "a"), str(tmp_path / "out")
+    cfg.project.validation.file = str(edits)
+    lora = tmp_path / "start.safetensors"
+    lora.write_bytes(b"one")
+    cfg.project.lora.init_from = str(lora)
+    events = []
+
+    class Module:
+        def disable_adapters(self):
+            events.append("off")
+
+        def enable_adapters(self):
+            events.append("on")
+
+    class Messages(NullMetrics):
+        def message(self, text: str) -> None:
+            events.append(text)
+
+    monkeypatch.setattr(validation.Validator, "render",
+                        lambda self, label=None: events.append("render") or [Image.new("RGB", (8, 8), "red")])
+
+    def before(start_step: int) -> list:
+        events.clear()
+        validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), Module(), None, Messages()).render_before(
+            start_step)
+        return [e for e in events if not e.startswith("validation: rendering the")]
+
+    assert before(0) == ["render"]
+    cfg.project.model.path = str(tmp_path / "b")
+    assert before(0) == [f"validation: the saved 'before' images in {tmp_path / 'out' / 'validation' / 'before'} "
+                         "were rendered with other model, model files; rendering them again", "render"]
+    lora.write_bytes(b"two")  # resumed with another init_from: base only, adapters off
+    assert before(5)[-3:] == ["off", "render", "on"]
+    assert any(e.endswith("from the base model, LoRA adapters off (a resumed run)") for e in events)
+    assert before(5) == []  # reused by the next resume
+    assert before(0)[-1] == "render"  # a fresh run wants base + init_from
 
 
 def test_validation_from_the_cache_replays_recorded_conditioning(tiny_edit, tmp_path):

@@ -361,19 +361,42 @@ class Validator:
         return replayed_conditioning(_sampling_pipeline(pipe, request), self.conditioning[request.index],
                                      self.encoders.vae.device)
 
-    def _fingerprint(self) -> str:
-        """What produced the 'before' images: the base model (its transformer files), the variant, the LoRA it
-        started from (lora.init_from), the edits (validation file rows, reference files) and the sampler settings.
-        Weights are identified by path, size and modification time (hashing tens of GB would take minutes)."""
+    def _fingerprint(self, adapters_off: bool = False) -> dict:
+        """What produced the 'before' images: the base model (every file of its directory: transformer, VAE, text
+        encoder, processor), the variant, the precision and fp8 base it ran in, the LoRA it started from
+        (lora.init_from and the LoRA settings it loads under; `adapters_off`: none, a resumed run's base), the edits
+        (validation file rows, reference files) and the sampler settings. Files are identified by path, size and
+        modification time (hashing tens of GB would take minutes)."""
         p = self.cfg.project
-        edits = [[[_file_id(r) for r in q.references], q.prompt, q.seed] for q in self.requests]
-        transformer = Path(p.model.path) / "transformer"
-        base = [_file_id(f) for f in sorted(transformer.glob("*")) if f.is_file()]
-        init_from = _file_id(Path(p.lora.init_from)) if p.train.mode == "lora" and p.lora.init_from else None
-        return json.dumps({"model": str(Path(p.model.path).resolve()), "transformer files": base,
-                           "variant": self.variant, "lora.init_from": init_from, "edits": edits,
-                           "alpha_background": p.data.alpha_background,
-                           "inference": dataclasses.asdict(self.inference)}, sort_keys=True)
+        model = Path(p.model.path)
+        lora = None
+        if p.train.mode == "lora" and p.lora.init_from and not adapters_off:
+            lora = {"init_from": _file_id(Path(p.lora.init_from)), "rank": p.lora.rank, "alpha": p.lora.alpha,
+                    "target_modules": p.lora.target_modules}
+        files = {str(f.relative_to(model)): _file_id(f) for f in sorted(model.rglob("*")) if f.is_file()}
+        produced = {"model": str(model.resolve()), "variant": self.variant, "model files": files,
+                    "precision": self.cfg.precision, "fp8_base": p.train.fp8_base and p.train.mode == "lora",
+                    "encoder_dtype": p.model.encoder_dtype, "lora.init_from": lora,
+                    "adapters": "off (a resumed run's base)" if adapters_off else "as the run starts",
+                    "edits": [[[_file_id(r) for r in q.references], q.prompt, q.seed] for q in self.requests],
+                    "alpha_background": p.data.alpha_background, "inference": dataclasses.asdict(self.inference)}
+        return json.loads(json.dumps(produced))  # as edits.json reads back (tuples are lists there)
+
+    def _saved_matches(self, saved: Path, start_step: int) -> bool:
+        """Whether OUTPUT/validation/before/ holds images of what this run would render (a resumed run also takes
+        those of its base, adapters off); when it holds others, the keys that differ are printed."""
+        try:
+            found = json.loads(saved.read_text()) if saved.is_file() else None
+        except (OSError, json.JSONDecodeError):
+            found = None
+        wanted = [self._fingerprint()] + ([self._fingerprint(adapters_off=True)] if start_step > 0 else [])
+        if found in wanted:
+            return True
+        if isinstance(found, dict):
+            changed = sorted(k for k in wanted[0].keys() | found.keys() if found.get(k) != wanted[0].get(k))
+            self.metrics.message(f"validation: the saved 'before' images in {saved.parent} were rendered with other "
+                                 f"{', '.join(changed)}; rendering them again")
+        return False
 
     def render_before(self, start_step: int) -> None:
         """The 'before training' column: reused from OUTPUT/validation/before/ when it matches, else rendered.
@@ -384,8 +407,7 @@ class Validator:
         """
         folder = self.out / BEFORE
         saved = folder / "edits.json"
-        reuse = _from_rank0(saved.is_file() and saved.read_text() == self._fingerprint())
-        if reuse:
+        if _from_rank0(self._saved_matches(saved, start_step) if self.d.is_main else None):
             if self.d.is_main:
                 self.before = [Image.open(folder / f"{q.index:06d}.png").convert("RGB") for q in self.requests]
             return
@@ -399,7 +421,8 @@ class Validator:
             self.module.disable_adapters()
         self.metrics.message(f"validation: rendering the 'before' images of {len(self.requests)} edit(s) before the "
                              "first step (they are saved in OUTPUT/validation/before/ and reused while nothing that "
-                             "produced them changes)")
+                             "produced them changes)" + (" from the base model, LoRA adapters off (a resumed run)"
+                                                         if adapters_off else ""))
         try:
             rendered = self.render(label="'before'")
         finally:
@@ -409,7 +432,7 @@ class Validator:
             self.before = rendered
             for q, image in zip(self.requests, rendered, strict=True):
                 pipelines.save_png_atomic(image, folder / f"{q.index:06d}.png")
-            saved.write_text(self._fingerprint())
+            saved.write_text(json.dumps(self._fingerprint(adapters_off), sort_keys=True, indent=1) + "\n")
 
     def __call__(self, step: int) -> None:
         if not should_validate(step, self.cfg.project.validation, self.cfg.project.train.max_steps):
