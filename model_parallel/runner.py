@@ -41,18 +41,18 @@ def parallel_layout(par: config.ParallelConfig, world_size: int) -> dict:
     return {"mode": par.mode, "world_size": world_size, "stages": len(par.stages), "decoder_cuts": par.decoder_cuts}
 
 
-def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tuple[str | None, int, dict]:
-    """(tag, step, changed settings) to resume from; the checkpoint must come from the same placement (ZeRO shards
-    are per rank)."""
+def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tuple[str | None, dict, dict]:
+    """(tag, its trainer_state, changed settings) to resume from; the checkpoint must come from the same placement
+    (ZeRO shards are per rank)."""
     if resume is None:
-        return None, 0, {}
+        return None, {"step": 0}, {}
     tag, state = checkpoint.resolve_tag(cfg.project.output.dir, resume)
     checkpoint.check_world_size(state, world_size, tag)
     saved, now = state.get("parallel"), parallel_layout(cfg.project.parallel, world_size)
     if saved != now:
         raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
                                      "the same qwen_edit.parallel settings, or export and start anew (see README)")
-    return tag, state["step"], checkpoint.config_changes(state, config.to_dict(cfg), tag)
+    return tag, state, checkpoint.config_changes(state, config.to_dict(cfg), tag)
 
 
 def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links, watch: preempt.Watch) -> bool:
@@ -168,12 +168,12 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     p = cfg.project
     world_size = len(plan.placements)
     variant = components.detect_variant(p.model.path, p.model.variant)
-    tag, start_step, changes = resume_point(cfg, world_size, resume)
+    tag, state, changes = resume_point(cfg, world_size, resume)
+    start_step = state["step"]
     batches_per_epoch, sender = _open_cut(cfg.deepspeed["gradient_accumulation_steps"], me, links)
     eng, transformer, dp = build_stage(cfg, plan, me, d)
     if tag is not None:
-        checkpoint.load(eng, p.output.dir, tag)
-        print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
+        build.resume_engine(cfg, d, eng, tag, state, changes)
     build.start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],

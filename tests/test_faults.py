@@ -137,18 +137,59 @@ def test_zero1_run_resumes_like_the_zero2_reference(tiny_edit, fault_config, ref
             f"re-stretched over {MAX_STEPS} steps") in proc.stdout, proc.stdout[-3000:]
 
 
-def test_schedule_note_only_when_a_stretched_schedule_changes_length():
+def _cosine(total_num_steps: int, position: int):
+    """DeepSpeed's WarmupCosineLR (lr 1e-4, 10 warmup steps, end at 0.1 x) after `position` optimizer steps."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-4)
+    scheduler = WarmupCosineLR(optimizer, total_num_steps=total_num_steps, warmup_num_steps=10, cos_min_ratio=0.1)
+    for _ in range(position):
+        scheduler.step()
+    return scheduler
+
+
+def test_schedule_note_warns_with_both_rates():
+    """A 100-step cosine run resumed at its end with --max_steps 200: DeepSpeed's scheduler (its saved position
+    loaded, as checkpoint.load does) is re-stretched, the rate jumps from the end value 1e-5 to about 5.9e-5; the
+    warning gives both from the scheduler's own formula, and leaves the scheduler as it found it."""
     from train.runtime.checkpoint import schedule_note
 
     state = {"config": {"scheduler": {"type": "WarmupCosineLR"}, "qwen_edit": {"train": {"max_steps": 100}}}}
-    note = schedule_note(state, 200, 100, 5e-5)
-    assert note.startswith("resume: train.max_steps is 200, the checkpoint's run had 100; DeepSpeed's "
-                           "WarmupCosineLR is re-stretched over 200 steps, so the learning rate at step 100 is now "
-                           "5e-05 (on the saved curve it would be at its end value)")
-    assert "README 'Extending a run'" in note
-    assert schedule_note(state, 100, 50, 1e-4) is None  # same length
+    resumed = _cosine(200, 0)
+    resumed.load_state_dict(_cosine(100, 100).state_dict())  # what DeepSpeed's load_checkpoint restores
+    now = resumed.get_lr()[0]
+    assert 5e-5 < now < 6e-5
+    note = schedule_note(state, 200, 100, resumed)
+    assert note == ("warning: resume: train.max_steps is 200, the checkpoint's run had 100; DeepSpeed's "
+                    "WarmupCosineLR is re-stretched over 200 steps, so the learning rate of step 101 is "
+                    f"{now:.3g} instead of 1e-05 on the saved curve ({now / 1e-5:.3g}x). To keep the saved curve, "
+                    "resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
+    assert resumed.total_num_steps == 200 and resumed.get_lr()[0] == now
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"`{note[:note.index('. To keep')]}`" in readme  # README 'Extending a run' quotes this warning
+    assert schedule_note(state, 100, 50, _cosine(100, 50)) is None  # same length
     constant = {"config": {**state["config"], "scheduler": {"type": "WarmupLR"}}}
-    assert schedule_note(constant, 200, 100, 1e-4) is None  # its rate does not depend on max_steps
+    assert schedule_note(constant, 200, 100, resumed) is None  # its rate does not depend on max_steps
+    assert schedule_note(state, 200, 100, None) is None  # no scheduler
+
+
+def test_readme_fixed_rate_extension_resumes_at_that_rate():
+    """README 'Extending a run': resuming a cosine run with WarmupLR (min = max = R, 1 warmup step) in its place
+    loads the saved position and trains on at R (the end rate of the saved curve here)."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    saved = _cosine(100, 100)
+    end = saved.get_lr()[0]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-4)
+    fixed = WarmupLR(optimizer, warmup_min_lr=end, warmup_max_lr=end, warmup_num_steps=1)
+    fixed.load_state_dict(saved.state_dict())
+    rates = []
+    for _ in range(3):
+        fixed.step()
+        rates.append(fixed.get_lr()[0])
+    assert rates == [pytest.approx(end)] * 3 and end == pytest.approx(1e-5)
 
 
 def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):

@@ -360,21 +360,33 @@ def check_world_size(state: dict, world_size: int, tag: str) -> None:
 STRETCHED_SCHEDULES = ("WarmupDecayLR", "WarmupCosineLR")  # their length is filled from train.max_steps
 
 
-def schedule_note(state: dict, max_steps: int, step: int, lr: float) -> str | None:
-    """What a resume with another train.max_steps does to the LR schedule, or None when nothing changes.
+def saved_max_steps(state: dict) -> int | None:
+    """train.max_steps of the run that saved `state` (None when it was saved before configs were stored)."""
+    return (state.get("config") or {}).get("qwen_edit", {}).get("train", {}).get("max_steps")
+
+
+def schedule_note(state: dict, max_steps: int, step: int, scheduler) -> str | None:
+    """A warning when a resume with another train.max_steps changes the LR schedule, or None when nothing changes.
 
     DeepSpeed's schedulers save only their position (last_batch_iteration); the length of WarmupDecayLR and
     WarmupCosineLR comes from the config, i.e. from the new max_steps, so the rest of the curve is re-stretched
-    over the new length and the learning rate moves (up, for a longer run) from where the saved run left it.
+    over the new length and the learning rate moves (up, for a longer run) from where the saved run left it. The
+    two rates are `scheduler`'s own formula (the loaded DeepSpeed scheduler) over the new and the saved length.
     """
-    saved = (state.get("config") or {}).get("qwen_edit", {}).get("train", {}).get("max_steps")
+    saved = saved_max_steps(state)
     kind = ((state.get("config") or {}).get("scheduler") or {}).get("type")
-    if saved is None or saved == max_steps or kind not in STRETCHED_SCHEDULES:
+    if saved is None or saved == max_steps or kind not in STRETCHED_SCHEDULES or scheduler is None:
         return None
-    return (f"resume: train.max_steps is {max_steps}, the checkpoint's run had {saved}; DeepSpeed's {kind} is "
-            f"re-stretched over {max_steps} steps, so the learning rate at step {step} is now {lr:.3g} (on the "
-            f"saved curve it would be {'at its end value' if step >= saved else 'lower'}). To keep the saved "
-            "curve, resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
+    now, length = scheduler.get_lr()[0], scheduler.total_num_steps
+    scheduler.total_num_steps = saved  # the saved curve: the same scheduler over the saved length, for one read
+    try:
+        before = scheduler.get_lr()[0]
+    finally:
+        scheduler.total_num_steps = length
+    return (f"warning: resume: train.max_steps is {max_steps}, the checkpoint's run had {saved}; DeepSpeed's {kind} "
+            f"is re-stretched over {max_steps} steps, so the learning rate of step {step + 1} is {now:.3g} instead of "
+            f"{before:.3g} on the saved curve{f' ({now / before:.3g}x)' if before else ''}. To keep the saved curve, "
+            "resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
 
 
 # Settings a resume cannot honour: the checkpoint's tensors, ZeRO shards or optimizer state are laid out by them.

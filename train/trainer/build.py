@@ -122,6 +122,18 @@ def resume_point(out_dir: str, d: engine.Dist, resume: str | None) -> tuple[str 
     return tag, state["step"], state
 
 
+def resume_engine(cfg: config.Config, d: engine.Dist, eng, tag: str, state: dict, changes: dict) -> None:
+    """Load checkpoint `tag` (its trainer_state `state`) into `eng`. A resume that re-stretches the LR schedule
+    says so in a warning with both rates and records the new max_steps among `changes` (config_changes.jsonl)."""
+    p = cfg.project
+    checkpoint.load(eng, p.output.dir, tag)
+    print0(f"resumed from {tag} (step {state['step']})", rank=d.rank)
+    note = checkpoint.schedule_note(state, p.train.max_steps, state["step"], eng.lr_scheduler)
+    if note:
+        print0(note, rank=d.rank)
+        changes["qwen_edit.train.max_steps"] = [checkpoint.saved_max_steps(state), p.train.max_steps]
+
+
 def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int,
                   changes: dict | None = None) -> None:
     """Every check has passed and everything is built: the run's first writes into its output directory.
@@ -154,12 +166,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     transformer = build_transformer(cfg, d.device)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
-        checkpoint.load(eng, p.output.dir, tag)
-        print0(f"resumed from {tag} (step {start_step})", rank=d.rank)
-        note = checkpoint.schedule_note(saved, p.train.max_steps, start_step,
-                                        eng.lr_scheduler.get_lr()[0] if eng.lr_scheduler else eng.get_lr()[0])
-        if note:
-            print0(note, rank=d.rank)
+        resume_engine(cfg, d, eng, tag, saved, changes)
     start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
