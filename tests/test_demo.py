@@ -103,9 +103,10 @@ def test_make_tiny_refuses_pretraining_without_a_reference(tmp_path, capsys):
 
 @pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i"])
 def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
-    """render(): reference | target | base model | base + LoRA under a header, each row under its prompt, and each
-    model column's distance to the targets (a LoRA that changes the model changes it); text-to-image (t2i, through
-    QwenImagePipeline): no reference column."""
+    """render(): reference | target | base model | base + LoRA under a header, a training row and a new scene (drawn
+    with a seed nothing was trained on) each under its marked prompt, and for both groups each column's distance to
+    the targets, whole image and edited pixels, beside the unedited reference's (a LoRA that changes the model changes
+    them); text-to-image (t2i, through QwenImagePipeline): no reference column, no edited-pixel figure."""
     import numpy as np
     import torch
     from PIL import Image
@@ -116,7 +117,8 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     from train.trainer import validation
 
     tiny_edit = request.getfixturevalue(tiny_name)
-    num_columns = 3 if tiny_name == "tiny_t2i" else 4
+    edit = tiny_name != "tiny_t2i"
+    num_columns = 4 if edit else 3
     work = tmp_path / "demo_out"
     work.mkdir()
     for name in ("model", "data"):
@@ -131,7 +133,7 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
         if ".lora_B." in name:
             p.data.normal_(0, 0.5)  # a LoRA that moves the output (a fresh one is zero)
     exports.export_lora(transformer, work / "run" / "export", 4.0, 4)
-    out, distances = demo.render(work, num_rows=2, steps=2)
+    out, found = demo.render(work, num_rows=2, steps=2)
     grid = Image.open(out)
     cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]
     assert grid.size == (num_columns * cell, 16 + 2 * (validation.CAPTION + cell))
@@ -139,8 +141,38 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     assert all((header[:, j * cell:(j + 1) * cell] < 128).any() for j in range(num_columns)), "a column has no label"
     caption = np.asarray(grid.convert("L"))[16:16 + validation.CAPTION]
     assert (caption < 128).any(), "no prompt above the first row"
-    assert set(distances) == {"base model", "base + exported LoRA"}
-    assert all(0 < d < 255 for d in distances.values()) and distances["base model"] != distances["base + exported LoRA"]
+    new = [json.loads(line) for line in (work / "new_scenes" / "metadata.jsonl").read_text().splitlines()]
+    trained = [json.loads(line) for line in (tiny_edit / "data" / "metadata.jsonl").read_text().splitlines()]
+    assert len(new) == 1 and Image.open(work / "new_scenes" / new[0]["image"]).size == (cell, cell)
+    assert not any(np.array_equal(np.asarray(Image.open(work / "new_scenes" / new[0]["image"])),
+                                  np.asarray(Image.open(tiny_edit / "data" / row["image"]))) for row in trained)
+    models = ["base model", "base + exported LoRA"]
+    assert list(found) == ["rows trained on", "new scenes"]
+    for columns in found.values():
+        assert list(columns) == (["reference (unedited)"] if edit else []) + models
+        assert all(0 < whole < 255 for whole, _ in columns.values())
+        assert columns["base model"] != columns["base + exported LoRA"]
+        if edit:  # the unedited reference is off only where the edit changes pixels: more there than on average
+            whole, edited = columns["reference (unedited)"]
+            assert 0 < whole < edited
+        else:
+            assert all(edited is None for _, edited in columns.values())
+    lines = demo.figures_lines(found)
+    assert len(lines) == 3 and lines[2].startswith("  new scenes: ") and "base + exported LoRA" in lines[2]
+
+
+def test_distance_counts_only_the_edited_pixels_when_asked():
+    """distance() is the mean absolute pixel difference (0-255), over the mask's pixels alone when given; the
+    edited pixels are those where the target differs from its reference."""
+    from PIL import Image
+
+    grey, target = Image.new("RGB", (4, 4), (100, 100, 100)), Image.new("RGB", (4, 4), (100, 100, 100))
+    target.paste((160, 100, 40), (0, 0, 2, 2))  # 4 of 16 pixels edited, by 60 / 0 / 60 in R / G / B
+    masks = demo.edited_pixels([[grey]], [target])
+    assert masks[0].sum() == 4 and masks[0][:2, :2].all()
+    assert demo.distance([grey], [target]) == 40 * 4 / 16  # 40 per edited pixel, 4 of 16 pixels
+    assert demo.distance([grey], [target], masks) == 40.0 and demo.distance([target], [target], masks) == 0.0
+    assert demo.edited_pixels([[]], [target]) is None  # a text-to-image row has no reference
 
 
 def test_pooling_vae_decodes_what_it_encoded():

@@ -259,7 +259,8 @@ def make_grid(references: list[list[Image.Image]], columns: dict[str, list[Image
     cells = [im for col in columns.values() for im in col if im is not None]
     cell_w, cell_h = max(im.width for im in cells), max(im.height for im in cells)
     num_refs, header = max(len(r) for r in references), 16
-    names = [f"reference {i + 1}" for i in range(num_refs)] + list(columns)
+    names = ["reference"] if num_refs == 1 else [f"reference {i + 1}" for i in range(num_refs)]
+    names += list(columns)
     width = cell_w * len(names)
     captions = [caption_lines(p, width - 4) for p in prompts] if prompts else [[] for _ in references]
     tops = list(itertools.accumulate((CAPTION * len(c) + cell_h for c in captions), initial=header))  # row tops
