@@ -21,7 +21,7 @@ from train import config
 from train.data import pairs
 from train.model import components, lora_io
 from train.runtime import checkpoint, engine, exports, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
+from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import build, loop
 
 
@@ -199,9 +199,8 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
         wall = time.perf_counter() - t0
     finally:
         metrics.close()
-    if d.is_main:
-        curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
-        print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged")
+        if d.is_main:
+            write_loss_curve(p.output.dir)
     upstream_stats = _close_links(source, sender, convert)
     digests = loop.replica_digests(eng.module, dp.group)
     if len(set(digests)) != 1:

@@ -264,3 +264,47 @@ def test_readme_shows_the_plain_progress_line():
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert f"`{progress_line(RECORD, 200)}`" in readme
+
+
+def test_write_loss_curve_prints_its_path_and_never_raises(tmp_path, capsys, monkeypatch):
+    """The runs call write_loss_curve on the way out of training (finished, preempted or failed): it prints the
+    PNG's path, says when nothing was logged, and turns a write error into a line instead of masking the run's own
+    outcome."""
+    from train.runtime import metrics as metrics_module
+
+    assert metrics_module.write_loss_curve(tmp_path) is None  # no metrics.jsonl: stopped before any log
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 0.5}) + "\n")
+    assert metrics_module.write_loss_curve(tmp_path) == tmp_path / "loss.png"
+    assert (tmp_path / "loss.png").is_file()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics_module, "plot_loss", full_disk)
+    assert metrics_module.write_loss_curve(tmp_path) is None
+    assert capsys.readouterr().out.splitlines() == [
+        "loss curve: no step was logged", f"loss curve: {tmp_path / 'loss.png'}",
+        "loss curve: not written ([Errno 28] No space left on device)"]
+
+
+def test_a_terminal_of_no_width_gets_plain_lines():
+    """is_terminal: a pseudo-terminal with columns is one (tqdm's bar); one of 0 columns (`script`, some container
+    runtimes) is not, since tqdm would draw its bar as nothing; a file or StringIO is not."""
+    import fcntl
+    import io
+    import os
+    import struct
+    import termios
+
+    from train.runtime.metrics import is_terminal
+
+    leader, follower = os.openpty()
+    try:
+        with open(follower, "w", closefd=False) as tty:
+            for columns, expected in ((80, True), (0, False)):
+                fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+                assert is_terminal(tty) is expected
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert not is_terminal(io.StringIO())

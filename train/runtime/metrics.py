@@ -44,12 +44,21 @@ def prefix_rank_output(environ=None) -> None:
         sys.stdout, sys.stderr = _Prefixed(sys.stdout, prefix), _Prefixed(sys.stderr, prefix)
 
 
+def is_terminal(stream) -> bool:
+    """Whether `stream` is a terminal a bar can be drawn on: a tty with a width (a pseudo-terminal of 0 columns, as
+    `script` or some container runtimes open, would show tqdm's bar as nothing at all)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a StringIO), or a closed one
+        return bool(getattr(stream, "isatty", lambda: False)())
+
+
 def library_bars_off_terminal(stream=None) -> bool:
     """Turn transformers' and diffusers' own progress bars off (loading weights, pipeline components) when `stream`
     (sys.stderr, where they draw) is not a terminal: in a log each of their redraws would join one long line. True
     when they were turned off."""
     stream = sys.stderr if stream is None else stream
-    if stream.isatty():
+    if is_terminal(stream):
         return False
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -85,7 +94,7 @@ def progress(iterable=None, *, desc: str, unit: str, total: int | None = None, d
     """A tqdm bar over `iterable` on `file` (default sys.stderr, as tqdm's) when that is a terminal; elsewhere (a
     log, a pipe, a batch job) the same tqdm text as one plain line every `interval_s` seconds and at the end."""
     file = sys.stderr if file is None else file
-    if file.isatty():
+    if is_terminal(file):
         from tqdm import tqdm
 
         return tqdm(iterable, desc=desc, unit=unit, total=total, disable=disable, file=file, dynamic_ncols=True)
@@ -178,7 +187,7 @@ class Metrics:
                  gpu_monitor=None, interactive: bool | None = None):
         self.gpu_monitor = gpu_monitor  # a gpumon.GpuMonitor: each record gets its GPUs' window summary
         self.total_steps, self.start_step = total_steps, start_step
-        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.interactive = is_terminal(sys.stdout) if interactive is None else interactive
         self.bar = None
 
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -343,6 +352,19 @@ def plot_loss(metrics_path: str | Path, out_path: str | Path, size: tuple[int, i
     out_path = Path(out_path)
     image.save(out_path)
     return out_path
+
+
+def write_loss_curve(out_dir: str | Path) -> Path | None:
+    """OUT/loss.png from OUT/metrics.jsonl, its path printed. The runs call it on the way out of training, whether
+    it finished, was preempted or stopped on an error (a diverging loss is worth a look), so nothing here raises."""
+    metrics_path = Path(out_dir) / "metrics.jsonl"
+    try:
+        curve = plot_loss(metrics_path, Path(out_dir) / "loss.png") if metrics_path.is_file() else None
+    except OSError as e:  # a full disk or a read-only directory: the run's own outcome matters more
+        print(f"loss curve: not written ({e})", flush=True)
+        return None
+    print(f"loss curve: {curve}" if curve else "loss curve: no step was logged", flush=True)
+    return curve
 
 
 class NullMetrics:

@@ -17,7 +17,7 @@ from train.data import latent_cache, pairs, prompts, sources
 from train.model import components, fp8, lora_io, memory
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, engine, exports, gpumon, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, plot_loss, print0
+from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import loop, validation
 
 
@@ -192,17 +192,16 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     finally:
         metrics.close()
         gpus = monitor.stop()
+        if d.is_main:
+            write_loss_curve(p.output.dir)
     finish(cfg, d, eng, variant, steps, {"gpus": gpus, "memory_plan": planned}, hook)
 
 
 def finish(cfg: config.Config, d: engine.Dist, eng, variant: str, steps: int, record: dict,
            hook: validation.Validator | None) -> None:
-    """After the last step, on every rank (collectives): the loss curve, the ranks' weights compared, summary.json
+    """After the last step, on every rank (collectives): the ranks' weights compared, summary.json
     (`record`'s GPU summaries and memory plan, the largest validation render's measured peak) and the export."""
     p = cfg.project
-    if d.is_main:
-        curve = plot_loss(Path(p.output.dir) / "metrics.jsonl", Path(p.output.dir) / "loss.png")
-        print0(f"loss curve: {curve}" if curve else "loss curve: no step was logged", rank=d.rank)
     gpus = gpumon.gather_summaries(record["gpus"])
     render_peak = validation.render_peak_gb(hook)
     digests = loop.replica_digests(eng.module)
