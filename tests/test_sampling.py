@@ -379,7 +379,8 @@ def test_a_category_too_light_for_one_micro_batch_is_named():
     cats = ["big"] * 20 + ["rare"] * 2
     s = BucketBatchSampler(keys, 2, 0, 1, 0, categories=cats, category_weights={"big": 1, "rare": 0.01}, fill=True)
     assert s.quota == {"big": 11, "rare": 0} and s.never_drawn() == [20, 21]  # T = 10 + 1 micro-batches
-    assert "2 rows never drawn: their category's share rounds to 0 micro-batches per epoch" in s.summary()
+    assert "so every row of a category drawn is drawn each cycle; 2 rows never drawn: their category's share rounds " \
+           "to 0 micro-batches per epoch" in s.summary()
     assert not {i for e in range(5) for i in (s.set_epoch(e) or [i for b in s for i in b])} & {20, 21}
 
 

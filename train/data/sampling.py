@@ -199,8 +199,9 @@ class BucketBatchSampler(Sampler[list[int]]):
         remainders = [len(ix) % b for bk in drawn for ix in bk.values() if len(ix) % b]
         small = len(self.too_small())
         if self.fill:
+            every = "every row" if len(drawn) == len(self._groups) else "every row of a category drawn"
             rest = (f"{len(remainders)} bucket remainder(s) completed with {sum(b - r for r in remainders)} repeat(s) "
-                    "of their own rows per cycle (data.bucket_fill), so every row is drawn each cycle")
+                    f"of their own rows per cycle (data.bucket_fill), so {every} is drawn each cycle")
         elif not self.shuffle:
             rest = f"{sum(remainders)} rows per cycle left out in bucket remainders (always the same rows)"
         else:
