@@ -96,6 +96,18 @@ def test_cached_tensors_equal_online_encoding(built):
             assert torch.equal(a, b), f"row {rows[i].line}: max |difference| {(a - b).abs().max():.3g}"
 
 
+def test_cache_files_follow_the_users_umask(built):
+    """The shards (safetensors alone writes 0600) and the index are readable as the user's umask allows."""
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    files = [f for f in latent_cache.cache_dir(built[0]).rglob("*") if f.is_file()]
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o666 & ~mask for f in files}
+
+
 def test_streamed_text_encoder_encodes_the_same(built):
     """Qwen2.5-VL streamed from host memory (components.stream_from_host: a BlockOffloader per block list, as the
     cache build uses it where the encoder does not fit the budget) gives exactly the resident encoder's

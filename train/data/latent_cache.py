@@ -35,6 +35,7 @@ from train import config
 from train.data import pairs, sources
 from train.model import components, conditioning, memory
 from train.runtime import engine
+from train.runtime.exports import apply_umask
 from train.runtime.metrics import print0, progress
 
 INDEX = "index.json"
@@ -155,6 +156,7 @@ def stale_message(directory: Path, index: dict, wanted: dict[str, str]) -> str |
 def _write_part(directory: Path, rank: int, world_size: int, part: int, tensors: dict) -> str:
     name = f"shard-{rank:05d}-of-{world_size:05d}-{part:04d}.safetensors"
     save_file(tensors, str(directory / name), metadata={"format": f"qwen_edit cache {FORMAT}"})
+    apply_umask(directory / name)  # safetensors writes 0600: a cache shared with a group would be unreadable to it
     return name
 
 

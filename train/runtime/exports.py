@@ -263,7 +263,8 @@ def user_umask() -> int:
 
 def apply_umask(path: Path) -> None:
     """Give `path` (a file, or every file below a directory) the permissions the user's umask asks for: safetensors
-    writes its files 0600 (through a private temporary file), which hides an export from the user's group."""
+    (0.8) writes each file as a Rust tempfile::NamedTempFile, created 0600, and renames it into place, which hides an
+    export (or a latent cache shard) from the user's group."""
     mode = 0o666 & ~user_umask()
     for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
         f.chmod(mode)
