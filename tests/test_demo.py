@@ -40,6 +40,20 @@ def test_demo_rebuilds_a_model_of_another_variant(tiny_edit, tmp_path, capsys):
         assert not (work / "model").exists() and f"holds {said}: rebuilding" in capsys.readouterr().out
 
 
+def test_demo_never_deletes_a_model_make_tiny_did_not_write(tiny_edit, tmp_path, capsys):
+    """demo_out/model without tiny.json (say, real weights copied there) stops the demo with exit 2 and a line
+    naming --workdir; the folder is left as it was."""
+    work = tmp_path / "demo_out"
+    shutil.copytree(tiny_edit / "model", work / "model")
+    (work / "model" / "tiny.json").unlink()
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--workdir", str(work), "--variant", "edit_plus"])
+    assert stop.value.code == 2 and (work / "model" / "model_index.json").is_file()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {work / 'model'} holds a model that train.make_tiny did not write") and \
+        "pass --workdir" in err
+
+
 def test_pretrained_base_copies_its_reference(tmp_path):
     """train/trainer/pretrain.py: a short pre-training on identity edits (the demo's base, shortened: 120 steps on
     16 scenes, ~15 s) makes the demo-size tiny transformer copy its reference through the released pipeline: much

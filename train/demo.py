@@ -205,13 +205,22 @@ def unlike_the_demo(model_dir: Path, variant: str) -> str | None:
     return None
 
 
+class WorkdirError(ValueError):
+    """The work directory holds a model the demo did not build; the message names the fix."""
+
+
 def prepare_workdir(workdir: Path, variant: str) -> None:
     """Keep a tiny model built before only when it is the demo's, of the asked variant; otherwise clear model/,
-    data/ and run/ (saying so), so that `--variant edit_plus` never trains a v1 model left by an earlier demo."""
+    data/ and run/ (saying so), so that `--variant edit_plus` never trains a v1 model left by an earlier demo.
+    A model without make_tiny's tiny.json (e.g. real weights copied there) is never deleted: WorkdirError."""
     import shutil
 
     if not (workdir / "model" / "model_index.json").is_file():
         return
+    if not (workdir / "model" / TINY_INFO).is_file():
+        raise WorkdirError(
+            f"{workdir / 'model'} holds a model that train.make_tiny did not write (it has no {TINY_INFO}), so the "
+            f"demo leaves it alone; pass --workdir with another folder, or remove {workdir / 'model'} yourself")
     what = unlike_the_demo(workdir / "model", variant)
     if what is not None:
         print(f"{workdir / 'model'} holds {what}: rebuilding {workdir}/model, data and run", flush=True)
@@ -251,7 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     workdir = Path(args.workdir).resolve()
-    prepare_workdir(workdir, args.variant)
+    try:
+        prepare_workdir(workdir, args.variant)
+    except WorkdirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if not (workdir / "model" / "model_index.json").is_file():
         build_model(workdir, args.variant)
     num_gpus = torch.cuda.device_count()
