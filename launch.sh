@@ -5,6 +5,15 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VENV=${QWEN_EDIT_VENV:-$ROOT/.venv}
 TORCH_SPEC=${QWEN_EDIT_TORCH:-"torch==2.14.1 torchvision==0.29.1"}
 
+cpu_torch_note() {
+  # Without a GPU the pin still installs PyPI's torch, whose only Linux build carries ~6 GB of CUDA wheels: no CPU
+  # build of torch *and* torchvision that import together is on PyPI (README "Set-up without a GPU" says why).
+  if [ -z "${QWEN_EDIT_TORCH:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "== no GPU driver (nvidia-smi) found: installing PyPI's torch anyway, its only Linux build (~6 GB with its" \
+         "CUDA wheels); for the ~200 MB CPU build see README \"Set-up without a GPU\" (QWEN_EDIT_TORCH)" >&2
+  fi
+}
+
 setup() {
   local stamp="$VENV/.qwen-edit-installed"
   local want
@@ -13,6 +22,7 @@ setup() {
   echo "== setting up $VENV" >&2
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
+  cpu_torch_note
   # torch first and pinned: an unpinned resolve may pull a different multi-GB build.
   # shellcheck disable=SC2086
   "$VENV/bin/python" -m pip install -q $TORCH_SPEC
