@@ -43,3 +43,26 @@ def test_readme_tells_a_newcomer_the_basics():
     assert "source .venv/bin/activate" in README and "python -m train.make_tiny --out DIR" in README
     assert "relative to the directory you start the command" in README and "--master_port" in README
     assert 'F2P, "face to photo"' in README and "download.pytorch.org/whl/cpu" in README
+
+
+def test_cpu_setup_note_runs_only_without_a_gpu_driver(tmp_path):
+    """launch.sh's cpu_torch_note (run as in setup) names README's "Set-up without a GPU", which exists and says
+    why no CPU build is installed; with nvidia-smi on PATH, or a pin of one's own, it says nothing."""
+    import re
+    import subprocess
+
+    launch = (REPO / "launch.sh").read_text()
+    func = re.search(r"^cpu_torch_note\(\) \{\n.*?^\}\n", launch, re.S | re.M).group(0)
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "nvidia-smi").write_text("#!/bin/sh\n")
+    (tmp_path / "gpu" / "nvidia-smi").chmod(0o755)
+
+    def note(path: str, pin: str = "") -> str:
+        env = {"PATH": path, **({"QWEN_EDIT_TORCH": pin} if pin else {})}
+        return subprocess.run(["/bin/bash", "-c", f"set -euo pipefail\n{func}cpu_torch_note"], env=env,
+                              capture_output=True, text=True, timeout=30, check=True).stderr
+
+    assert 'see README "Set-up without a GPU"' in note("/nonexistent")
+    assert note(str(tmp_path / "gpu")) == "" and note("/nonexistent", pin="torch==2.14.1+cpu") == ""
+    words = " ".join(README.split())
+    assert "### Set-up without a GPU" in README and "operator torchvision::nms does not exist" in words
