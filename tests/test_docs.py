@@ -66,3 +66,16 @@ def test_cpu_setup_note_runs_only_without_a_gpu_driver(tmp_path):
     assert note(str(tmp_path / "gpu")) == "" and note("/nonexistent", pin="torch==2.14.1+cpu") == ""
     words = " ".join(README.split())
     assert "### Set-up without a GPU" in README and "operator torchvision::nms does not exist" in words
+
+
+def test_readme_quotes_make_tiny_with_its_own_choices(capsys):
+    """README's make_tiny line lists the variants make_tiny accepts, and --out is what it requires."""
+    import pytest
+
+    from train import make_tiny
+    from train.model.tiny import VARIANTS
+
+    assert f"python -m train.make_tiny --out DIR [--variant {'|'.join(VARIANTS)}]" in README
+    with pytest.raises(SystemExit):
+        make_tiny.main([])
+    assert capsys.readouterr().err.strip().endswith("the following arguments are required: --out")
