@@ -122,3 +122,19 @@ def test_taken_port_without_the_launcher_names_master_port(monkeypatch):
                            r"MASTER_PORT=\d+ python \.\.\., or leave MASTER_PORT unset$"):
             with engine.rendezvous_port(launched=False):
                 dist.TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)
+
+
+def test_a_taken_port_in_the_benchmarks_is_one_line_too():
+    """train.bench / train.bench_data leave PortInUseError to engine.exit_with: it prints the message alone."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = ("from train.runtime import engine\n"
+              "def main():\n    raise engine.PortInUseError('port 1 (MASTER_PORT) is already in use')\n"
+              "engine.exit_with(main)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == \
+        "error: port 1 (MASTER_PORT) is already in use"
+    assert "Traceback" not in proc.stderr

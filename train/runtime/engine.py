@@ -68,7 +68,10 @@ class Dist:
 
 
 class PortInUseError(RuntimeError):
-    """The rendezvous port is taken; the message names the flag that picks another."""
+    """The rendezvous port is taken; the message names the flag that picks another. The training, cache and
+    inference commands refuse with it (exit 2); elsewhere (train.bench, train.bench_data) exit_with prints it."""
+
+    without_traceback = True
 
 
 @contextmanager
