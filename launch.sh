@@ -124,6 +124,12 @@ case "$cmd" in
   -h|--help|"")
     usage; exit 0 ;;
   *)
+    # The deepspeed launcher's form starts with its options or the script: anything else (a mistyped subcommand,
+    # a script path that does not exist) would reach deepspeed as a script to run.
+    if [[ $cmd != -* && ! -f $cmd ]]; then
+      echo "launch.sh: '$cmd' is neither a subcommand (demo, test) nor a script file; see bash launch.sh --help" >&2
+      exit 2
+    fi
     use_active_env; env_defaults
     # DeepSpeed's single-node runner exits on SIGTERM without passing it on, and the ranks trained on: run it in a
     # process group of its own and forward SIGTERM/SIGINT to that whole group, whose ranks save a checkpoint and

@@ -79,3 +79,16 @@ def test_readme_quotes_make_tiny_with_its_own_choices(capsys):
     with pytest.raises(SystemExit):
         make_tiny.main([])
     assert capsys.readouterr().err.strip().endswith("the following arguments are required: --out")
+
+
+def test_launch_sh_refuses_a_mistyped_subcommand():
+    """`bash launch.sh tset` (or a script that does not exist) stops at once with exit 2 and a line pointing at
+    --help, before any set-up, instead of reaching deepspeed as a script to run."""
+    import subprocess
+
+    for word in ("tset", "train/mian.py"):
+        out = subprocess.run(["bash", str(REPO / "launch.sh"), word, "--max_steps", "1"], cwd=REPO,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr == f"launch.sh: '{word}' is neither a subcommand (demo, test) nor a script file; " \
+                             "see bash launch.sh --help\n"
