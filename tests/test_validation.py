@@ -147,17 +147,12 @@ def test_make_grid_wraps_long_prompts():
     assert all((text[k * c:(k + 1) * c] < 128).any() for k in range(len(lines))), "a caption line is blank"
 
 
-def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
-    """'before' images are saved once and reused while the edits and sampler settings stay the same; a resumed
-    LoRA run without them renders the base (adapters off); a resumed full fine-tune leaves the column empty."""
+def before_images_harness(cfg, monkeypatch):
+    """render_before on a Validator of `cfg` whose renders, adapter switches and messages are recorded: returns
+    (events, before), before(start_step) running render_before on a new Validator and returning it."""
     from train.runtime.engine import Dist
     from train.runtime.metrics import NullMetrics
 
-    edits = tmp_path / "val.jsonl"
-    edits.write_text(f'{{"edit_image": "{tiny_edit}/data/0000_ref.png", "prompt": "make it red"}}\n')
-    cfg = Config(ProjectConfig(), deepspeed={})
-    cfg.project.model.path, cfg.project.output.dir = str(tiny_edit / "model"), str(tmp_path / "out")
-    cfg.project.validation.file = str(edits)
     events = []
 
     class Module:
@@ -167,22 +162,38 @@ def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
         def enable_adapters(self):
             events.append("on")
 
-    def fake_render(self, label=None):
-        events.append("render")
-        return [Image.new("RGB", (8, 8), "red")]
-
-    monkeypatch.setattr(validation.Validator, "render", fake_render)
-    messages = []
-
     class Messages(NullMetrics):
         def message(self, text: str) -> None:
-            messages.append(text)
+            events.append(text)
 
-    def before(start_step: int):
+    monkeypatch.setattr(validation.Validator, "render",
+                        lambda self, label=None: events.append("render") or [Image.new("RGB", (8, 8), "red")])
+
+    def before(start_step: int) -> validation.Validator:
         v = validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), Module(), None, Messages())
         v.render_before(start_step)
+        return v
+
+    return events, before
+
+
+def test_before_images_reused_on_resume(tiny_edit, tmp_path, monkeypatch):
+    """'before' images are saved once and reused while the edits and sampler settings stay the same; a resumed
+    LoRA run without them renders the base (adapters off); a resumed full fine-tune leaves the column empty."""
+    edits = tmp_path / "val.jsonl"
+    edits.write_text(f'{{"edit_image": "{tiny_edit}/data/0000_ref.png", "prompt": "make it red"}}\n')
+    cfg = Config(ProjectConfig(), deepspeed={})
+    cfg.project.model.path, cfg.project.output.dir = str(tiny_edit / "model"), str(tmp_path / "out")
+    cfg.project.validation.file = str(edits)
+    events, run = before_images_harness(cfg, monkeypatch)
+
+    def before(start_step: int):
+        v = run(start_step)
+        messages.extend(e for e in events if e.startswith("validation:"))
+        events[:] = [e for e in events if not e.startswith("validation:")]
         return v.before
 
+    messages = []
     assert before(0)[0].getpixel((0, 0)) == (255, 0, 0) and events == ["render"]
     assert messages == ["validation: rendering the 'before' images of 1 edit(s) before the first step (they are "
                         "saved in OUTPUT/validation/before/ and reused while nothing that produced them changes)"]
@@ -258,9 +269,6 @@ def test_before_images_say_why_they_are_rendered_again(tiny_edit, tmp_path, monk
     take those (its 'before' is base + lora.init_from)."""
     import shutil
 
-    from train.runtime.engine import Dist
-    from train.runtime.metrics import NullMetrics
-
     for name in ("a", "b"):
         shutil.copytree(tiny_edit / "model", tmp_path / name)
     edits = tmp_path / "val.jsonl"
@@ -271,26 +279,11 @@ def test_before_images_say_why_they_are_rendered_again(tiny_edit, tmp_path, monk
     lora = tmp_path / "start.safetensors"
     lora.write_bytes(b"one")
     cfg.project.lora.init_from = str(lora)
-    events = []
-
-    class Module:
-        def disable_adapters(self):
-            events.append("off")
-
-        def enable_adapters(self):
-            events.append("on")
-
-    class Messages(NullMetrics):
-        def message(self, text: str) -> None:
-            events.append(text)
-
-    monkeypatch.setattr(validation.Validator, "render",
-                        lambda self, label=None: events.append("render") or [Image.new("RGB", (8, 8), "red")])
+    events, run = before_images_harness(cfg, monkeypatch)
 
     def before(start_step: int) -> list:
         events.clear()
-        validation.Validator(cfg, Dist(0, 1, 0, torch.device("cpu")), Module(), None, Messages()).render_before(
-            start_step)
+        run(start_step)
         return [e for e in events if not e.startswith("validation: rendering the")]
 
     assert before(0) == ["render"]
