@@ -174,7 +174,8 @@ class OutputConfig:
     """Complete checkpoints to keep; older ones are deleted after each save (0 = keep all)."""
     export_every_steps: int = 0
     """Also export the weights (as the final export, with its metadata) every N optimizer steps into
-    OUTPUT/export/step_NNNNNN/; 0 = only the final export in OUTPUT/export/."""
+    OUTPUT/export/step_NNNNNN/ (equal to save_every_steps: one beside every checkpoint); 0 = only the final
+    export in OUTPUT/export/."""
     tensorboard: bool = True
     """Write tensorboard scalars under output/tensorboard."""
     gpu_monitor_interval_s: float = 5.0
