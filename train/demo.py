@@ -100,14 +100,12 @@ def new_scenes(workdir: Path, num_rows: int) -> Path:
     so that the picture shows the edit learnt rather than rows remembered."""
     import shutil
 
-    from PIL import Image
-
     from train.model.components import detect_variant
+    from train.model.images import shown_size
     from train.model.tiny import make_dataset
 
     first = json.loads((workdir / "data" / "metadata.jsonl").read_text().splitlines()[0])
-    with Image.open(workdir / "data" / first["image"]) as target:
-        size = target.width
+    size = shown_size(workdir / "data" / first["image"])[0]
     variant = detect_variant(workdir / "model", "auto")
     shutil.rmtree(workdir / "new_scenes", ignore_errors=True)  # an earlier demo's, perhaps of another variant
     make_dataset(workdir / "new_scenes", variant, num_rows, size, NEW_SCENES_SEED)
