@@ -15,7 +15,7 @@ out=${OUT:-/tmp/gpu_speed}
 budget=${BUDGET_S:-540}
 steps=${STEPS:-8}
 warmup=${WARMUP:-4}
-rows=${ROWS:-"peer cudagraphs fused_quant torchao_training torchao_inference refs2 z2511 curves microbatch2 autotune peer_more"}
+rows=${ROWS:-"peer cudagraphs torchao_training torchao_inference refs2 z2511 curves microbatch2 autotune peer_more"}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 start=$(date +%s)
@@ -60,10 +60,6 @@ for row in $rows; do
       run_row peer 200 "${fast[@]}" "${timing[@]}" --peer diffsynth --peer_variants bf16:compile,bf16:eager ;;
     cudagraphs)  # the fastest configuration with each compiled block replayed as a CUDA graph (reduce-overhead)
       run_row cudagraphs 150 "${fast[@]}" --compile_mode reduce-overhead "${timing[@]}" ;;
-    fused_quant)  # the fastest configuration with the MLPs' GELU (and its gradient) fused into the e4m3 row
-      # quantisations (train.fused_quant, docs/perf_notes.md lever 24), against the `fast` row of the same call:
-      # ROWS="fast fused_quant"
-      run_row fused_quant 150 "${fast[@]}" --fused_quant "${timing[@]}" ;;
     fast)  # the fastest configuration alone (docs/performance.md), the reference for single-lever rows
       run_row fast 130 "${fast[@]}" "${timing[@]}" ;;
     autotune)  # inductor's max-autotune (no CUDA graphs): tuned Triton templates for the fused elementwise kernels
@@ -86,7 +82,7 @@ for row in $rows; do
       # Last: on 2026-12-01 the fp8 weight-only variant did not finish 12 steps in ~6 minutes (docs/performance.md 6).
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
-    *) echo "unknown row $row (rows: peer cudagraphs fused_quant fast torchao_training torchao_inference refs2 z2511" \
+    *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
             "curves microbatch2 autotune peer_more)" ;;
   esac
 done
@@ -102,8 +98,7 @@ for path in sorted(out.glob("*.jsonl")):
         continue
     r = json.loads(lines[-1])
     opts = [f"refs {r['refs']}", f"mb {r['micro_batch']}"]
-    fp8 = f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "") + ("+F" if r.get("fused_quant") else "")
-    opts += [fp8] if r["fp8_base"] else ["bf16"]
+    opts += [f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "")] if r["fp8_base"] else ["bf16"]
     opts += [(f"compiled {r['compile_mode']}" if r.get("compile_mode") else "compiled") if r["compile"] else "eager",
              f"ZeRO-{r['zero_stage']}"]
     print(f"{path.stem:18s} {'project: ' + ', '.join(opts):54s} {r['s_per_step']:8.4f} {100 * r['mfu']:5.1f}% "

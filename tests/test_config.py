@@ -338,20 +338,6 @@ def test_fp8_transposed_needs_fp8_base(setup):
     assert setup.set(q("train.fp8_base"), True).load().project.train.fp8_transposed
 
 
-def test_fused_quant_needs_fp8_base_and_an_mlp_to_fuse(setup):
-    """train.fused_quant without fp8_base is refused with both fixes; with LoRA on both MLPs' down projections (the
-    default target_modules) nothing could be fused, which is refused too; LoRA on the attention loads."""
-    msg = setup.set(q("train.fused_quant"), True).problem()
-    assert msg.startswith(q("train.fused_quant") + ": ") and "needs train.fp8_base" in msg
-    assert "set fused_quant to false" in msg
-    msg = setup.set(q("train.fp8_base"), True).problem()
-    assert msg.startswith(q("train.fused_quant") + ": every MLP's down projection carries LoRA")
-    assert "img_mlp.net.2" in msg and "txt_mlp.net.2" in msg
-    # one MLP stream left without LoRA on its down projection: that one fuses, so the config loads
-    setup.set(q("lora.target_modules"), ["attn.to_q", "img_mlp.net.2"])
-    assert setup.load().project.train.fused_quant
-
-
 def test_empty_target_modules_in_lora_mode(setup):
     """LoRA mode with no target modules asks for at least one, with an example."""
     msg = setup.set(q("lora.target_modules"), []).problem()

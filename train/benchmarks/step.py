@@ -142,16 +142,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
-    """The fp8 base's options: train.fp8_base, fp8_transposed, fused_quant, and the other implementations."""
+    """The fp8 base's options: train.fp8_base, fp8_transposed, and the other implementations."""
     p.add_argument("--fp8_base", action="store_true",
                    help="the project's step with the frozen block weights in fp8 (train.fp8_base; the baseline "
                         "stays bf16, so --baseline compares the curves)")
     p.add_argument("--fp8_transposed", action="store_true",
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
-    p.add_argument("--fused_quant", action="store_true",
-                   help="with --fp8_base (ours): the MLPs' GELU and its gradient fused with the e4m3 row "
-                        "quantisations in Triton kernels (train.fused_quant, train/model/fused.py); CUDA only, else "
-                        "a notice and the unfused path")
     p.add_argument("--fp8_impl", choices=fp8_impls.IMPLS, default="ours",
                    help="with --fp8_base: train/model/fp8.py (ours, default) or torchao's float8 training linear "
                         "(torchao_training) or fp8 inference linears (torchao_inference); "
@@ -182,12 +178,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_impl applies with --fp8_base")
     if args.fp8_transposed and args.fp8_impl != "ours":
         parser.error("--fp8_transposed is train/model/fp8.py's stored transposed copy; use it with --fp8_impl ours")
-    if args.fused_quant and (not args.fp8_base or args.fp8_impl != "ours"):
-        parser.error("--fused_quant fuses the GELU into train/model/fp8.py's quantisation; use it with --fp8_base "
-                     "(--fp8_impl ours)")
-    if args.fused_quant and args.lora_targets != "attn":
-        parser.error("--fused_quant leaves MLPs whose down projection carries LoRA unfused, which --lora_targets "
-                     "default does to all of them; use --lora_targets attn")
     if args.peer:
         if args.mode != "lora" or args.micro_batch != 1 or args.checkpoint_blocks:
             parser.error("--peer trains LoRA at micro-batch 1, every block checkpointed or none (as its trainer); "
@@ -288,15 +278,6 @@ def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkp
     diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
     components.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
                                 checkpoint_blocks=checkpoint_blocks, real_rope=False, compile_mode=compile_mode)
-
-
-def fuse(model: torch.nn.Module) -> str:
-    """--fused_quant after the fp8 conversion, as components.prepare_for_training does it; the notice."""
-    from train.model import fused  # triton is imported only when asked for
-
-    if fused.unavailable() is None:
-        fused.fuse_mlps(model)
-    return fused.describe(model)
 
 
 def trainable_count(model: torch.nn.Module) -> int:
@@ -683,7 +664,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "compile_mode": args.compile_mode,
         "zero_cond_t": args.zero_cond_t,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
-        "fp8_impl": args.fp8_impl if args.fp8_base else None, "fused_quant": args.fused_quant,
+        "fp8_impl": args.fp8_impl if args.fp8_base else None,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
@@ -727,7 +708,6 @@ def format_report(r: dict) -> str:
         f"{' (' + r['compile_mode'] + ')' if r.get('compile_mode') else ''}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} ({r['fp8_impl'] or '-'}, transposed copy "
         f"{r['fp8_transposed']}), "
-        f"{'fused GELU + quantise, ' if r.get('fused_quant') else ''}"
         f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
@@ -745,8 +725,6 @@ def format_report(r: dict) -> str:
                   f"losses      same seeds, {len(r['losses'])} steps each: largest relative difference "
                   f"{r['loss_max_rel_diff']:.2e}, tolerance {r['loss_tolerance']:.1e}: "
                   + ("within" if r["loss_within_tolerance"] else "OUTSIDE THE TOLERANCE")]
-    if r.get("fused_quant_notice"):
-        lines.append(f"fused       {r['fused_quant_notice']}")
     if "peer_rows" in r:
         lines += peer_report(r)
     if r["device_type"] != "cuda":
@@ -796,8 +774,6 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     if args.fp8_base:  # after the baseline, which runs the bf16 base
         components.check_fp8_device()
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed)
-        if args.fused_quant:
-            model_info["fused_quant_notice"] = fuse(model)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
     record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)

@@ -142,22 +142,8 @@ def _check_lora_and_savers(cfg: ProjectConfig, problems: list[str]) -> None:
     if cfg.train.fp8_transposed and not cfg.train.fp8_base:
         problems.append(f"{p}.train.fp8_transposed: only applies with train.fp8_base; enable fp8_base or set "
                         "fp8_transposed to false")
-    if cfg.train.fused_quant and not cfg.train.fp8_base:
-        problems.append(f"{p}.train.fused_quant: fuses the GELU into the fp8 base's row quantisation, so it needs "
-                        "train.fp8_base; enable fp8_base or set fused_quant to false")
-    elif cfg.train.fused_quant and cfg.train.mode == "lora" and not _fusable_streams(cfg.lora.target_modules):
-        problems.append(f"{p}.train.fused_quant: every MLP's down projection carries LoRA (lora.target_modules "
-                        "matches img_mlp.net.2 and txt_mlp.net.2), which reads the unfused GELU output, so nothing "
-                        "would be fused; drop those two from target_modules or set fused_quant to false")
     if cfg.train.fp8_base and cfg.train.mode != "lora":
         problems.append(f"{p}.train.fp8_base: needs a frozen base; set train.mode to \"lora\" or fp8_base to false")
-
-
-def _fusable_streams(target_modules: list[str]) -> list[str]:
-    """The MLP streams whose down projection gets no LoRA from `target_modules` (peft's suffix match, as
-    components.add_lora checks it): where train.fused_quant applies."""
-    names = {stream: f"transformer_blocks.0.{stream}.net.2" for stream in ("img_mlp", "txt_mlp")}
-    return [s for s, name in names.items() if not any(name == t or name.endswith("." + t) for t in target_modules)]
 
 
 def _check_timesteps(cfg: ProjectConfig, problems: list[str]) -> None:

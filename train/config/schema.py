@@ -149,11 +149,6 @@ class TrainConfig:
     fp8_transposed: bool = False
     """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
-    fused_quant: bool = False
-    """With fp8_base: each block MLP's tanh GELU and the e4m3 row quantisation of its output in one Triton kernel,
-    and in the backward GELU's gradient with the up projection's quantisation in another (train/model/fused.py);
-    MLPs whose down projection carries LoRA keep the unfused path. Off by default: not yet measured on a GPU
-    (docs/perf_notes.md). Without CUDA or triton a notice says so and the unfused path runs."""
     offload_blocks: int = 0
     """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
     of use on a side stream (train/model/offload.py); they must be checkpointed (gradient_checkpointing, and

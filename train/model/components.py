@@ -250,16 +250,14 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
                          fp8_transposed: bool = False, real_rope: bool = True,
                          quantized: dict | None = None, offload: set[int] | None = None,
-                         compile_mode: str | None = None, fused_quant: bool = False, share=None):
+                         compile_mode: str | None = None, share=None):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
     offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
     among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
-    fused_quant: with fp8_base, the MLPs' GELU and its gradient fused with the e4m3 row quantisations in Triton
-    kernels (train/model/fused.py) where they can run (fused.describe says what was done). share: the node's shared
-    host copy of the offloaded blocks (offload.NodeShare), or None for this process's own. Returns the
-    BlockOffloader, or None."""
+    share: the node's shared host copy of the offloaded blocks (offload.NodeShare), or None for this process's own.
+    Returns the BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
         add_lora(transformer, lora)
@@ -268,8 +266,6 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
             # Offloaded blocks keep no transposed copy: it would double what crosses the bus every use.
             fp8.convert_frozen_linears(transformer, lambda name: fp8_transposed and _block_of(name) not in offload,
                                        quantized)
-            if fused_quant:
-                _fuse(transformer)
     else:
         transformer.requires_grad_(True)
     offloader = None
@@ -289,14 +285,6 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     return offloader
 
 
-def _fuse(transformer) -> None:
-    """The fused GELU + quantise path where it can run (fused.describe says what was done, or why not)."""
-    from train.model import fused  # triton is imported only when asked for
-
-    if fused.unavailable() is None:
-        fused.fuse_mlps(transformer)
-
-
 def _block_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[1]) if len(parts) > 1 and parts[0] == "transformer_blocks" else None
@@ -310,12 +298,12 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
                       lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
                       checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
-                      fused_quant: bool = False, share=None):
+                      share=None):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
     (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
-    host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded; fused_quant
-    as prepare_for_training has it. share: the node's shared host copy of them (memory.offload_share), or None;
-    a process that is not its writer does not read the offloaded weights."""
+    host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
+    node's shared host copy of them (memory.offload_share), or None; a process that is not its writer does not read
+    the offloaded weights."""
     from train.model import streaming
 
     placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)),
@@ -325,7 +313,7 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     transformer, quantized = streaming.load(model_dir, placement, frozen=mode == "lora", random=random_init())
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
-                                     offload=placement.offload, fused_quant=fused_quant, share=share)
+                                     offload=placement.offload, share=share)
     return transformer, offloader
 
 

@@ -62,26 +62,13 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         weight, scale, weight_t = ctx.saved_tensors
-        return input_gradient(grad_out, weight, scale, weight_t), None, None, None
-
-
-def input_gradient(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                   weight_t: torch.Tensor | None) -> torch.Tensor:
-    """dx = dy W for y = x W^T, W (N, K) in e4m3 with row scales `scale` (N,); weight_t: W8^T kept, or None."""
-    g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
-    g8, g_scale = quantize_rows(g2)
-    grad_x = transposed_matmul(g8, g_scale, weight, weight_t, grad_out.dtype)
-    return grad_x.view(*grad_out.shape[:-1], weight.shape[1])
-
-
-def transposed_matmul(a8: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None,
-                      out_dtype: torch.dtype) -> torch.Tensor:
-    """a8 (M, N) e4m3 with row scales a_scale (M, 1) @ W8 (N, K), W's row scales already folded into a8."""
-    # _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major (kept from the conversion when
-    # asked, otherwise transposed here, a pass over the weight per call).
-    ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=weight.device)
-    w_t = weight.t().contiguous() if weight_t is None else weight_t
-    return torch._scaled_mm(a8, w_t.t(), scale_a=a_scale, scale_b=ones, out_dtype=out_dtype)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
+        # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major
+        # (kept from the conversion when asked, otherwise transposed here, a pass over the weight per call).
+        ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
+        w_t = weight.t().contiguous() if weight_t is None else weight_t
+        grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype)
+        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None, None
 
 
 class Float8FrozenLinear(torch.nn.Module):
@@ -106,14 +93,11 @@ class Float8FrozenLinear(torch.nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight_fp8.float() * self.weight_scale[:, None]).to(dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T, without the bias."""
-        if self.kind == "vector":
-            return torch.nn.functional.linear(x, self.dequantized(x.dtype))
-        return _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
+        if self.kind == "vector":
+            y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        else:
+            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -64,7 +64,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
         transformer, offloader = components.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
-            t.fused_quant, share)
+            share)
     except torch.cuda.OutOfMemoryError as e:
         raise memory.OutOfMemory(f"CUDA out of memory while loading the transformer. "
                                  f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e
@@ -76,10 +76,6 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     if p.train.fp8_base:
         count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
         print0(f"fp8 base: {count} frozen linears kept in float8 e4m3", rank=int(os.environ.get("RANK", "0")))
-    if p.train.fused_quant and p.train.fp8_base:
-        from train.model import fused  # triton is imported only when asked for
-
-        print0(fused.describe(transformer), rank=int(os.environ.get("RANK", "0")))
     if p.train.mode == "lora" and p.lora.init_from:
         report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
         print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
