@@ -75,6 +75,7 @@ if s.is_file():
                                         "predicted_host_step_s", "predicted_host_pinned_gb", "render_tokens",
                                         "vae_tiling", "predicted_render_peak_gb")})
     rec["measured_render_peak_gb"] = summary.get("measured_render_peak_gb")
+    rec["plan_measured"] = plan.get("measured")  # A, S, T, ...: the prediction recomputes from these and the sizes
 print(json.dumps(rec))
 PY
     tail -n 1 "$out/memory.jsonl"

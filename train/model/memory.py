@@ -4,10 +4,12 @@ Before any model loads, the plan predicts the step's peak GPU memory for each ca
 fastest candidate that fits `budget - margin`:
 
     peak = resident weights + LoRA/optimizer state + encoders (online) + offload slots
-           + (blocks - checkpointed) x A + checkpointed x S + T
+           + max((blocks - N) x A + N x S + T, N x S + T_c)       (the first N blocks checkpointed)
     A = activations a plain block keeps for its backward, S = what a checkpointed block keeps (its inputs),
-    T = the transient of the pass (a block's backward, the head, the loss); measured again with checkpointing,
-    where it holds a block's recomputed activations too
+    T = the transient of the pass (a block's backward, the head, the loss); T_c = the same measured with
+    checkpointing, where it holds a block's recomputed activations too. The two terms are the backward's two
+    phases: the plain blocks (the last ones) go first, and a checkpointed block recomputes only once they have
+    freed their activations (activation_bytes)
 
 The LoRA/optimizer state is this rank's share as DeepSpeed's ZeRO stage splits it over the data-parallel ranks
 (state_bytes_per_param); the optimizer step, which holds no activations but more gradient copies, is the other
@@ -287,6 +289,21 @@ def host_refusal(s: Sizes, c: Choice, host: Host, fixed: dict, dtype_bytes: int 
             "qwen_edit.data.area, or more free host memory (fewer qwen_edit.data.num_workers, other jobs)")
 
 
+def activation_bytes(s: Sizes, m: Measured, checkpointed: int) -> float:
+    """The pass's activation peak with the first `checkpointed` blocks recomputed. The backward visits the blocks
+    last to first: the plain ones (N..) first, while every plain block's activations and every checkpointed
+    block's inputs are kept (plus the plain transient T); a checkpointed block recomputes only after all plain
+    blocks have freed theirs, so its recomputed activations (in the checkpointed transient) meet the checkpointed
+    inputs alone. The peak is the larger of the two phases, not their sum."""
+    plain = s.num_blocks - checkpointed
+    kept_inputs = checkpointed * m.ckpt_bytes
+    first = plain * m.act_bytes + kept_inputs + m.transient_bytes if plain else 0.0
+    if not checkpointed:
+        return first
+    ckpt_transient = m.ckpt_transient_bytes if m.ckpt_transient_bytes is not None else m.transient_bytes + m.act_bytes
+    return max(first, kept_inputs + ckpt_transient)
+
+
 def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Prediction:
     """Peak GPU bytes and seconds per micro-step of candidate `c` (the formula of the module docstring)."""
     block = _block_bytes(s, c, dtype_bytes)
@@ -297,11 +314,7 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     slots = 2 * block if c.offloaded else 0
     states = s.gpu_state_bytes(c.offload_optimizer) + BUCKET_BYTES
     encoders = 0 if c.cached else s.encoder_bytes
-    # With checkpointing the pass's transient holds one block's recomputed activations too.
-    transient = m.transient_bytes
-    if c.checkpointed:
-        transient = m.ckpt_transient_bytes if m.ckpt_transient_bytes is not None else m.transient_bytes + m.act_bytes
-    acts = (s.num_blocks - c.checkpointed) * m.act_bytes + c.checkpointed * m.ckpt_bytes + transient
+    acts = activation_bytes(s, m, c.checkpointed)
     encode_peak = 0 if c.cached else m.encode_bytes
     kept = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
     in_step = weights + slots + encoders + s.gpu_state_bytes(c.offload_optimizer, in_step=True) + BUCKET_BYTES
