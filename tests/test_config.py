@@ -23,6 +23,7 @@ from train.config import (
     to_dict,
     write_resolved,
 )
+from train.config.files import RANDOM_INIT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 DELETE = object()  # value for `Setup.set` that removes the key
@@ -382,6 +383,39 @@ def test_model_dir_without_model_index(setup):
     """A model directory without model_index.json is refused."""
     (setup.model / "model_index.json").unlink()
     assert "has no model_index.json" in setup.problem()
+
+
+def test_model_dir_without_weights(setup, monkeypatch):
+    """A model that model_index.json lists without its weights file (or with a shard of its index missing) is
+    refused before anything loads, naming the folders, the files diffusers and transformers read, and the fix;
+    under QWEN_EDIT_RANDOM_INIT=1 (measurements) the configs are enough."""
+    monkeypatch.delenv(RANDOM_INIT_ENV, raising=False)
+    listed = {"transformer": ["diffusers", "QwenImageTransformer2DModel"],
+              "vae": ["diffusers", "AutoencoderKLQwenImage"],
+              "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"]}
+    (setup.model / "model_index.json").write_text(json.dumps(listed))
+    for sub in listed:
+        (setup.model / sub).mkdir()
+    (setup.model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    msg = setup.problem()
+    assert msg.startswith(f"{q('model.path')}: {str(setup.model)!r} has no weights in vae/, text_encoder/: vae/ needs "
+                          "diffusion_pytorch_model.safetensors or the shards that "
+                          "diffusion_pytorch_model.safetensors.index.json lists, text_encoder/ needs model.safetensors")
+    assert "; point --model at a complete diffusers-format directory (QWEN_EDIT_RANDOM_INIT=1" in msg
+    (setup.model / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    index = setup.model / "text_encoder" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+    (setup.model / "text_encoder" / shards[0]).write_bytes(b"")
+    assert setup.problem() == (f"{q('model.path')}: {index} names shard(s) {shards[1]} that are not in "
+                               f"{index.parent}; copy them there (a partial download?)")
+    (setup.model / "text_encoder" / shards[1]).write_bytes(b"")
+    setup.load()  # complete
+    for f in setup.model.glob("*/*.safetensors*"):
+        f.unlink()
+    assert "has no weights in transformer/, vae/, text_encoder/: transformer/ and vae/ need" in setup.problem()
+    monkeypatch.setenv(RANDOM_INIT_ENV, "1")
+    setup.load()
 
 
 def test_data_dir_missing(setup):

@@ -14,8 +14,10 @@ import pytest
 import torch
 from conftest import REPO, free_port
 
-from train import infer
-from train.model import pipelines
+from train import config, infer
+from train import main as trainer
+from train.model import components, pipelines
+from train.runtime import engine
 
 SETTINGS = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
 
@@ -140,6 +142,38 @@ def test_argument_errors_exit_2(tiny_edit, tmp_path, capsys):
     problems = infer.check_args(args, world_size=2)
     assert any("one process" in p for p in problems)
     assert any("needs 2 GPUs" in p for p in problems) == (torch.cuda.device_count() < 2)
+
+
+def test_weightless_directory_stops_both_commands_or_renders_at_random_init(tiny_edit, tmp_path, monkeypatch, capsys):
+    """A model directory with configs and no weights (what make_tiny --full_size_configs writes): train.infer and
+    train/main.py stop before loading with the one message that names the folders; under QWEN_EDIT_RANDOM_INIT=1
+    train.infer builds every model at random init, says so, and writes its images."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit / "model", model)
+    for f in model.glob("*/*.safetensors*"):
+        f.unlink()
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text("".join(json.dumps({"edit_image": str(tiny_edit / "data" / f"000{i}_ref.png"),
+                                         "prompt": "make the circle red"}) + "\n" for i in range(2)))
+    cfg = tmp_path / "infer.json"
+    cfg.write_text(json.dumps({"qwen_edit": {"inference": SETTINGS}}))
+    argv = ["--model", str(model), "--input", str(edits), "--out", str(tmp_path / "out"), "--config", str(cfg)]
+    monkeypatch.delenv(components.RANDOM_INIT_ENV, raising=False)
+    message = f"{str(model)!r} has no weights in transformer/, vae/, text_encoder/: transformer/ and vae/ need"
+    assert infer.main(argv) == 2
+    assert f"--model: {message}" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert trainer.main(["--ds_config", "ds_configs/tiny_cpu.json", "--model", str(model), "--data",
+                         str(tiny_edit / "data"), "--output_dir", str(tmp_path / "run")]) == 2
+    assert f"qwen_edit.model.path: {message}" in capsys.readouterr().err
+
+    monkeypatch.setenv(components.RANDOM_INIT_ENV, "1")
+    args = infer.parse_args(argv)
+    assert infer.check_args(args, world_size=1) == []
+    code = infer.run(args, config.inference_settings(cfg), engine.Dist(0, 1, 0, torch.device("cpu")))
+    out = capsys.readouterr().out
+    assert code == 0 and sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["000000.png", "000001.png"]
+    for what in ("text encoder", "VAE", "transformer"):
+        assert f"QWEN_EDIT_RANDOM_INIT=1: {what} at RANDOM INIT on cpu (for measurements only)" in out
 
 
 def test_read_requests_seeds_names_and_problems(tmp_path):

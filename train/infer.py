@@ -9,6 +9,8 @@ a row's seed defaults to --seed + its index, so the images do not depend on the 
 written atomically, and rows whose output exists are skipped: a killed run resumes by running it again. A bad row
 (unparsable, missing or undecodable image, empty prompt) is reported with its line, listed in OUT/bad_rows.txt
 and skipped; the exit status is 0 unless no row could be rendered (1), or the arguments are wrong (2).
+With QWEN_EDIT_RANDOM_INIT=1 the models are built from their configs at random init (measurements on a directory
+of configs alone, as `python -m train.make_tiny --full_size_configs` writes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 import torch
 
 from train import config
+from train.config import files
 from train.model import components, lora_io, memory, pipelines
 from train.runtime import engine, gpumon
 from train.runtime.metrics import prefix_rank_output, print0, progress
@@ -51,9 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
     """Problems with the arguments, each naming the flag and the fix."""
-    problems = []
-    if not (Path(args.model) / "model_index.json").is_file():
-        problems.append(f"--model: {args.model!r} has no model_index.json; point it at a diffusers-format directory")
+    problems = files.model_dir_problems(args.model, "--model")  # the same pre-flight as training's
     if not Path(args.input).is_file():
         problems.append(f"--input: {args.input!r} does not exist")
     else:
@@ -89,10 +90,22 @@ def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: 
         line = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), device)
         if line:
             print0(line, rank=d.rank)
-    pipe = pipelines.load_pipeline(args.model, dtype, variant)
+    pipe = pipelines.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype))
     pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
     pipelines.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
     return pipe, variant
+
+
+def random_models(args: argparse.Namespace, settings: config.ProjectConfig, device: torch.device,
+                  dtype: torch.dtype) -> dict:
+    """Under QWEN_EDIT_RANDOM_INIT=1 the pipeline's models at random init, each built where `place` will keep it
+    (host memory for CPU offload, cuda:1 for the split transformer), as training builds them; else none ({})."""
+    if not components.random_init():
+        return {}
+    split = args.placement == "split"
+    on_host = not split and settings.inference.cpu_offload != "none" and device.type == "cuda"
+    return components.random_pipeline_models(args.model, dtype, device, torch.device("cuda", 1) if split else device,
+                                             on_host)
 
 
 def select_rows(args: argparse.Namespace, d: engine.Dist):

@@ -68,9 +68,8 @@ def _check_paths(cfg: ProjectConfig, problems: list[str]) -> None:
     p = PROJECT_KEY
     if not cfg.model.path:
         problems.append(f"{p}.model.path: not set; pass --model DIR (a diffusers-format Qwen-Image-Edit directory)")
-    elif not (Path(cfg.model.path) / "model_index.json").is_file():
-        problems.append(f"{p}.model.path: {cfg.model.path!r} has no model_index.json; point --model at the "
-                        "directory that holds model_index.json, transformer/, vae/, text_encoder/ ...")
+    else:
+        problems += files.model_dir_problems(cfg.model.path, f"{p}.model.path")
     if not cfg.data.path:
         problems.append(f"{p}.data.path: not set; pass --data DIR (a folder with metadata.jsonl or metadata.csv)")
     elif not any((Path(cfg.data.path) / n).is_file() for n in ("metadata.jsonl", "metadata.csv")):

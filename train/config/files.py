@@ -1,10 +1,12 @@
-"""Readers of the side files a config names (the prompt mapping, the blocked terms, the validation jsonl) and of
-config values with a syntax of their own (colours). Each reports a problem with the file, line and fix.
+"""Readers of the side files a config names (the prompt mapping, the blocked terms, the validation jsonl), the
+model directory's pre-flight, and config values with a syntax of their own (colours). Each reports a problem with
+the file, line and fix.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import unicodedata
 from pathlib import Path
 
@@ -44,6 +46,69 @@ def validation_file_problems(path: Path, limit: int = 5) -> list[str]:
     if not rows:
         problems.append(f"{path} has no rows")
     return problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
+
+
+RANDOM_INIT_ENV = "QWEN_EDIT_RANDOM_INIT"
+
+
+def random_init() -> bool:
+    """QWEN_EDIT_RANDOM_INIT=1: build every model from its config.json at random init, directly on the device
+    (measurements on full-size shapes without the weights: `python -m train.make_tiny --full_size_configs`);
+    train.model.components builds them, and the model directory then needs no weights (model_dir_problems)."""
+    return os.environ.get(RANDOM_INIT_ENV) == "1"
+
+
+# The models of a Qwen-Image pipeline that have weights, and the file that each one's library reads: that name, or
+# its index (NAME.index.json) with the shards the index names. (The trainer streams the transformer's safetensors.)
+MODEL_WEIGHTS = {"transformer": "diffusion_pytorch_model.safetensors", "vae": "diffusion_pytorch_model.safetensors",
+                 "text_encoder": "model.safetensors"}
+
+
+def model_dir_problems(path: str, key: str) -> list[str]:
+    """Problems of the model directory that `key` (a config key or flag) names, found before anything loads: it
+    must hold model_index.json, and every model that lists (MODEL_WEIGHTS) its weights, unless
+    QWEN_EDIT_RANDOM_INIT=1 builds them from their configs."""
+    model_dir = Path(path)
+    index = model_dir / "model_index.json"
+    if not index.is_file():
+        return [f"{key}: {path!r} has no model_index.json; point --model at the directory that holds "
+                "model_index.json, transformer/, vae/, text_encoder/ ..."]
+    try:
+        listed = json.loads(textfile.read_text(index))
+    except (json.JSONDecodeError, textfile.TextFileError) as e:
+        return [f"{key}: {index} is not valid JSON ({e}); copy the checkpoint's model_index.json again"]
+    if random_init() or not isinstance(listed, dict):
+        return []
+    problems, missing = [], {}
+    for sub, name in MODEL_WEIGHTS.items():
+        folder, shard_index = model_dir / sub, model_dir / sub / f"{name}.index.json"
+        if sub not in listed or (folder / name).is_file():
+            continue
+        if shard_index.is_file():
+            problems += [f"{key}: {problem}" for problem in _shard_problems(shard_index)]
+        else:
+            missing.setdefault(name, []).append(f"{sub}/")
+    if missing:
+        expected = ", ".join(f"{' and '.join(subs)} need{'s' if len(subs) == 1 else ''} {name} or the shards "
+                             f"that {name}.index.json lists" for name, subs in missing.items())
+        problems.insert(0, f"{key}: {path!r} has no weights in {', '.join(s for v in missing.values() for s in v)}: "
+                           f"{expected}; point --model at a complete diffusers-format directory "
+                           f"({RANDOM_INIT_ENV}=1 builds random weights from the configs instead: for memory and "
+                           "speed measurements only)")
+    return problems
+
+
+def _shard_problems(index: Path) -> list[str]:
+    """A weight index that cannot be read, or names shards that are not beside it."""
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{index} cannot be read as a weight index ({type(e).__name__}: {e}); copy it again"]
+    absent = [shard for shard in shards if not (index.parent / shard).is_file()]
+    if absent:
+        return [f"{index} names shard(s) {', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''} that are not in "
+                f"{index.parent}; copy them there (a partial download?)"]
+    return []
 
 
 def normalize(text: str) -> str:

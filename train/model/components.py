@@ -6,7 +6,6 @@ Everything loads with `local_files_only=True` from the directory given; nothing 
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from train.config import LoraConfig, ModelConfig
+from train.config.files import RANDOM_INIT_ENV, random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
 from train.model import conditioning, fp8, rope
 
 
@@ -104,15 +104,6 @@ def encoder_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-RANDOM_INIT_ENV = "QWEN_EDIT_RANDOM_INIT"
-
-
-def random_init() -> bool:
-    """QWEN_EDIT_RANDOM_INIT=1: build every model from its config.json at random init, directly on the device
-    (measurements on full-size shapes without the weights: `python -m train.make_tiny --full_size_configs`)."""
-    return os.environ.get(RANDOM_INIT_ENV) == "1"
-
-
 def _init_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -124,7 +115,7 @@ def _random_init_scope(what: str, dtype: torch.dtype, device: torch.device | Non
     (two runs to compare, or a model-parallel decoder's VAE and its encoder's); the caller's RNG state is left as it
     was."""
     device = device or _init_device()
-    print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
+    _random_init_notice(what, device)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     devices = [device.index] if device.type == "cuda" else []
@@ -136,11 +127,15 @@ def _random_init_scope(what: str, dtype: torch.dtype, device: torch.device | Non
         torch.set_default_dtype(saved)
 
 
+def _random_init_notice(what: str, device: torch.device) -> None:
+    print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
+
+
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                   stream_text_encoder: bool = False) -> Encoders:
     """Qwen2.5-VL, its processor and the VAE, frozen, on `device`; with stream_text_encoder Qwen2.5-VL stays in
     host memory and runs on `device` block by block (stream_from_host)."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
     vl_device = torch.device("cpu") if stream_text_encoder else device
@@ -149,12 +144,7 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     else:  # Qwen-Image / 2512 (text-to-image): its prompts are tokenized without images
         processor = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer", local_files_only=True)
     if random_init():
-        with _random_init_scope("text encoder", dtype, vl_device):
-            vl_config = AutoConfig.from_pretrained(model_dir / "text_encoder")
-            if stream_text_encoder:
-                text_encoder = _random_vl_in_host_memory(vl_config, device)
-            else:
-                text_encoder = Qwen2_5_VLForConditionalGeneration(vl_config)
+        text_encoder = _random_text_encoder(model_dir, dtype, device, on_host=stream_text_encoder)
     else:
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             model_dir / "text_encoder", dtype=dtype, local_files_only=True
@@ -163,6 +153,50 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     if stream_text_encoder:
         stream_from_host(text_encoder, device)
     return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device))
+
+
+def _random_text_encoder(model_dir: Path, dtype: torch.dtype, device: torch.device, on_host: bool = False):
+    """Qwen2.5-VL from its config at random init on `device`; on_host: kept in host memory, drawn on `device`."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    with _random_init_scope("text encoder", dtype, torch.device("cpu") if on_host else device):
+        vl_config = AutoConfig.from_pretrained(Path(model_dir) / "text_encoder")
+        if on_host:
+            return _random_vl_in_host_memory(vl_config, device)
+        return Qwen2_5_VLForConditionalGeneration(vl_config)
+
+
+def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+                           transformer_device: torch.device | None = None, on_host: bool = False) -> dict:
+    """QWEN_EDIT_RANDOM_INIT=1 for a diffusers pipeline (train.infer): {text_encoder, vae, transformer} built from
+    their configs at random init as training builds them (with the same notices), for the pipeline's
+    from_pretrained to take in place of the weights it would load. They are made on `device` (the transformer on
+    `transformer_device`, default `device`), or with on_host (the pipeline's CPU offload) kept in host memory yet
+    drawn on `device` tensor by tensor: a CPU draws 8 B and 20 B parameters for minutes, and the GPU's budget may
+    not hold a whole model, which is what offload is for."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from train.model import streaming
+
+    host = torch.device("cpu")
+    text_encoder = _random_text_encoder(model_dir, dtype, device, on_host).requires_grad_(False).eval()
+    vae = load_vae(model_dir, dtype, host if on_host else device)
+    num_blocks = QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer")["num_layers"]
+    placement = streaming.Placement(transformer_device or device, dtype,
+                                    offload=set(range(num_blocks)) if on_host else set())
+    kept = host if on_host else placement.device
+    transformer, _ = _streamed_transformer(model_dir, placement, frozen=True, kept=kept)
+    return {"text_encoder": text_encoder, "vae": vae, "transformer": transformer.to(kept).requires_grad_(False).eval()}
+
+
+def _streamed_transformer(model_dir: str | Path, placement, frozen: bool, kept: torch.device | None = None):
+    """streaming.load from the checkpoint, or at random init under QWEN_EDIT_RANDOM_INIT=1, said so with where the
+    model is `kept` (default: the placement's device)."""
+    from train.model import streaming
+
+    if random_init():
+        _random_init_notice("transformer", kept or placement.device)
+    return streaming.load(model_dir, placement, frozen=frozen, random=random_init())
 
 
 def _random_vl_in_host_memory(vl_config, device: torch.device):
@@ -310,7 +344,7 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
                                     skip_offloaded=share is not None and not share.writer)
     if fp8_base:
         check_fp8_device()
-    transformer, quantized = streaming.load(model_dir, placement, frozen=mode == "lora", random=random_init())
+    transformer, quantized = _streamed_transformer(model_dir, placement, frozen=mode == "lora")
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
                                      offload=placement.offload, share=share)

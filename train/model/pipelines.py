@@ -147,10 +147,12 @@ def _pipeline_class(variant: str):
     return getattr(diffusers, conditioning.PIPELINE_CLASSES[variant])
 
 
-def load_pipeline(model_dir: str | Path, dtype: torch.dtype, variant: str = "auto"):
-    """The variant's pipeline from a local diffusers directory (on the CPU; see `place`)."""
+def load_pipeline(model_dir: str | Path, dtype: torch.dtype, variant: str = "auto", models: dict | None = None):
+    """The variant's pipeline from a local diffusers directory (on the CPU; see `place`). models: modules already
+    built ({"transformer": ..., ...}, e.g. components.random_pipeline_models'), which diffusers' from_pretrained
+    takes in place of loading them; the other components (scheduler, tokenizer, processor) load from the files."""
     variant = components.detect_variant(model_dir, variant)
-    pipe = _pipeline_class(variant).from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    pipe = _pipeline_class(variant).from_pretrained(model_dir, dtype=dtype, local_files_only=True, **(models or {}))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
