@@ -174,6 +174,32 @@ def test_weightless_directory_stops_both_commands_or_renders_at_random_init(tiny
     assert code == 0 and sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["000000.png", "000001.png"]
     for what in ("text encoder", "VAE", "transformer"):
         assert f"QWEN_EDIT_RANDOM_INIT=1: {what} at RANDOM INIT on cpu (for measurements only)" in out
+    # CPU offload's placement: the same models kept in host memory, the transformer with the same values
+    cpu = torch.device("cpu")
+    hosted, resident = (components.random_pipeline_models(model, torch.float32, cpu, on_host=h) for h in (True, False))
+    for name in ("text_encoder", "vae", "transformer"):
+        assert ({n: p.shape for n, p in hosted[name].named_parameters()}
+                == {n: p.shape for n, p in resident[name].named_parameters()}), name
+    assert all(torch.equal(a, b) for a, b in zip(hosted["transformer"].state_dict().values(),
+                                                 resident["transformer"].state_dict().values(), strict=True))
+
+
+def test_random_models_are_built_where_the_placement_keeps_them(tiny_edit, monkeypatch):
+    """QWEN_EDIT_RANDOM_INIT=1: host memory for CPU offload, cuda:1 for the split transformer, else the device; none
+    without the variable (from_pretrained then loads the weights)."""
+    calls = []
+    monkeypatch.setattr(components, "random_pipeline_models", lambda *a: calls.append(a[2:]) or {"built": a})
+    settings, gpu = config.ProjectConfig(), torch.device("cuda", 0)
+    args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", "x", "--out", "y"])
+    monkeypatch.delenv(components.RANDOM_INIT_ENV, raising=False)
+    assert infer.random_models(args, settings, gpu, torch.bfloat16) == {} and not calls
+    monkeypatch.setenv(components.RANDOM_INIT_ENV, "1")
+    for offload in ("none", "model", "sequential"):
+        settings.inference.cpu_offload = offload
+        infer.random_models(args, settings, gpu, torch.bfloat16)
+    args.placement = "split"
+    infer.random_models(args, settings, gpu, torch.bfloat16)
+    assert calls == [(gpu, gpu, False), (gpu, gpu, True), (gpu, gpu, True), (gpu, torch.device("cuda", 1), False)]
 
 
 def test_read_requests_seeds_names_and_problems(tmp_path):
