@@ -411,6 +411,11 @@ def test_model_dir_without_weights(setup, monkeypatch):
                                f"{index.parent}; copy them there (a partial download?)")
     (setup.model / "text_encoder" / shards[1]).write_bytes(b"")
     setup.load()  # complete
+    index.write_text('{"weight_map": ')
+    assert setup.problem().startswith(f"{q('model.path')}: {index} cannot be read as a weight index (JSONDecodeError")
+    (setup.model / "model_index.json").write_text("{")
+    assert setup.problem().startswith(f"{q('model.path')}: {setup.model / 'model_index.json'} is not valid JSON")
+    (setup.model / "model_index.json").write_text(json.dumps(listed))
     for f in setup.model.glob("*/*.safetensors*"):
         f.unlink()
     assert "has no weights in transformer/, vae/, text_encoder/: transformer/ and vae/ need" in setup.problem()
