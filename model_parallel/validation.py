@@ -63,7 +63,7 @@ def encoder_opening(cfg: Config, d: Dist, encoders: components.Encoders | None) 
         return []
     if encoders is None:
         dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-        encoders = components.load_encoders(p.model.path, dtype, d.device)
+        encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
     return [conditioning_message(validation.encode_requests(cfg, encoders, d.rank, d.world_size))]
 
 

@@ -3,6 +3,7 @@
     python -m train.bench_data --tiny                      # CPU: the tiny model of train.make_tiny, fp32
     python -m train.bench_data --train_step                # GPU: full-size architectures at random init, bf16
     python -m train.bench_data --train_step --json runs/bench_data.jsonl
+    python -m train.bench_data --variant edit_plus --vae_2d_frames off   # the phases on diffusers' own VAE path
 
 How the two phases are timed: train/benchmarks/inputs.py.
 """

@@ -90,7 +90,8 @@ def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: 
         line = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), device)
         if line:
             print0(line, rank=d.rank)
-    pipe = pipelines.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype))
+    pipe = pipelines.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype),
+                                  settings.model.vae_2d_frames)
     pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
     pipelines.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
     return pipe, variant

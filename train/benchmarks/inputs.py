@@ -8,7 +8,8 @@ Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own l
   `latent_cache.CachedDataset` (read the shard) -> `latent_cache.to_batch` (to the device).
 
 Each reports samples/s and the fraction of the time spent waiting for the loader; the online phase also the
-seconds of each encoder on one micro-batch (time_encode_parts). With `--train_step` every
+seconds of each encoder on one micro-batch (time_encode_parts; the VAE's parts both ways, model.vae_2d_frames on
+and off, whichever `--vae_2d_frames` the phases run with). With `--train_step` every
 micro-batch also runs the trainer's step (`loop.forward_loss`, `engine.backward`, `engine.step` on the ZeRO-2
 engine, LoRA r64 on the attention projections, as train.bench): that is the end-to-end figure the cache must
 raise (goal: cached >= 1.2x online on the 1024^2 Edit v1 workload). The encoders' memory (their weights, and on
@@ -32,7 +33,7 @@ import torch
 
 from train.benchmarks import step as bench
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning, tiny
+from train.model import components, conditioning, tiny, vae_frames
 from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
 from train.runtime import engine
 from train.trainer import loop
@@ -41,7 +42,8 @@ from train.trainer import loop
 NUMERIC_FIELDS = ("online_samples_per_s", "cached_samples_per_s", "speedup", "precompute_samples_per_s",
                   "encoder_params", "encoder_weights_gb", "cache_mb_per_sample", "samples", "area", "width", "height",
                   "encode_vl_s", "encode_vl_processor_s", "encode_vae_target_s", "encode_vae_references_s",
-                  "encode_batch_s")
+                  "encode_batch_s", "encode_vae_target_2d_s", "encode_vae_target_3d_s", "encode_vae_references_2d_s",
+                  "encode_vae_references_3d_s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_workers", type=int, default=2, help="DataLoader workers (default 2, as data.num_workers)")
     p.add_argument("--train_step", action="store_true", help="also run the trainer's step on every micro-batch")
     p.add_argument("--num_layers", type=int, help="transformer depth for --train_step (default 60)")
+    p.add_argument("--vae_2d_frames", choices=("on", "off"), default="on",
+                   help="model.vae_2d_frames for the timed phases (default on); the VAE parts are timed both ways")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 0 or args.num_workers < 0:
@@ -65,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- models and data
 
 
-def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> components.Encoders:
-    """Qwen2.5-VL-7B and the released VAE architecture at random init, created on `device` in `dtype`."""
+def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype, vae_2d_frames: bool) -> components.Encoders:
+    """Qwen2.5-VL-7B and the released VAE architecture at random init, created on `device` in `dtype` (the VAE
+    with train/model/vae_frames.py's 2D path when vae_2d_frames, as components.load_vae gives it)."""
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -82,6 +87,8 @@ def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype) -> compon
     processor = tiny.build_processor(tokenizer, **VL_PIXELS)
     for module in (text_encoder, vae):
         module.requires_grad_(False).eval()
+    if vae_2d_frames:
+        vae_frames.apply(vae)
     return components.Encoders(text_encoder, processor, vae)
 
 
@@ -90,12 +97,12 @@ def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dty
     num_rows, side = args.warmup + args.samples, bench.make_workload(args.area, 1, 1, 1).width
     if args.tiny:
         tiny.make_tiny(work, args.variant, num_samples=num_rows, size=side)
-        encoders = components.load_encoders(work / "model", dtype, device)
+        encoders = components.load_encoders(work / "model", dtype, device, vae_2d_frames=args.vae_2d_frames == "on")
     else:
         tiny.make_dataset(work / "data", args.variant, num_rows, side)
         prompts = [json.loads(line)["prompt"] for line in (work / "data" / "metadata.jsonl").read_text().splitlines()]
         encoders = full_encoders(tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts]),
-                                 device, dtype)
+                                 device, dtype, args.vae_2d_frames == "on")
     rows, _ = pairs.read_rows(work / "data")
     dataset = pairs.EditDataset(work / "data", rows, args.variant, args.area, 384 * 384 if not args.tiny else 64 * 64)
     transformer = build_transformer(args, work, device, dtype) if args.train_step else None
@@ -173,7 +180,9 @@ def time_encode_parts(dataset, encoders: components.Encoders, variant: str, devi
     """Seconds per micro-batch of each part of online encoding (sources.encode_batch) on the first row, the mean of
     `repeats` after one warm-up, synchronised: Qwen2.5-VL (processor included), its processor alone (tokenising,
     resizing and patching the images on the host, then the copy to the device), the VAE on the target, on the
-    references, and all of encode_batch."""
+    references, and all of encode_batch; then the two VAE parts again with model.vae_2d_frames on (`*_2d_s`) and
+    off (`*_3d_s`, diffusers' own path), in the same process, and on a GPU each way's encode peak above the
+    allocated memory (`*_peak_gb`)."""
     raw = pairs.collate([dataset[0]])
     texts = conditioning.prompt_texts(raw["prompts"], len(raw["vl_images"][0]), variant)
     flat = [im for sample in raw["vl_images"] for im in sample]
@@ -186,6 +195,20 @@ def time_encode_parts(dataset, encoders: components.Encoders, variant: str, devi
         "encode_vae_references_s": lambda: conditioning.encode_references(encoders.vae, raw["reference_pixels"]),
         "encode_batch_s": lambda: sources.encode_batch(raw, encoders, variant),
     }
+    out = time_calls(parts, device, repeats)
+    vae_parts = {name: parts[f"{name}_s"] for name in ("encode_vae_target", "encode_vae_references")}
+    configured = vae_frames.is_applied(encoders.vae)
+    for suffix, switch in (("2d", vae_frames.apply), ("3d", vae_frames.remove)):
+        switch(encoders.vae)
+        out.update(time_calls({f"{name}_{suffix}_s": call for name, call in vae_parts.items()}, device, repeats))
+        if device.type == "cuda":
+            out[f"encode_vae_target_{suffix}_peak_gb"] = encode_peak(vae_parts["encode_vae_target"], device)
+    (vae_frames.apply if configured else vae_frames.remove)(encoders.vae)
+    return out
+
+
+def time_calls(parts: dict, device: torch.device, repeats: int) -> dict:
+    """{name: seconds per call}: the mean of `repeats` after one warm-up, synchronised."""
     out = {}
     for name, call in parts.items():
         call()
@@ -196,6 +219,17 @@ def time_encode_parts(dataset, encoders: components.Encoders, variant: str, devi
         bench._sync(device)
         out[name] = (time.perf_counter() - start) / repeats
     return out
+
+
+def encode_peak(call, device: torch.device) -> float:
+    """GB that `call` allocates on the GPU above what was allocated before it (its last run of two)."""
+    for _ in range(2):
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 1e9
 
 
 def make_loader(dataset, args: argparse.Namespace, collate_fn=pairs.collate):
@@ -235,7 +269,8 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
         "gpu_memory_gb_models_loaded": with_encoders - base, "train_step": args.train_step,
         "model": "tiny" if args.tiny else "full architectures (random init)", "variant": args.variant,
         "precision": str(dtype).removeprefix("torch."), "samples": args.samples, "warmup": args.warmup,
-        "num_workers": args.num_workers, "area": args.area, "width": w.width, "height": w.height, **bench.machine(d),
+        "num_workers": args.num_workers, "vae_2d_frames": args.vae_2d_frames,
+        "area": args.area, "width": w.width, "height": w.height, **bench.machine(d),
     }
 
 
@@ -248,7 +283,11 @@ def format_report(r: dict) -> str:
           f"{100 * r[phase + '_data_wait_fraction']:.1f}% of the time)" for phase in ("online", "cached")),
         f"online parts Qwen2.5-VL {r['encode_vl_s']:.3f} s (its processor {r['encode_vl_processor_s']:.3f} s), "
         f"VAE target {r['encode_vae_target_s']:.3f} s, VAE references {r['encode_vae_references_s']:.3f} s; "
-        f"encode_batch {r['encode_batch_s']:.3f} s per micro-batch",
+        f"encode_batch {r['encode_batch_s']:.3f} s per micro-batch (vae_2d_frames {r['vae_2d_frames']})",
+        f"VAE 2D/3D    target {r['encode_vae_target_2d_s']:.3f} / {r['encode_vae_target_3d_s']:.3f} s, references "
+        f"{r['encode_vae_references_2d_s']:.3f} / {r['encode_vae_references_3d_s']:.3f} s (model.vae_2d_frames on / off"
+        + (f"; target encode peak {r['encode_vae_target_2d_peak_gb']:.2f} / {r['encode_vae_target_3d_peak_gb']:.2f} GB)"
+           if "encode_vae_target_2d_peak_gb" in r else ")"),
         f"speedup      {r['speedup']:.2f}x cached / online",
         f"precompute   {r['precompute_samples_per_s']:.3f} samples/s, {r['cache_mb_per_sample']:.3f} MB per sample",
         f"encoders     {r['encoder_params'] / 1e9:.3f} B parameters, {r['encoder_weights_gb']:.3f} GB of weights; "

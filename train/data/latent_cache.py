@@ -226,7 +226,8 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     # The plan's budget holds here too: where Qwen2.5-VL does not fit it, its blocks stream from host memory.
     stream = memory.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
-    encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream)
+    encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream,
+                                         vae_2d_frames=p.model.vae_2d_frames)
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders
     gc.collect()

@@ -15,7 +15,7 @@ import torch
 
 from train.config import LoraConfig, ModelConfig
 from train.config.files import RANDOM_INIT_ENV, random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
-from train.model import conditioning, fp8, rope
+from train.model import conditioning, fp8, rope, vae_frames
 
 
 class ModelError(ValueError):
@@ -132,9 +132,9 @@ def _random_init_notice(what: str, device: torch.device) -> None:
 
 
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                  stream_text_encoder: bool = False) -> Encoders:
+                  stream_text_encoder: bool = False, vae_2d_frames: bool = True) -> Encoders:
     """Qwen2.5-VL, its processor and the VAE, frozen, on `device`; with stream_text_encoder Qwen2.5-VL stays in
-    host memory and runs on `device` block by block (stream_from_host)."""
+    host memory and runs on `device` block by block (stream_from_host). vae_2d_frames: see load_vae."""
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
@@ -152,7 +152,7 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     text_encoder.requires_grad_(False).eval().to(vl_device)
     if stream_text_encoder:
         stream_from_host(text_encoder, device)
-    return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device))
+    return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device, vae_2d_frames))
 
 
 def _random_text_encoder(model_dir: Path, dtype: torch.dtype, device: torch.device, on_host: bool = False):
@@ -236,8 +236,9 @@ def stream_from_host(text_encoder: torch.nn.Module, device: torch.device) -> Non
     text_encoder.to(device)  # what the offloaders left: their placeholders and slots are on `device` already
 
 
-def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
-    """The frozen VAE alone (also what a model-parallel decoder stage loads to render validation images)."""
+def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, vae_2d_frames: bool = True):
+    """The frozen VAE alone (also what a model-parallel decoder stage loads to render validation images);
+    vae_2d_frames (model.vae_2d_frames): images take the 2D path of train/model/vae_frames.py, the same function."""
     from diffusers import AutoencoderKLQwenImage
 
     if random_init():
@@ -246,6 +247,8 @@ def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     else:
         vae = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
                                                      local_files_only=True)
+    if vae_2d_frames:
+        vae_frames.apply(vae)
     return vae.requires_grad_(False).eval().to(device)
 
 

@@ -89,7 +89,7 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
         return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = components.load_encoders(p.model.path, dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
     return sources.online_source(loader, encoders, variant)
 
 

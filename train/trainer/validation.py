@@ -186,7 +186,7 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
     if not p.validation.file or p.data.cache == "off":
         return None
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = components.load_encoders(p.model.path, dtype, d.device)
+    encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
     recorded = encode_requests(cfg, encoders, d.rank, d.world_size)
     del encoders
     gc.collect()
@@ -200,7 +200,8 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
 
 def vae_only(model: ModelConfig, d: Dist) -> components.Encoders:
     """What replayed validation needs of the encoders: the VAE (to decode)."""
-    vae = components.load_vae(model.path, components.encoder_dtype(model.encoder_dtype, d.device), d.device)
+    vae = components.load_vae(model.path, components.encoder_dtype(model.encoder_dtype, d.device), d.device,
+                              model.vae_2d_frames)
     return components.Encoders(text_encoder=None, processor=None, vae=vae)
 
 
@@ -308,7 +309,8 @@ class Validator:
             if self.encoders is None:  # training from a latent cache: the encoders load on first use
                 model = self.cfg.project.model
                 dtype = components.encoder_dtype(model.encoder_dtype, self.d.device)
-                self.encoders = components.load_encoders(model.path, dtype, self.d.device)
+                self.encoders = components.load_encoders(model.path, dtype, self.d.device,
+                                                         vae_2d_frames=model.vae_2d_frames)
             self.pipe = pipelines.pipeline_from_components(self.cfg.project.model.path, self.variant, self.module,
                                                            self.encoders)
         return self.pipe
