@@ -144,7 +144,7 @@ def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "stream_vl_for_cache", lambda c, d, keys: True)
     monkeypatch.setattr(components, "load_encoders", lambda *a, **k: loads.append(k) or real(*a, **k))
     latent_cache.build(streamed_cfg, WORLD_OF_ONE, variant, rows, dataset, index["depends_on"])
-    assert loads == [{"stream_text_encoder": True}]
+    assert loads == [{"stream_text_encoder": True, "vae_2d_frames": True}]  # model.vae_2d_frames passed on
     a = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     b = latent_cache.CachedDataset(tmp_path / "s", latent_cache.read_index(tmp_path / "s"), rows)
     for i in (0, len(rows) - 1):

@@ -18,7 +18,7 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.model import components, pipelines
+from train.model import components, pipelines, vae_frames
 from train.model.tiny import build_transformer
 
 
@@ -198,6 +198,9 @@ def _plain_pipeline_images(model: Path, edits: list[dict], inf) -> list[np.ndarr
 
     pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    # the VAE's 2D path, as ours runs by default (model.vae_2d_frames): the images are then bit-equal; that path
+    # equals diffusers' own within 1e-5 (tests/test_vae_frames.py), which can move a pixel by one level
+    vae_frames.apply(pipe.vae)
     assert pipe.transformer.config.zero_cond_t
     images = []
     for edit in edits:
@@ -271,6 +274,7 @@ def test_infer_without_references_renders_qwen_image_pipeline(tiny_name, request
     got = pipelines.edit(pipe, variant, [], "a red circle on grey", 5, inf)
     assert got.size == (128, 128)
     loaded = diffusers.DiffusionPipeline.from_pretrained(tiny / "model", dtype=torch.float32)
+    vae_frames.apply(loaded.vae)  # as ours (see _plain_pipeline_images)
     direct = loaded if tiny_name == "tiny_t2i" else diffusers.QwenImagePipeline(
         **{k: v for k, v in loaded.components.items() if k != "processor"})
     direct.set_progress_bar_config(disable=True)
