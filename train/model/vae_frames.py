@@ -54,6 +54,7 @@ def remove(vae):
 
 
 def is_applied(vae) -> bool:
+    """Whether `apply` gave `vae` the 2D path (and `remove` has not taken it back)."""
     return isinstance(vae.__dict__.get("_encode"), types.MethodType)
 
 
