@@ -497,6 +497,31 @@ def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
     assert m.render_vae_bytes == m.render_vae_tiled_bytes > 0  # below the tile size the two are the same
 
 
+def test_the_vae_measurements_take_the_configured_path(tiny_plus, monkeypatch):
+    """model.vae_2d_frames reaches the VAE that the render and encode measurements load: with it off they measure
+    diffusers' own path (its chunk cache is larger), so a plan never counts the smaller transient for it."""
+    import torch
+
+    from train.model import components, vae_frames
+
+    seen = []
+    load = components.load_vae
+
+    def load_vae(*args, **kwargs):
+        vae = load(*args, **kwargs)
+        seen.append(vae_frames.is_applied(vae))
+        return vae
+
+    monkeypatch.setattr(components, "load_vae", load_vae)
+    monkeypatch.setattr(memory, "_peak_above", lambda device, call, repeats=2: 1.0)
+    w = memory.render_workload([[(64, 64)]], "edit_plus", 64 * 64, 32 * 32)
+    for on in (True, False):
+        memory.measure_render(measured(100), tiny_plus / "model", w, torch.float32, torch.float32,
+                              torch.device("cpu"), "lora", LoraConfig(rank=4), False, True, vae_2d_frames=on)
+        memory.encode_transient(tiny_plus / "model", torch.device("cpu"), memory.Workload(1, 0, (8, 8), 0), on)
+    assert seen == [True, True, False, False]
+
+
 def test_validation_workload_reads_the_files_images(tmp_path):
     """validation.file's references are sized from their headers: the widest edit sets the render's tokens."""
     from PIL import Image

@@ -745,15 +745,17 @@ def _peak_above(device: torch.device, call, repeats: int = 2) -> float:
 
 
 def measure_render(m: Measured, model_dir: str | Path, w: Workload, dtype: torch.dtype, vae_dtype: torch.dtype,
-                   device: torch.device, mode: str, lora, fp8_base: bool, online: bool) -> Measured:
+                   device: torch.device, mode: str, lora, fp8_base: bool, online: bool,
+                   vae_2d_frames: bool = True) -> Measured:
     """`m` with R and V of the module docstring at the render workload `w`: a one-block transformer prepared as
     training prepares it, eager (the module docstring), run forward without gradients, and the VAE
     decoding a latent of the render's target size, untiled and tiled (online also encoding an image of that size,
-    as the render encodes its references; the larger counts). A second or two."""
+    as the render encodes its references; the larger counts), on the path model.vae_2d_frames chooses. A second
+    or two."""
     from train.model import components
 
     forward = _render_forward_bytes(model_dir, w, dtype, device, mode, lora, fp8_base)  # its model freed here
-    vae = components.load_vae(model_dir, vae_dtype, device)
+    vae = components.load_vae(model_dir, vae_dtype, device, vae_2d_frames)
     untiled, tiled = (_vae_transient(vae, w, tiling, online) for tiling in (False, True))
     return dataclasses.replace(m, render_forward_bytes=forward, render_vae_bytes=untiled, render_vae_tiled_bytes=tiled)
 
@@ -949,7 +951,7 @@ def _measure_run(p, device: torch.device, work: Workload, render: Workload | Non
 
         measured = measure_render(measured, p.model.path, render, dtype,
                                   components.encoder_dtype(p.model.encoder_dtype, device), device, p.train.mode,
-                                  p.lora, fixed.get("train.fp8_base", fp8_ok), online)
+                                  p.lora, fixed.get("train.fp8_base", fp8_ok), online, p.model.vae_2d_frames)
     return measured
 
 
@@ -1027,16 +1029,17 @@ def _ranks_per_node() -> int:
 
 def _with_encode_bytes(m: Measured, p, device: torch.device, work: Workload) -> Measured:
     """Add the encoders' transient while encoding online (see encode_transient)."""
-    return dataclasses.replace(m, encode_bytes=encode_transient(p.model.path, device, work))
+    return dataclasses.replace(m, encode_bytes=encode_transient(p.model.path, device, work, p.model.vae_2d_frames))
 
 
-def encode_transient(model_dir: str | Path, device: torch.device, work: Workload) -> float:
+def encode_transient(model_dir: str | Path, device: torch.device, work: Workload, vae_2d_frames: bool = True) -> float:
     """Bytes an encode allocates above the encoders' weights: the VAE encoding the largest target of `work` at its
     size, measured (the peak of the two), plus VL_ACTIVATION_BYTES for the VL model's activations (a few thousand
-    tokens without gradients: far smaller)."""
+    tokens without gradients: far smaller). vae_2d_frames: the VAE's path (model.vae_2d_frames); diffusers' own
+    keeps a copy of every layer's input for a next chunk, ~1.5 GB more at 1 MP."""
     from train.model import components
 
-    vae = components.load_vae(model_dir, torch.bfloat16, device)
+    vae = components.load_vae(model_dir, torch.bfloat16, device, vae_2d_frames)
     h, w = work.target_hw
     pixels = torch.zeros(work.batch, 3, 1, h * 8, w * 8, device=device, dtype=torch.bfloat16)
     peak = _peak_above(device, functools.partial(vae.encode, pixels), repeats=1)
@@ -1063,7 +1066,7 @@ def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
     room = budget - margin_bytes(p.memory.margin_gb, budget) - torch.cuda.memory_allocated(d.device)
     largest = max((hw for key in bucket_keys for hw in key), key=lambda hw: hw[0] * hw[1])  # target or reference
     need = {"vl": component_bytes(p.model.path, "text_encoder"), "vae": component_bytes(p.model.path, "vae"),
-            "encode": encode_transient(p.model.path, d.device, Workload(1, 0, largest, 0))}
+            "encode": encode_transient(p.model.path, d.device, Workload(1, 0, largest, 0), p.model.vae_2d_frames)}
     host = node_host(cfg.world_size)  # a collective: every rank takes part, whatever its own decision
     if need["vl"] + need["vae"] + need["encode"] <= room:
         return False
