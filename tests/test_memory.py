@@ -485,7 +485,7 @@ def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
         calls.append(tuple(out.shape))
         return float(out.numel())
 
-    monkeypatch.setattr(memory, "_peak_above", peak_above)
+    monkeypatch.setattr(memory, "peak_above", peak_above)
     w = memory.render_workload([[(64, 64), (64, 64)]], "edit_plus", 64 * 64, 32 * 32)
     m = memory.measure_render(measured(100), tiny_plus / "model", w, torch.float32, torch.float32,
                               torch.device("cpu"), "lora", LoraConfig(rank=4), fp8_base=False, online=True)
@@ -513,7 +513,7 @@ def test_the_vae_measurements_take_the_configured_path(tiny_plus, monkeypatch):
         return vae
 
     monkeypatch.setattr(components, "load_vae", load_vae)
-    monkeypatch.setattr(memory, "_peak_above", lambda device, call, repeats=2: 1.0)
+    monkeypatch.setattr(memory, "peak_above", lambda device, call, repeats=2: 1.0)
     w = memory.render_workload([[(64, 64)]], "edit_plus", 64 * 64, 32 * 32)
     for on in (True, False):
         memory.measure_render(measured(100), tiny_plus / "model", w, torch.float32, torch.float32,

@@ -33,7 +33,7 @@ import torch
 
 from train.benchmarks import step as bench
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning, tiny, vae_frames
+from train.model import components, conditioning, memory, tiny, vae_frames
 from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
 from train.runtime import engine
 from train.trainer import loop
@@ -202,7 +202,7 @@ def time_encode_parts(dataset, encoders: components.Encoders, variant: str, devi
         switch(encoders.vae)
         out.update(time_calls({f"{name}_{suffix}_s": call for name, call in vae_parts.items()}, device, repeats))
         if device.type == "cuda":
-            out[f"encode_vae_target_{suffix}_peak_gb"] = encode_peak(vae_parts["encode_vae_target"], device)
+            out[f"encode_vae_target_{suffix}_peak_gb"] = memory.peak_above(device, vae_parts["encode_vae_target"]) / 1e9
     (vae_frames.apply if configured else vae_frames.remove)(encoders.vae)
     return out
 
@@ -219,17 +219,6 @@ def time_calls(parts: dict, device: torch.device, repeats: int) -> dict:
         bench._sync(device)
         out[name] = (time.perf_counter() - start) / repeats
     return out
-
-
-def encode_peak(call, device: torch.device) -> float:
-    """GB that `call` allocates on the GPU above what was allocated before it (its last run of two)."""
-    for _ in range(2):
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        call()
-        torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 1e9
 
 
 def make_loader(dataset, args: argparse.Namespace, collate_fn=pairs.collate):

@@ -724,7 +724,7 @@ def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
     return nbytes / max(time.perf_counter() - t0, 1e-9)
 
 
-def _peak_above(device: torch.device, call, repeats: int = 2) -> float:
+def peak_above(device: torch.device, call, repeats: int = 2) -> float:
     """Bytes `call` allocates above what is allocated before it (without gradients; the last of `repeats`, the
     first warms the kernels' workspaces); math.inf when it runs out of memory (it cannot fit the budget)."""
     peak = 0.0
@@ -767,7 +767,7 @@ def _render_forward_bytes(model_dir, w: Workload, dtype, device, mode: str, lora
     components.prepare_for_training(model, mode, lora, False, False, fp8_base)
     model.eval()
     inputs = _inputs(model, w, dtype, device)
-    return _peak_above(device, lambda: model(**inputs)[0])
+    return peak_above(device, lambda: model(**inputs)[0])
 
 
 def _vae_transient(vae, w: Workload, tiled: bool, online: bool) -> float:
@@ -775,11 +775,11 @@ def _vae_transient(vae, w: Workload, tiled: bool, online: bool) -> float:
     device, dtype = vae.device, vae.dtype
     h, wd = w.target_hw
     latents = torch.zeros(1, vae.config.z_dim, 1, h, wd, device=device, dtype=dtype)
-    decode = _peak_above(device, lambda: vae.decode(latents, return_dict=False)[0])
+    decode = peak_above(device, lambda: vae.decode(latents, return_dict=False)[0])
     if not online:
         return decode
     pixels = torch.zeros(1, 3, 1, h * 8, wd * 8, device=device, dtype=dtype)
-    return max(decode, _peak_above(device, lambda: vae.encode(pixels).latent_dist.mode()))
+    return max(decode, peak_above(device, lambda: vae.encode(pixels).latent_dist.mode()))
 
 
 def budget_bytes(budget_gb: float, device: torch.device) -> float:
@@ -1042,7 +1042,7 @@ def encode_transient(model_dir: str | Path, device: torch.device, work: Workload
     vae = components.load_vae(model_dir, torch.bfloat16, device, vae_2d_frames)
     h, w = work.target_hw
     pixels = torch.zeros(work.batch, 3, 1, h * 8, w * 8, device=device, dtype=torch.bfloat16)
-    peak = _peak_above(device, functools.partial(vae.encode, pixels), repeats=1)
+    peak = peak_above(device, functools.partial(vae.encode, pixels), repeats=1)
     del vae, pixels
     torch.cuda.empty_cache()
     return peak + VL_ACTIVATION_BYTES
