@@ -6,6 +6,8 @@
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
+# SET="train.kept_attention_blocks=0 ..." also sets these qwen_edit keys (JSON values) in every generated config, for
+# a same-call comparison with a lever off; TAG=name is added to the records' names.
 # VALIDATION=1 adds validation renders: a validation file of the first VAL_ROWS (2) rows of the dataset (their
 # references, their prompts) in the generated config, rendered before step 1 and after the last step with
 # VAL_STEPS (4) denoising steps (the memory does not depend on their number); the record then has the plan's
@@ -26,15 +28,19 @@ if [ ! -f "$data/model/model_index.json" ]; then
 fi
 for cache in ${CACHE:-auto}; do
   for budget in ${BUDGETS:-141 80 48 24}; do
-    name=${config_name}_${variant}_${cache}_${budget}
+    name=${config_name}_${variant}_${cache}_${budget}${TAG:+_$TAG}
     cfg=$out/$name.json
     python - "$cfg" "$budget" "$cache" "$steps" "$data" "$config" "${VALIDATION:-0}" "${VAL_ROWS:-2}" \
-      "${VAL_STEPS:-4}" <<'PY'
+      "${VAL_STEPS:-4}" "${SET:-}" <<'PY'
 import json, sys
-path, budget, cache, steps, data, config, validate, val_rows, val_steps = sys.argv[1:]
+path, budget, cache, steps, data, config, validate, val_rows, val_steps, sets = sys.argv[1:]
 c = json.load(open(config))
 q = c["qwen_edit"]
 q["memory"] = {"budget_gb": float(budget)}
+for item in sets.split():  # section.key=JSON value
+    dotted, value = item.split("=", 1)
+    section, key = dotted.split(".")
+    q.setdefault(section, {})[key] = json.loads(value)
 q["data"].update(cache=cache, cache_dir=f"{data}/cache", num_workers=2)  # one cache for every budget
 q["train"]["max_steps"] = int(steps)
 q["output"].update(save_every_steps=0, log_every_steps=1, tensorboard=False, gpu_monitor_interval_s=0)

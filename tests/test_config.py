@@ -326,6 +326,7 @@ def test_area_of_one_tile_is_accepted(setup):
     ("train.logit_std", 0, "must be > 0"),
     ("data.bucket_aspect_steps", -1, "must be >= 0 (0 = the pipelines' own sizes, e.g. 8 = aspect ratios 9% apart), "
                                      "got -1"),
+    ("train.kept_attention_blocks", -2, "must be >= -1 (-1 = every checkpointed block, 0 = none), got -2"),
 ])
 def test_out_of_range(setup, key, value, want):
     """Other range checks name the key and the allowed range."""

@@ -122,9 +122,9 @@ def test_budget_below_the_minimum_names_the_numbers(full_sizes):
 
 
 def test_settings_realise_the_choice():
-    assert memory.settings(memory.Choice(True, True, 60, 10, True), 60) == {
+    assert memory.settings(memory.Choice(True, True, 60, 10, True, kept_attention=40), 60) == {
         "train.fp8_base": True, "train.fp8_transposed": True, "train.gradient_checkpointing": True,
-        "train.checkpoint_blocks": 0, "train.offload_blocks": 10}
+        "train.checkpoint_blocks": 0, "train.offload_blocks": 10, "train.kept_attention_blocks": 40}
     assert memory.settings(memory.Choice(False, False, 0, 0, False), 60)["train.gradient_checkpointing"] is False
     assert memory.settings(memory.Choice(True, False, 24, 0, False), 60)["train.checkpoint_blocks"] == 24
 

@@ -138,6 +138,9 @@ def _check_lora_and_savers(cfg: ProjectConfig, problems: list[str]) -> None:
     elif cfg.train.checkpoint_blocks and not cfg.train.gradient_checkpointing:
         problems.append(f"{p}.train.checkpoint_blocks: set, but train.gradient_checkpointing is false; enable it or "
                         "set checkpoint_blocks to 0")
+    if cfg.train.kept_attention_blocks < -1:
+        problems.append(f"{p}.train.kept_attention_blocks: must be >= -1 (-1 = every checkpointed block, 0 = none), "
+                        f"got {cfg.train.kept_attention_blocks}")
     if cfg.train.fp8_transposed and not cfg.train.fp8_base:
         problems.append(f"{p}.train.fp8_transposed: only applies with train.fp8_base; enable fp8_base or set "
                         "fp8_transposed to false")

@@ -15,7 +15,7 @@ import torch
 
 from train.config import LoraConfig, ModelConfig
 from train.config.files import RANDOM_INIT_ENV, random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
-from train.model import conditioning, fp8, rope, vae_frames
+from train.model import conditioning, fp8, kept_attention, rope, vae_frames
 
 
 class ModelError(ValueError):
@@ -287,13 +287,15 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
                          fp8_transposed: bool = False, real_rope: bool = True,
                          quantized: dict | None = None, offload: set[int] | None = None,
-                         compile_mode: str | None = None, share=None):
+                         compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
     offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
     among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
     share: the node's shared host copy of the offloaded blocks (offload.NodeShare), or None for this process's own.
+    kept_attention_blocks: how many of the checkpointed blocks (the first ones) keep their attention output for the
+    recomputation (train/model/kept_attention.py); -1 = all of them.
     Returns the BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
@@ -312,7 +314,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
         blocks = transformer.transformer_blocks
         offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer), share=share)
     if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks))
+        transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks,
+                                                                   kept_attention_blocks))
     if real_rope:
         rope.use_real_pairs(transformer)
     if compile_blocks:
@@ -335,7 +338,7 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
                       lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
                       checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
-                      share=None):
+                      share=None, kept_attention_blocks: int = 0):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
     (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
@@ -350,18 +353,27 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     transformer, quantized = _streamed_transformer(model_dir, placement, frozen=mode == "lora")
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
-                                     offload=placement.offload, share=share)
+                                     offload=placement.offload, share=share,
+                                     kept_attention_blocks=kept_attention_blocks)
     return transformer, offloader
 
 
-def checkpoint_first(blocks, count: int):
+def checkpoint_first(blocks, count: int, kept: int = 0):
     """diffusers' gradient_checkpointing_func that recomputes the first `count` blocks (0 = all) and runs the
-    others plainly (diffusers hands every block to this function while checkpointing is on)."""
+    others plainly (diffusers hands every block to this function while checkpointing is on). The first `kept` of
+    the recomputed blocks (-1 = all) keep their attention output, so their recomputation skips the attention kernel
+    (train/model/kept_attention.py)."""
     from torch.utils.checkpoint import checkpoint
 
-    selected = {id(b) for b in (blocks if count == 0 else list(blocks)[:count])}
+    selected = list(blocks) if count == 0 else list(blocks)[:count]
+    keeping = {id(b) for b in (selected if kept < 0 else selected[:kept])}
+    selected = {id(b) for b in selected}
+    if keeping:
+        kept_attention.install()
 
     def call(block, *args):
+        if id(block) in keeping:
+            return checkpoint(kept_attention.Stash().run, block.__call__, *args, use_reentrant=False)
         if id(block) in selected:
             return checkpoint(block.__call__, *args, use_reentrant=False)
         return block(*args)

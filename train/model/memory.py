@@ -109,7 +109,8 @@ BUCKET_BYTES = 2e8 * 2
 VL_ACTIVATION_BYTES = 1 * GB  # the VL model's activations for an encode (no gradients): an allowance
 ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
 PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
-             "train.checkpoint_blocks", "train.offload_blocks", "data.cache", "inference.vae_tiling")
+             "train.checkpoint_blocks", "train.offload_blocks", "train.kept_attention_blocks", "data.cache",
+             "inference.vae_tiling")
 OFFLOAD_KEY = "zero_optimization.offload_optimizer"  # DeepSpeed's key: in `fixed` when its config sets it
 
 
@@ -209,6 +210,8 @@ class Measured:
     render_forward_bytes: float | None = None  # R: a validation render's transformer pass; None = validation off
     render_vae_bytes: float = 0.0  # V untiled (math.inf: it did not fit the budget even alone)
     render_vae_tiled_bytes: float = 0.0  # V with inference.vae_tiling
+    kept_bytes: float = 0.0  # X: what a checkpointed block that keeps its attention output holds (0 = no kernel)
+    kept_recompute_s: float | None = None  # that block's recomputation (attention skipped); None = fwd_s
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ class Choice:
     cached: bool  # train from the cache (no encoder on the GPU while training)
     offload_optimizer: bool = False  # DeepSpeed's optimizer offload: master, moments, fp32 grads on the host
     vae_tiling: bool | None = None  # inference.vae_tiling of the validation renders; None = no render to plan
+    kept_attention: int = 0  # of the checkpointed blocks, how many keep their attention output (M <= N)
 
 
 @dataclass(frozen=True)
@@ -314,7 +318,7 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     slots = 2 * block if c.offloaded else 0
     states = s.gpu_state_bytes(c.offload_optimizer) + BUCKET_BYTES
     encoders = 0 if c.cached else s.encoder_bytes
-    acts = activation_bytes(s, m, c.checkpointed)
+    acts = activation_bytes(s, m, c.checkpointed) + c.kept_attention * m.kept_bytes  # both backward phases hold X
     encode_peak = 0 if c.cached else m.encode_bytes
     kept = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
     in_step = weights + slots + encoders + s.gpu_state_bytes(c.offload_optimizer, in_step=True) + BUCKET_BYTES
@@ -328,7 +332,9 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     stall = c.offloaded * (max(0.0, copy_s - m.fwd_s) + max(0.0, copy_s - bwd_s))
     # Without the transposed copy the backward transposes each fp8 token weight: one read and write of it.
     transpose_s = 0.0 if not c.fp8_base or c.fp8_transposed else resident * 2 * s.block_token_params / 2e12
-    step = s.num_blocks * m.fwd_bwd_s + c.checkpointed * m.fwd_s + stall + transpose_s
+    kept_s = m.fwd_s if m.kept_recompute_s is None else m.kept_recompute_s
+    recompute_s = (c.checkpointed - c.kept_attention) * m.fwd_s + c.kept_attention * kept_s
+    step = s.num_blocks * m.fwd_bwd_s + recompute_s + stall + transpose_s
     return Prediction(peak, step, host_step_s(s, m) if c.offload_optimizer else 0.0, render)
 
 
@@ -358,6 +364,7 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool, render: bool =
     offloads = [fixed[OFFLOAD_KEY]] if OFFLOAD_KEY in fixed else [False, True]
     tilings = ([fixed["inference.vae_tiling"]] if "inference.vae_tiling" in fixed else [False, True]) if (
         render) else [None]
+    kept = fixed.get("train.kept_attention_blocks", 0)  # free: 0 here, raised by choose as far as it fits
     for fp8_base in fp8s:
         if fp8_base and not fp8_ok:
             continue
@@ -371,7 +378,8 @@ def candidates(s: Sizes, fixed: dict, fp8_ok: bool, online: bool, render: bool =
                         for cache in cached:
                             for opt in offloads:
                                 for tiled in tilings:
-                                    yield Choice(fp8_base, fp8_t, ck, off, cache, opt, tiled)
+                                    yield Choice(fp8_base, fp8_t, ck, off, cache, opt, tiled,
+                                                 ck if kept < 0 else min(kept, ck))
 
 
 def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixed: dict, fp8_ok: bool,
@@ -388,8 +396,10 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
     allowed = list(candidates(s, fixed, fp8_ok, online, m.render_forward_bytes is not None))
     if not allowed:
         raise PlanError("the config's explicit settings leave no candidate to plan (see qwen_edit.memory)")
-    scored = [(c, predict(s, m, c)) for c in allowed]
     room = budget_bytes - margin_bytes
+    scored = [(c, predict(s, m, c)) for c in allowed]
+    if "train.kept_attention_blocks" not in fixed and m.kept_bytes > 0:
+        scored = [most_kept(s, m, c, p, room) for c, p in scored]
     on_gpu = [x for x in scored if not x[0].offload_optimizer]
     offloaded = [x for x in scored if x[0].offload_optimizer]
     usable = on_gpu + (offloaded if offload_blocker is None or OFFLOAD_KEY in fixed else [])
@@ -422,6 +432,23 @@ def choose(s: Sizes, m: Measured, budget_bytes: float, margin_bytes: float, fixe
         "settings that pin the plan (train.fp8_base false, train.gradient_checkpointing false, data.cache off), "
         "or use a bigger GPU or the model-parallel mode"
     )
+
+
+def most_kept(s: Sizes, m: Measured, c: Choice, p: Prediction, room: float) -> tuple[Choice, Prediction]:
+    """`c` (predicted `p`, keeping no attention) with as many of its checkpointed blocks keeping their attention
+    output as fit `room`: each adds m.kept_bytes to the activation peak and nothing else, and only makes the step
+    faster, so the largest count that fits is the best."""
+    if not c.checkpointed or p.fit_bytes > room:
+        return c, p
+    lo, hi = 0, c.checkpointed  # fit(lo) <= room; find the largest count that still fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predict(s, m, dataclasses.replace(c, kept_attention=mid)).fit_bytes <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return (c, p) if not lo else (dataclasses.replace(c, kept_attention=lo),
+                                  predict(s, m, dataclasses.replace(c, kept_attention=lo)))
 
 
 def render_note(s: Sizes, m: Measured, c: Choice, p: Prediction, budget_bytes: float, margin_bytes: float,
@@ -497,6 +524,9 @@ def describe(c: Choice, num_blocks: int) -> str:
     fp8 = ("fp8 base + transposed copy" if transposed else "fp8 base") if c.fp8_base else "bf16 base"
     ck = "no checkpointing" if not c.checkpointed else (
         "all blocks checkpointed" if c.checkpointed >= num_blocks else f"first {c.checkpointed} blocks checkpointed")
+    if c.kept_attention and c.checkpointed:
+        ck += (" (all keep their attention output)" if c.kept_attention >= c.checkpointed else
+               f" ({c.kept_attention} of them keep their attention output)")
     off = f", first {c.offloaded} blocks offloaded to host memory" if c.offloaded else ""
     enc = "from the cache" if c.cached else "online encoding"
     opt = ", optimizer state in host memory (DeepSpeed offload_optimizer, Adam steps on the CPU)" if (
@@ -510,7 +540,7 @@ def settings(c: Choice, num_blocks: int) -> dict:
     values = {"train.fp8_base": c.fp8_base, "train.fp8_transposed": c.fp8_transposed,
               "train.gradient_checkpointing": c.checkpointed > 0,
               "train.checkpoint_blocks": 0 if c.checkpointed in (0, num_blocks) else c.checkpointed,
-              "train.offload_blocks": c.offloaded}
+              "train.offload_blocks": c.offloaded, "train.kept_attention_blocks": c.kept_attention}
     if c.vae_tiling is not None:
         values["inference.vae_tiling"] = c.vae_tiling
     return values
@@ -633,10 +663,16 @@ def render_workload(reference_sizes: list[list[tuple[int, int]]], variant: str, 
     return Workload(1, tokens, (height // 8, width // 8), text_tokens_bound(variant, most, area, condition_area))
 
 
+def _mini_config(model_dir: Path) -> dict:
+    from diffusers import QwenImageTransformer2DModel
+
+    return dict(QwenImageTransformer2DModel.load_config(model_dir / "transformer"))
+
+
 def _mini_transformer(model_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device):
     from diffusers import QwenImageTransformer2DModel
 
-    config = dict(QwenImageTransformer2DModel.load_config(model_dir / "transformer"))
+    config = _mini_config(model_dir)
     config["num_layers"] = num_layers
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -690,27 +726,36 @@ def _run(model, inputs: dict, device: torch.device, repeats: int = 3) -> tuple[f
 
 
 def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
-            fp8_base: bool, compile_blocks: bool) -> Measured:
+            fp8_base: bool, compile_blocks: bool, kept: bool = True) -> Measured:
     """A, S, T and block times at workload `w` from a one- and a two-block transformer, each run plain and
-    checkpointed (see the module docstring). Seconds, plus compilation."""
-    from train.model import components
+    checkpointed (see the module docstring). With `kept` (and a kernel for it) the checkpointed blocks keep their
+    attention output: X (kept_bytes) is counted, S is what the block holds besides it, and the difference of the
+    checkpointed and plain block times is a kept block's recomputation. Seconds, plus compilation."""
+    from train.model import components, kept_attention
 
     model_dir = Path(model_dir)
+    keep = kept and kept_attention.available(device, dtype)
     runs = {}
     for layers in (1, 2):
         for checkpointed in (False, True):
             model = _mini_transformer(model_dir, layers, dtype, device)
-            components.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base)
+            components.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base,
+                                            kept_attention_blocks=-1 if keep else 0)
             model.train()
             runs[layers, checkpointed] = _run(model, _inputs(model, w, dtype, device), device)
             del model
             torch.cuda.empty_cache()
     (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1, False], runs[2, False]
-    (k1c, t1c, _, _), (k2c, t2c, _, _) = runs[1, True], runs[2, True]
-    act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c, 0.0)
-    head, head_c = max(k1 - act, 0.0), max(k1c - ckpt, 0.0)
-    return Measured(act, ckpt, head + max(t1, t2), max(f2 - f1, 1e-6), max(b2 - b1, 1e-6), _h2d_rate(device),
-                    ckpt_transient_bytes=head_c + max(t1c, t2c))
+    (k1c, t1c, _, b1c), (k2c, t2c, _, b2c) = runs[1, True], runs[2, True]
+    config = _mini_config(model_dir)
+    x = kept_attention.kept_bytes(w.batch, w.image_tokens + w.text_tokens, config["num_attention_heads"],
+                                  config["attention_head_dim"], dtype.itemsize) if keep else 0
+    act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c - x, 0.0)
+    head, head_c = max(k1 - act, 0.0), max(k1c - x - ckpt, 0.0)
+    fwd, both = max(f2 - f1, 1e-6), max(b2 - b1, 1e-6)
+    return Measured(act, ckpt, head + max(t1, t2), fwd, both, _h2d_rate(device),
+                    ckpt_transient_bytes=head_c + max(t1c, t2c), kept_bytes=x,
+                    kept_recompute_s=min(max(b2c - b1c - both, 0.0), fwd) if keep else None)
 
 
 def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
@@ -943,7 +988,8 @@ def _measure_run(p, device: torch.device, work: Workload, render: Workload | Non
     """This rank's measurement for the plan: the blocks at `work`, then online encoding's bytes and the validation
     render's transients when they apply."""
     measured = measure(p.model.path, work, dtype, device, p.train.mode, p.lora,
-                       fixed.get("train.fp8_base", fp8_ok), fixed.get("train.compile", True))
+                       fixed.get("train.fp8_base", fp8_ok), fixed.get("train.compile", True),
+                       fixed.get("train.kept_attention_blocks", -1) != 0)
     if online:
         measured = _with_encode_bytes(measured, p, device, work)
     if render is not None:

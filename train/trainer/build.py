@@ -64,7 +64,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
         transformer, offloader = components.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
-            share)
+            share, t.kept_attention_blocks)
     except torch.cuda.OutOfMemoryError as e:
         raise memory.OutOfMemory(f"CUDA out of memory while loading the transformer. "
                                  f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e

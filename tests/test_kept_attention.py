@@ -1,0 +1,165 @@
+"""Checkpointed blocks that keep their attention output (train/model/kept_attention.py), on the tiny model, fp32 CPU,
+and the memory plan's choice of how many keep it (train/model/memory.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import transformer_inputs
+from test_memory import GB, measured
+
+from train.config import LoraConfig
+from train.model import components, kept_attention, memory
+from train.model.tiny import build_transformer
+
+LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k", "attn.add_v_proj", "img_mlp.net.2"])
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the attention kernel's runs inside the op (a replayed output does not run it)."""
+    calls = []
+    forward = kept_attention._forward
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return forward(*args)
+
+    monkeypatch.setattr(kept_attention, "_forward", counting)
+    yield calls
+    kept_attention.uninstall()
+
+
+def _prepared(kept: int, checkpoint_blocks: int = 0, offload: set[int] | None = None):
+    torch.manual_seed(0)
+    model = build_transformer(num_layers=3)
+    components.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+                                    offload=offload, kept_attention_blocks=kept)
+    return model.train()
+
+
+def _loss_and_grads(model):
+    inputs = transformer_inputs(model, generator=torch.Generator().manual_seed(1))
+    loss = model(**inputs)[0].square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(a, b):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_the_op_is_sdpa():
+    """Output and input gradients equal diffusers' own attention (torch SDPA) bitwise."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 7, 3, 8, requires_grad=True) for _ in range(3))  # B S H D, diffusers' layout
+    ours = kept_attention.dispatch(q, k, v)
+    theirs = kept_attention._DIFFUSERS(q, k, v)
+    assert torch.equal(ours, theirs)
+    g_ours = torch.autograd.grad(ours.square().sum(), (q, k, v))
+    g_theirs = torch.autograd.grad(theirs.square().sum(), (q, k, v))
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kept, checkpoint_blocks, offload, runs", [
+    (-1, 0, None, 3),        # all three recomputed blocks keep: the kernel runs in the forward only
+    (1, 0, None, 3 + 2),     # the first keeps, the other two run it again in their recomputation
+    (-1, 2, None, 3),        # two checkpointed (both keep), the third plain
+    (-1, 0, {0, 1}, 3),      # offloaded blocks keep it too
+])
+def test_kept_blocks_train_exactly_like_recomputed_ones(kernel_calls, kept, checkpoint_blocks, offload, runs):
+    reference = _loss_and_grads(_prepared(0, checkpoint_blocks, offload))
+    assert not kernel_calls  # kept_attention_blocks 0: diffusers' attention, the op not installed
+    _assert_same(_loss_and_grads(_prepared(kept, checkpoint_blocks, offload)), reference)
+    assert len(kernel_calls) == runs
+
+
+def test_nothing_is_kept_without_gradients(kernel_calls):
+    """Without gradients (validation renders) the blocks go to diffusers' attention and nothing is recorded."""
+    model = _prepared(-1)
+    with torch.no_grad():
+        model(**transformer_inputs(model, generator=torch.Generator().manual_seed(1)))
+    assert not kernel_calls
+
+
+def test_a_stash_replays_in_order_and_then_forgets():
+    stash = kept_attention.Stash()
+    seen = []
+
+    def block(x):
+        out, _ = torch.ops.qwen_edit.kept_attention(x, x, x, None)
+        seen.append(out)
+        return out
+
+    x = torch.randn(1, 2, 5, 4)
+    first = stash.run(block, x)
+    assert len(stash._saved) == 1 and not stash.replaying
+    again = stash.run(block, x * 0)  # the recomputation gets the recorded output, not one of its own inputs
+    assert torch.equal(first, again) and stash.replaying and not stash._saved
+
+
+def test_kept_bytes_count_the_output_and_the_log_sum_exp():
+    # 12,984 tokens of the 2509 workload, 24 heads of 128, bf16: 80 MB of output and 1.2 MB of float32 lse
+    assert kept_attention.kept_bytes(1, 12_984, 24, 128, 2) == 12_984 * 24 * 128 * 2 + 12_984 * 24 * 4
+
+
+# ---------------------------------------------------------------- the plan
+
+def sizes() -> memory.Sizes:
+    """The released transformer as memory.count_sizes counts it (tests/test_memory.py checks those counts), with
+    LoRA r64 on the default targets."""
+    return memory.Sizes(num_blocks=60, block_params=339_831_296, block_matrix_params=339_738_624,
+                        block_fp8_params=339_738_624, block_token_params=226_492_416, other_params=40_523_328,
+                        lora_params=424_673_280)
+
+
+def _kept(m: memory.Measured, x_gb: float = 0.08, recompute_share: float = 0.6) -> memory.Measured:
+    return dataclasses.replace(m, kept_bytes=x_gb * GB, kept_recompute_s=recompute_share * m.fwd_s)
+
+
+def test_keeping_is_counted_in_the_peak_and_the_step():
+    s, m = sizes(), _kept(measured(12_544))
+    c = memory.Choice(True, False, 30, 10, True)
+    plain, kept = memory.predict(s, m, c), memory.predict(s, m, dataclasses.replace(c, kept_attention=20))
+    assert kept.peak_bytes == pytest.approx(plain.peak_bytes + 20 * m.kept_bytes)
+    assert kept.step_s == pytest.approx(plain.step_s - 20 * (m.fwd_s - m.kept_recompute_s))
+
+
+@pytest.mark.parametrize("budget_gb", [141, 80, 48, 24])
+def test_the_plan_keeps_as_many_as_fit(budget_gb):
+    """Each checkpointed block that can keep its attention within the budget does; one more would not fit."""
+    s, m = sizes(), _kept(measured(12_544))
+    budget = budget_gb * GB
+    room = budget - memory.margin_bytes(0, budget)
+    c, p = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {}, True, False)
+    assert p.fit_bytes <= room
+    if c.checkpointed and c.kept_attention < c.checkpointed:
+        more = memory.predict(s, m, dataclasses.replace(c, kept_attention=c.kept_attention + 1))
+        assert more.fit_bytes > room
+    assert memory.settings(c, s.num_blocks)["train.kept_attention_blocks"] == c.kept_attention
+
+
+def test_keeping_makes_the_low_budgets_faster():
+    s = sizes()
+    without, with_kept = measured(12_544), _kept(measured(12_544))
+    budget = 48 * GB
+    _, slow = memory.choose(s, without, budget, memory.margin_bytes(0, budget), {}, True, False)
+    c, fast = memory.choose(s, with_kept, budget, memory.margin_bytes(0, budget), {}, True, False)
+    assert c.kept_attention > 0 and fast.step_s < slow.step_s
+    assert "keep their attention output" in memory.describe(c, s.num_blocks)
+
+
+def test_a_set_count_is_kept_as_set():
+    s, m = sizes(), _kept(measured(12_544))
+    budget = 48 * GB
+    for value, want in ((0, lambda c: 0), (-1, lambda c: c.checkpointed), (5, lambda c: min(5, c.checkpointed))):
+        c, _ = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {"train.kept_attention_blocks": value},
+                             True, False)
+        assert c.checkpointed and c.kept_attention == want(c), value

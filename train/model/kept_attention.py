@@ -1,0 +1,205 @@
+"""A checkpointed transformer block that keeps its attention output, so that its recomputation skips attention.
+
+torch's non-reentrant checkpoint (torch.utils.checkpoint, as components.checkpoint_first applies it) frees what a
+block saved for its backward and runs the whole block again in the backward. The attention kernel is the costly
+part of that second forward (about a third of a Qwen-Image block's forward at 12.5k tokens), yet its backward needs
+only q, k and v (projections, norms and the rotary embedding: cheap to recompute) and the attention's output and
+log-sum-exp. Those two are small (the output is one activation of the block's width in bf16; the log-sum-exp one
+float per head and token), so a block that keeps them trades ~81 MB at 12.5k tokens for the attention forward's
+time in every recomputation (docs/perf_notes.md lever 27; the memory plan decides how many blocks keep it).
+
+How:
+- `install()` replaces diffusers' `dispatch_attention_fn` as the Qwen-Image transformer module sees it (as rope.py
+  replaces its rotary function), so that an attention without mask, dropout or causality, while gradients are on,
+  runs as the custom op `qwen_edit::kept_attention(q, k, v, scale) -> (out, lse)`. Everything else goes to diffusers.
+- The op runs the fused kernel that torch's own SDPA would choose for these inputs (cuDNN or FlashAttention on
+  CUDA, the flash kernel on the CPU) through its aten op, which returns the log-sum-exp; its backward is the same
+  kernel's backward op, also a custom op. Both are opaque to torch.compile, so the compiled blocks call them.
+- `Stash.run` wraps a block's call inside `checkpoint(...)`: the first call (the forward) records each attention's
+  (out, lse), the second (the recomputation in the backward) gets them back from the op instead of running the
+  kernel, and drops them. The stash is found through a thread-local: the recomputation runs in the autograd
+  engine's thread.
+tests/test_kept_attention.py checks losses and gradients against plain checkpointing, and that the recomputation
+does not run the kernel.
+"""
+
+import threading
+
+import torch
+from diffusers.models.transformers import transformer_qwenimage
+
+_DIFFUSERS = transformer_qwenimage.dispatch_attention_fn
+_local = threading.local()  # .stash: the Stash of the block call running in this thread, if any
+_cuda_ok = False  # install() sets it: the CUDA device has the fused kernels (compute capability >= 8.0)
+_backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen at the first forward
+_SDP = torch.nn.attention.SDPBackend
+# cuDNN's log-sum-exp is (B, H, S, 1) from torch 2.9 on, (B, H, S) before; its backward takes it as its forward gave it
+_CUDNN_LSE_4D = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+
+
+class Stash:
+    """The attention outputs of one checkpointed block call: recorded by its forward, replayed by its
+    recomputation. Use a new Stash for each call: checkpoint(Stash().run, block.__call__, *args)."""
+
+    def __init__(self):
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._calls = 0
+        self.replaying = False
+
+    def run(self, fn, *args, **kwargs):
+        if not torch.is_grad_enabled():  # no backward will recompute this call
+            return fn(*args, **kwargs)
+        self.replaying = self._calls > 0
+        self._calls += 1
+        previous = getattr(_local, "stash", None)
+        _local.stash = self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.stash = previous
+            if self.replaying:  # the backward has what it needs; checkpoint may also stop the recomputation early
+                self._saved.clear()
+
+    def record(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        # Copies: the compiled block owns the op's output buffers and the checkpoint frees what it saved.
+        self._saved.append((out.clone(), lse.clone()))
+
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._saved.pop(0) if self._saved else None
+
+
+def kept_bytes(batch: int, tokens: int, heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """What one block keeps: its attention output (batch x tokens x heads x head_dim) and the float32 log-sum-exp."""
+    return batch * tokens * heads * (head_dim * dtype_bytes + 4)
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the op has a kernel for attention in `dtype` on `device`: any float dtype on the CPU; bf16 or fp16 on
+    a CUDA GPU of compute capability 8.0 or newer (cuDNN or FlashAttention)."""
+    if device.type == "cpu":
+        return dtype.is_floating_point
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def install() -> None:
+    """Route eligible attention calls of diffusers' Qwen-Image transformer through the op (idempotent)."""
+    global _cuda_ok
+    _cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    transformer_qwenimage.dispatch_attention_fn = dispatch
+
+
+def uninstall() -> None:
+    transformer_qwenimage.dispatch_attention_fn = _DIFFUSERS
+
+
+def eligible(query: torch.Tensor) -> bool:
+    """available() for `query` (B, S, H, D), in a form torch.compile traces (the capability read by install())."""
+    if query.device.type == "cpu":
+        return query.dtype.is_floating_point
+    return query.device.type == "cuda" and _cuda_ok and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+             attention_kwargs=None, *, backend=None, parallel_config=None):
+    """diffusers' dispatch_attention_fn, with the op for calls it can serve (layout B, S, H, D in and out)."""
+    if (backend is None and parallel_config is None and attn_mask is None and dropout_p == 0.0 and not is_causal
+            and not enable_gqa and not attention_kwargs and torch.is_grad_enabled() and eligible(query)):
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+        out, _ = torch.ops.qwen_edit.kept_attention(q, k, v, scale)
+        return out.permute(0, 2, 1, 3)
+    return _DIFFUSERS(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                      backend=backend, parallel_config=parallel_config)
+
+
+def _backend(q: torch.Tensor) -> _SDP:
+    """The fused kernel torch's SDPA picks for q (chosen once per device type, dtype and head dim)."""
+    key = (q.device.type, q.dtype, q.shape[-1])
+    if key not in _backends:
+        if q.device.type == "cpu":
+            _backends[key] = _SDP.FLASH_ATTENTION
+        else:
+            choice = _SDP(torch._fused_sdp_choice(q, q, q))
+            _backends[key] = choice if choice in (_SDP.CUDNN_ATTENTION, _SDP.FLASH_ATTENTION) else (
+                _SDP.FLASH_ATTENTION)
+    return _backends[key]
+
+
+def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """t with layout's strides (a copy only when they differ): the ops' outputs are declared with their inputs'."""
+    return t if t.stride() == layout.stride() else torch.empty_like(layout).copy_(t)
+
+
+def _forward(q, k, v, scale):
+    b, h, s = q.shape[:3]
+    kind = _backend(q)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    elif kind == _SDP.CUDNN_ATTENTION:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
+                                                                       scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+    return _like(out, q), lse.reshape(b, h, s).contiguous()
+
+
+@torch.library.custom_op("qwen_edit::kept_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, float? scale) -> (Tensor, Tensor)")
+def kept_attention(q, k, v, scale):
+    """(out, lse) of softmax(q k^T * scale) v for q, k, v (B, H, S, D); out has q's strides, lse is (B, H, S) float32.
+    Inside a Stash's recomputation it returns what the forward recorded."""
+    stash = getattr(_local, "stash", None)
+    if stash is not None and stash.replaying:
+        kept = stash.replay()
+        if kept is not None:
+            return kept
+    out, lse = _forward(q, k, v, scale)
+    if stash is not None:
+        stash.record(out, lse)
+    return out, lse
+
+
+@kept_attention.register_fake
+def _(q, k, v, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("qwen_edit::kept_attention_backward", mutates_args=(),
+                         schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale) "
+                                "-> (Tensor, Tensor, Tensor)")
+def kept_attention_backward(grad, q, k, v, out, lse, scale):
+    """(dq, dk, dv) of kept_attention by the backward of the kernel that ran its forward; each with its input's
+    strides."""
+    grad = _like(grad, out)
+    if q.device.type == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
+                                                                                     False, scale=scale)
+    elif _backend(q) == _SDP.CUDNN_ATTENTION:
+        zero = torch.zeros((), dtype=torch.long, device=q.device)  # the dropout's seed and offset: no dropout
+        lse = lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, False, scale=scale)
+    else:
+        zero = torch.zeros((), dtype=torch.long, device=q.device)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, False, zero, zero, scale=scale)
+    return tuple(_like(g, x) for g, x in zip(grads, (q, k, v), strict=True))
+
+
+@kept_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = kept_attention_backward(grad_out, q, k, v, out, lse, ctx.scale)
+    return dq, dk, dv, None
+
+
+kept_attention.register_autograd(_backward, setup_context=_setup_context)
