@@ -163,3 +163,53 @@ def test_a_set_count_is_kept_as_set():
         c, _ = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {"train.kept_attention_blocks": value},
                              True, False)
         assert c.checkpointed and c.kept_attention == want(c), value
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
+    """On a GPU, in bf16: the op's output and gradients equal torch SDPA's with the same kernel forced, its fake
+    kernel agrees with the real one (torch.library.opcheck), and a compiled checkpointed block that keeps its
+    attention gives the gradients of plain recomputation without running the kernel again."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import checkpoint
+
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    kept_attention.install()
+    kept_attention._backends.clear()
+    try:
+        with sdpa_kernel([kind]):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, 1024, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            ours = kept_attention.dispatch(q, k, v)
+            theirs = kept_attention._DIFFUSERS(q, k, v)
+            g_ours = torch.autograd.grad(ours.float().square().sum(), (q, k, v))
+            g_theirs = torch.autograd.grad(theirs.float().square().sum(), (q, k, v))
+            for a, b in zip((ours, *g_ours), (theirs, *g_theirs), strict=True):  # the same kernels: equal or all but
+                assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3  # rounding (dO's layout)
+            qp, kp, vp = (x.detach().permute(0, 2, 1, 3).requires_grad_() for x in (q, k, v))
+            torch.library.opcheck(torch.ops.qwen_edit.kept_attention.default, (qp, kp, vp, None))
+
+            def block(x, w):
+                h = (x @ w).unflatten(-1, (4, 128))
+                return kept_attention.dispatch(h, h * 0.5, h.tanh()).flatten(2) @ w.T
+
+            x = torch.randn(1, 1024, 512, device="cuda", dtype=torch.bfloat16)
+            w = (torch.randn(512, 512, device="cuda", dtype=torch.bfloat16) / 23).requires_grad_()
+            compiled = torch.compile(block)
+            plain = checkpoint(compiled, x, w, use_reentrant=False)
+            g_plain = torch.autograd.grad(plain.float().square().sum(), w)[0]
+            calls = []
+            forward = kept_attention._forward
+            kept_attention._forward = lambda *a: calls.append(1) or forward(*a)
+            try:
+                replayed = checkpoint(kept_attention.Stash().run, compiled, x, w, use_reentrant=False)
+                g_kept = torch.autograd.grad(replayed.float().square().sum(), w)[0]
+            finally:
+                kept_attention._forward = forward
+            assert torch.equal(plain, replayed) and torch.equal(g_plain, g_kept) and len(calls) == 1
+    finally:
+        kept_attention.uninstall()
+        kept_attention._backends.clear()
