@@ -36,22 +36,41 @@ def test_quantize_per_tensor_keeps_layout_and_relative_error():
     [B, S, H, D] tensor seen as [B, H, S, D] keeps its strides (cuDNN reads that layout)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(1, 64, 4, 32, generator=g) * 3).bfloat16().transpose(1, 2)  # SDPA's view of [B, S, H, D]
-    qx = fa.quantize(x)
+    (qx,) = fa.quantize(x)
     assert qx.data.dtype == torch.float8_e4m3fn and qx.data.stride() == x.stride()
     amax = x.abs().max().float()
     assert qx.amax.shape == qx.descale.shape == (1, 1, 1, 1)
     assert qx.amax.item() == amax.item()
     assert qx.descale.item() == pytest.approx(amax.item() / 448, rel=1e-6)
     assert qx.data.float().abs().max().item() == 448.0
-    back = fa.dequantize(qx.data, qx.descale, torch.float32)
+    (back,) = fa.dequantize([qx.data], [qx.descale], torch.float32)
     normal = x.float().abs() * 448 / amax >= 2**-6  # e4m3's normal range: relative error at most 2^-4
     assert ((back - x.float()).abs() <= x.float().abs() / 16 + 1e-6)[normal].all()
-    assert fa.dequantize(back, qx.descale, torch.float32) is back  # already in the dtype: unchanged
+    assert fa.dequantize([back], [qx.descale], torch.float32)[0] is back  # already in the dtype: unchanged
 
 
 def test_quantize_all_zero_tensor():
-    qx = fa.quantize(torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16))
+    (qx,) = fa.quantize(torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16))
     assert qx.descale.item() == 1.0 and not qx.data.float().any()
+
+
+def test_casts_fall_back_to_eager_once_compiling_fails(monkeypatch):
+    """CUDA tensors get compiled casts; a compilation that fails warns once, is kept as the reason, and the casts
+    run eagerly from then on."""
+    kernels = fa._Kernels()
+
+    def broken(fn, **options):
+        raise RuntimeError("no C compiler")
+
+    class OnCuda:
+        is_cuda = True
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert kernels(lambda xs, y: y + 1, [OnCuda()], 2) == 3
+    assert kernels.failure == "RuntimeError: no C compiler"
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: pytest.fail("compiled again"))
+    assert kernels(lambda xs, y: y * 2, [OnCuda()], 2) == 4
 
 
 def test_unavailable_without_cuda():
@@ -195,9 +214,10 @@ def _errors(attention, seq_len: int = 512) -> dict[str, float]:
     return errors
 
 
-# e4m3 rounds each value by up to 1/16 of itself (about 3% rms), and O is rounded once more at the output: errors
-# of a few percent are expected for O and the gradients, against ~0.3% for bf16 (checked in the same test).
-FP8_TOLERANCE = {"o": 0.08, "dq": 0.15, "dk": 0.15, "dv": 0.15}
+# e4m3 rounds each value by up to 1/16 of itself (about 3% rms), and O once more at the output. Measured at this
+# shape on an H200 (2026-12-02): fp8 O 0.059, dQ 0.071, dK 0.070, dV 0.059 (calibrated and delayed alike); bf16
+# 0.0022-0.0024; the forward-only variant's gradients 0.009, 0.0074, 0.0057.
+FP8_TOLERANCE = {"o": 0.08, "dq": 0.1, "dk": 0.1, "dv": 0.1}
 
 
 @pytest.mark.gpu
@@ -218,5 +238,7 @@ def test_fp8_sdpa_matches_the_reference():
 @pytest.mark.gpu
 @needs_fp8
 def test_fp8_forward_only_variant_matches_the_reference():
+    """O as the fp8 forward's; the gradients from cuDNN's bf16 backward on the fp8 forward's statistics, a few times
+    bf16's error only (a statistics tensor read in another convention would give errors of order 1)."""
     errors = _errors(fa.fp8_forward_sdpa)
-    assert all(errors[n] < FP8_TOLERANCE[n] for n in errors), errors
+    assert errors["o"] < FP8_TOLERANCE["o"] and all(errors[n] < 0.02 for n in ("dq", "dk", "dv")), errors

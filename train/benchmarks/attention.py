@@ -12,10 +12,14 @@ after `warmup` (forward alone, then forward + backward; the backward is their di
 - `fp8_fwd`: fp8 forward, cuDNN's bf16 backward (fp8_forward_sdpa).
 - `fp8_kernels`: the fp8 forward and backward kernels alone on tensors quantised beforehand (the ceiling of the
   lever: no quantise / dequantise passes).
+- `fp8_casts`: those quantise / dequantise passes alone (what fusing them into the neighbouring kernels would save).
 FLOPs: forward 4 B H S^2 D, backward 2.5x the forward. Errors: relative Frobenius norm of O, dQ, dK, dV against an
 fp64 reference on the same bf16 inputs and output gradient (the fp8 rows after warm-up, so the delayed scales come
 from an earlier call on the same data: the steady state). A row that fails (no frontend, a graph cuDNN refuses) is
-reported with its message and the others still run.
+reported with its message and the others still run. The JSON record also has each timing's host time (`*_host_s`:
+the time to issue the calls; close to the GPU time, the GPU waited for the host) and how the casts ran (`casts`).
+Its last measured results are in train/model/fp8_attention.py's docstring. It takes about 50 s on an H200 (the
+casts' compilation included).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +36,7 @@ import torch
 from train.model import fp8_attention as fa
 
 DEFAULT_SEQ_LENS = (8448, 12544)
-ROWS = ("bf16", "fp8", "fp8_calibrated", "fp8_fwd", "fp8_kernels")
+ROWS = ("bf16", "fp8", "fp8_calibrated", "fp8_fwd", "fp8_kernels", "fp8_casts")
 SEED = 0
 
 
@@ -97,8 +102,8 @@ BACKWARD_FACTOR = 2.5  # dV, dP, dQ, dK (4 matmuls) and the recomputed QK^T: 5 a
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref||_F / ||ref||_F, in fp64."""
-    ref = ref.double()
-    return float(torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref))
+    x, ref = x.detach().double(), ref.detach().double()
+    return float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref))
 
 
 def reference_attention(q, k, v, do, scale: float, heads_per_chunk: int = 4) -> tuple[torch.Tensor, ...]:
@@ -118,17 +123,20 @@ def reference_attention(q, k, v, do, scale: float, heads_per_chunk: int = 4) -> 
 # ---------------------------------------------------------------- timing
 
 
-def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Mean seconds per call of `fn`, CUDA events around `iters` calls after `warmup` untimed ones."""
+def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> tuple[float, float]:
+    """Mean seconds per call of `fn` on the GPU (CUDA events around `iters` calls after `warmup` untimed ones) and
+    on the host (issuing the calls): a host time close to the GPU time means the GPU waited for the host."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    host = time.perf_counter()
     for _ in range(iters):
         fn()
+    host = time.perf_counter() - host
     end.record()
     end.synchronize()  # sync point: the measurement
-    return start.elapsed_time(end) / 1e3 / iters
+    return start.elapsed_time(end) / 1e3 / iters, host / iters
 
 
 @dataclass
@@ -169,23 +177,59 @@ def _autograd_row(attention: Callable, x: Inputs, args: argparse.Namespace) -> d
         out = attention(q, k, v)
         return (out, *torch.autograd.grad(out, (q, k, v), x.do))
 
-    fwd_s = time_cuda(lambda: attention(q, k, v), args.warmup, args.iters)
-    fwd_bwd_s = time_cuda(fwd_bwd, args.warmup, args.iters)
+    fwd_s, fwd_host_s = time_cuda(lambda: attention(q, k, v), args.warmup, args.iters)
+    fwd_bwd_s, fwd_bwd_host_s = time_cuda(fwd_bwd, args.warmup, args.iters)
     errors = {
         f"err_{n}": rel_error(t, r) for n, t, r in zip(("o", "dq", "dk", "dv"), fwd_bwd(), x.reference, strict=True)
     }
-    return {"fwd_s": fwd_s, "fwd_bwd_s": fwd_bwd_s, **errors}
+    return {
+        "fwd_s": fwd_s,
+        "fwd_bwd_s": fwd_bwd_s,
+        "fwd_host_s": fwd_host_s,
+        "fwd_bwd_host_s": fwd_bwd_host_s,
+        **errors,
+    }
 
 
 def _kernels_row(x: Inputs, args: argparse.Namespace) -> dict:
     """The fp8 forward kernel and the one-kernel backward (delayed scales from a calibration) alone."""
     with torch.no_grad():
-        q, k, v, do = (fa.quantize(t) for t in (x.q, x.k, x.v, x.do))
+        q, k, v, do = fa.quantize(x.q, x.k, x.v, x.do)
         fwd = fa.fp8_forward(q, k, v, x.scale, x.q.dtype)
         amax = fa.calibrated_backward(fwd, do, x.q.dtype).amax
-        fwd_s = time_cuda(lambda: fa.fp8_forward(q, k, v, x.scale, x.q.dtype), args.warmup, args.iters)
-        bwd_s = time_cuda(lambda: fa.fp8_backward_pass(fwd, do, amax, fa.MARGIN, x.q.dtype), args.warmup, args.iters)
-    return {"fwd_s": fwd_s, "fwd_bwd_s": fwd_s + bwd_s}
+        fwd_s = time_cuda(lambda: fa.fp8_forward(q, k, v, x.scale, x.q.dtype), args.warmup, args.iters)[0]
+        bwd = time_cuda(lambda: fa.fp8_backward_pass(fwd, do, amax, fa.MARGIN, x.q.dtype), args.warmup, args.iters)
+    return {"fwd_s": fwd_s, "fwd_bwd_s": fwd_s + bwd[0]}
+
+
+def _casts_row(x: Inputs, args: argparse.Namespace) -> dict:
+    """The fp8 rows' quantise / dequantise work alone: forward q, k, v to e4m3 and O back, backward dO to e4m3 and
+    dQ, dK, dV back; and per tensor, the quantisation and the dequantisation (the fp8 row should take the
+    fp8_kernels row's time plus this one's, unless the GPU waits for the host)."""
+    with torch.no_grad():
+        e4m3 = fa.quantize(x.q, x.k, x.v)  # stand-ins for O, dQ, dK, dV (e4m3, their shapes)
+        datas, descales, dtype = [t.data for t in e4m3], [t.descale for t in e4m3], x.q.dtype
+
+        def forward():
+            fa.quantize(x.q, x.k, x.v)
+            fa.dequantize(datas[:1], descales[:1], dtype)
+
+        def backward():
+            fa.quantize(x.do)
+            fa.dequantize(datas, descales, dtype)
+
+        timings = {
+            name: time_cuda(fn, args.warmup, args.iters)
+            for name, fn in (
+                ("fwd_s", forward),
+                ("bwd_s", backward),
+                ("quantize_one_s", lambda: fa.quantize(x.q)),
+                ("dequantize_one_s", lambda: fa.dequantize(datas[:1], descales[:1], dtype)),
+            )
+        }
+    result = {name: gpu for name, (gpu, _) in timings.items()}
+    result.update({name.replace("_s", "_host_s"): host for name, (_, host) in timings.items()})
+    return {**result, "fwd_bwd_s": result["fwd_s"] + result["bwd_s"]}
 
 
 def run_row(name: str, x: Inputs, args: argparse.Namespace) -> dict:
@@ -197,14 +241,17 @@ def run_row(name: str, x: Inputs, args: argparse.Namespace) -> dict:
         "fp8_calibrated": fa.fp8_sdpa,
         "fp8_fwd": fa.fp8_forward_sdpa,
     }
+    row = {"fp8_kernels": _kernels_row, "fp8_casts": _casts_row}.get(name)
     try:
-        result = _kernels_row(x, args) if name == "fp8_kernels" else _autograd_row(attention[name], x, args)
+        result = row(x, args) if row else _autograd_row(attention[name], x, args)
     except Exception as e:  # reported per row: one run shows as much as it can (e.g. bf16 when fp8 cannot run)
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         torch.cuda.empty_cache()
-    flops = forward_flops(args.batch, args.heads, x.q.shape[2], args.head_dim)
     result["bwd_s"] = result["fwd_bwd_s"] - result["fwd_s"]
+    if name == "fp8_casts":  # no attention FLOPs in it
+        return result
+    flops = forward_flops(args.batch, args.heads, x.q.shape[2], args.head_dim)
     result["fwd_tflops"] = flops / result["fwd_s"] / 1e12
     result["bwd_tflops"] = BACKWARD_FACTOR * flops / result["bwd_s"] / 1e12 if result["bwd_s"] > 0 else None
     result["fwd_bwd_tflops"] = (1 + BACKWARD_FACTOR) * flops / result["fwd_bwd_s"] / 1e12
@@ -231,6 +278,11 @@ def _environment() -> dict:
     return env
 
 
+def _casts_used() -> str:
+    """How the fp8 rows quantised and dequantised: compiled, or eagerly and why."""
+    return "compiled" if fa.KERNELS.failure is None else f"eager ({fa.KERNELS.failure})"
+
+
 def run(args: argparse.Namespace) -> dict:
     """Every row at every sequence length; the JSON record (its `error` says why nothing could run)."""
     record = {
@@ -255,6 +307,7 @@ def run(args: argparse.Namespace) -> dict:
             record["rows"].append({"row": name, "seq_len": seq_len, **run_row(name, x, args)})
         del x
         torch.cuda.empty_cache()
+    record["casts"] = _casts_used()
     return record
 
 
@@ -280,16 +333,16 @@ def format_report(record: dict) -> str:
         f"{'row':15s} {'S':>6s} {'fwd ms':>8s} {'TF/s':>5s} {'bwd ms':>8s} {'TF/s':>5s} {'f+b ms':>8s} "
         f"{'TF/s':>5s}  {'err O':>8s} {'err dQ':>8s} {'err dK':>8s} {'err dV':>8s}"
     )
-    failures = []
+    failures = [f"quantise / dequantise: {record.get('casts')}"]
     for r in record["rows"]:
         if "error" in r:
             failures.append(f"{r['row']} S={r['seq_len']}: FAILED: {r['error']}")
             continue
         errors = " ".join(_num(r.get(f"err_{n}"), "8.2e") for n in ("o", "dq", "dk", "dv"))
         lines.append(
-            f"{r['row']:15s} {r['seq_len']:6d} {_ms(r['fwd_s'])} {_num(r['fwd_tflops'], '5.0f')} "
-            f"{_ms(r['bwd_s'])} {_num(r['bwd_tflops'], '5.0f')} {_ms(r['fwd_bwd_s'])} "
-            f"{_num(r['fwd_bwd_tflops'], '5.0f')}  {errors}"
+            f"{r['row']:15s} {r['seq_len']:6d} {_ms(r['fwd_s'])} {_num(r.get('fwd_tflops'), '5.0f')} "
+            f"{_ms(r['bwd_s'])} {_num(r.get('bwd_tflops'), '5.0f')} {_ms(r['fwd_bwd_s'])} "
+            f"{_num(r.get('fwd_bwd_tflops'), '5.0f')}  {errors}"
         )
     return "\n".join(lines + failures) + "\n"
 
