@@ -213,3 +213,19 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
     finally:
         kept_attention.uninstall()
         kept_attention._backends.clear()
+
+
+def test_the_block_probe_reports_the_saving():
+    """python -m train.bench --block_probe: the report reads the plan's figures of both runs (its GPU part cannot
+    run here: it refuses without one)."""
+    from train.benchmarks import blocks
+
+    plain = dataclasses.asdict(measured(12_984))
+    kept = {**plain, "ckpt_bytes": plain["ckpt_bytes"], "kept_bytes": 81e6, "kept_recompute_s": 0.0055}
+    plain["fwd_s"] = 0.0087
+    text = blocks.format_report({"gpu": "G", "torch": "t", "date": "d", "tokens": 12_984, "rank": 64,
+                                 "kept": kept, "recomputed": plain})
+    assert "X 81.0 MB, recomputation 5.50 ms: 3.20 ms saved per checkpointed block" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            blocks.run(blocks.parse_args([]))
