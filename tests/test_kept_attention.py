@@ -59,7 +59,7 @@ def test_the_op_is_sdpa():
     """Output and input gradients equal diffusers' own attention (torch SDPA) bitwise."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 7, 3, 8, requires_grad=True) for _ in range(3))  # B S H D, diffusers' layout
-    ours = kept_attention.dispatch(q, k, v)
+    ours = kept_attention.dispatch(q, k, v, backend=kept_attention.BACKEND)
     theirs = kept_attention._DIFFUSERS(q, k, v)
     assert torch.equal(ours, theirs)
     g_ours = torch.autograd.grad(ours.square().sum(), (q, k, v))
@@ -69,9 +69,9 @@ def test_the_op_is_sdpa():
 
 
 @pytest.mark.parametrize("kept, checkpoint_blocks, offload, runs", [
-    (-1, 0, None, 3),        # all three recomputed blocks keep: the kernel runs in the forward only
-    (1, 0, None, 3 + 2),     # the first keeps, the other two run it again in their recomputation
-    (-1, 2, None, 3),        # two checkpointed (both keep), the third plain
+    (-1, 0, None, 3),        # all three recomputed blocks keep: the op runs the kernel in their forward only
+    (1, 0, None, 1),         # the first keeps; the other two are not marked: diffusers' attention, twice each
+    (-1, 2, None, 2),        # two checkpointed (both keep), the third plain (diffusers')
     (-1, 0, {0, 1}, 3),      # offloaded blocks keep it too
 ])
 def test_kept_blocks_train_exactly_like_recomputed_ones(kernel_calls, kept, checkpoint_blocks, offload, runs):
@@ -79,6 +79,12 @@ def test_kept_blocks_train_exactly_like_recomputed_ones(kernel_calls, kept, chec
     assert not kernel_calls  # kept_attention_blocks 0: diffusers' attention, the op not installed
     _assert_same(_loss_and_grads(_prepared(kept, checkpoint_blocks, offload)), reference)
     assert len(kernel_calls) == runs
+
+
+def test_only_keeping_blocks_are_marked():
+    model = _prepared(2, checkpoint_blocks=3)
+    marks = [b.attn.processor._attention_backend for b in model.transformer_blocks]
+    assert marks == [kept_attention.BACKEND, kept_attention.BACKEND, None]
 
 
 def test_nothing_is_kept_without_gradients(kernel_calls):
@@ -171,7 +177,8 @@ def test_a_set_count_is_kept_as_set():
 def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
     """On a GPU, in bf16: the op's output and gradients equal torch SDPA's with the same kernel forced, its fake
     kernel agrees with the real one (torch.library.opcheck), and a compiled checkpointed block that keeps its
-    attention gives the gradients of plain recomputation without running the kernel again."""
+    attention gives the gradients of plain recomputation (up to the backward's rounding) without running the kernel
+    again."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.checkpoint import checkpoint
 
@@ -183,7 +190,7 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, 1024, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for _ in range(3))
-            ours = kept_attention.dispatch(q, k, v)
+            ours = kept_attention.dispatch(q, k, v, backend=kept_attention.BACKEND)
             theirs = kept_attention._DIFFUSERS(q, k, v)
             g_ours = torch.autograd.grad(ours.float().square().sum(), (q, k, v))
             g_theirs = torch.autograd.grad(theirs.float().square().sum(), (q, k, v))
@@ -194,7 +201,7 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
 
             def block(x, w):
                 h = (x @ w).unflatten(-1, (4, 128))
-                return kept_attention.dispatch(h, h * 0.5, h.tanh()).flatten(2) @ w.T
+                return kept_attention.dispatch(h, h * 0.5, h.tanh(), backend=kept_attention.BACKEND).flatten(2) @ w.T
 
             x = torch.randn(1, 1024, 512, device="cuda", dtype=torch.bfloat16)
             w = (torch.randn(512, 512, device="cuda", dtype=torch.bfloat16) / 23).requires_grad_()
@@ -209,7 +216,9 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
                 g_kept = torch.autograd.grad(replayed.float().square().sum(), w)[0]
             finally:
                 kept_attention._forward = forward
-            assert torch.equal(plain, replayed) and torch.equal(g_plain, g_kept) and len(calls) == 1
+            # cuDNN's backward accumulates with atomics: two backward passes differ in rounding (seen on an H200)
+            assert torch.equal(plain, replayed) and len(calls) == 1
+            assert ((g_kept.float() - g_plain.float()).norm() / g_plain.float().norm()).item() < 1e-2
     finally:
         kept_attention.uninstall()
         kept_attention._backends.clear()
@@ -229,3 +238,21 @@ def test_the_block_probe_reports_the_saving():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             blocks.run(blocks.parse_args([]))
+
+
+def test_compiled_blocks_keep_and_skip_like_eager_ones(kernel_calls):
+    """Compiled blocks (one graph with the mark, one without) train as the eager ones do, and the marked block's
+    recomputation runs no kernel."""
+    def prepared(compile_blocks: bool):
+        torch.manual_seed(0)
+        model = build_transformer(num_layers=2)
+        components.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
+        return model.train()
+
+    eager_loss, eager_grads = _loss_and_grads(prepared(False))
+    assert len(kernel_calls) == 1
+    loss, grads = _loss_and_grads(prepared(True))
+    assert len(kernel_calls) == 2  # the compiled marked block's forward; its recomputation replayed
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name in eager_grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6)

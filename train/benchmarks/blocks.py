@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from train.config import LoraConfig
-from train.model import kept_attention, memory
+from train.model import memory
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> dict:
         for kept in (True, False):
             m = memory.measure(model_dir, work, torch.bfloat16, device, "lora", lora, True, True, kept=kept)
             record["kept" if kept else "recomputed"] = dataclasses.asdict(m)
-            kept_attention.uninstall()  # the second run: diffusers' attention, as without the lever
     return record
 
 

@@ -362,14 +362,14 @@ def checkpoint_first(blocks, count: int, kept: int = 0):
     """diffusers' gradient_checkpointing_func that recomputes the first `count` blocks (0 = all) and runs the
     others plainly (diffusers hands every block to this function while checkpointing is on). The first `kept` of
     the recomputed blocks (-1 = all) keep their attention output, so their recomputation skips the attention kernel
-    (train/model/kept_attention.py)."""
+    (train/model/kept_attention.py: their attention processors are marked for it)."""
     from torch.utils.checkpoint import checkpoint
 
     selected = list(blocks) if count == 0 else list(blocks)[:count]
-    keeping = {id(b) for b in (selected if kept < 0 else selected[:kept])}
-    selected = {id(b) for b in selected}
-    if keeping:
-        kept_attention.install()
+    keeping = selected if kept < 0 else selected[:kept]
+    for block in keeping:
+        kept_attention.keep(block)
+    keeping, selected = {id(b) for b in keeping}, {id(b) for b in selected}
 
     def call(block, *args):
         if id(block) in keeping:

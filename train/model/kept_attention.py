@@ -9,9 +9,13 @@ float per head and token), so a block that keeps them trades ~81 MB at 12.5k tok
 time in every recomputation (docs/perf_notes.md lever 27; the memory plan decides how many blocks keep it).
 
 How:
-- `install()` replaces diffusers' `dispatch_attention_fn` as the Qwen-Image transformer module sees it (as rope.py
-  replaces its rotary function), so that an attention without mask, dropout or causality, while gradients are on,
-  runs as the custom op `qwen_edit::kept_attention(q, k, v, scale) -> (out, lse)`. Everything else goes to diffusers.
+- `keep(block)` marks the block's attention processor with the backend name BACKEND and `install()`s a
+  replacement of diffusers' `dispatch_attention_fn` as the Qwen-Image transformer module sees it (as rope.py
+  replaces its rotary function): a marked processor's attention without mask, dropout or causality, while gradients
+  are on, runs as the custom op `qwen_edit::kept_attention(q, k, v, scale) -> (out, lse)`. Everything else, and
+  every unmarked block, goes to diffusers: on one H200 a block whose attention ran as the op was ~0.8 ms slower
+  per forward and backward at 12,984 tokens (`python -m train.bench --block_probe`, docs/perf_notes.md lever 27),
+  so only the blocks that keep their attention pay it. torch.compile specialises each compiled block on the mark.
 - The op runs the fused kernel that torch's own SDPA would choose for these inputs (cuDNN or FlashAttention on
   CUDA, the flash kernel on the CPU) through its aten op, which returns the log-sum-exp; its backward is the same
   kernel's backward op, also a custom op. Both are opaque to torch.compile, so the compiled blocks call them.
@@ -33,6 +37,7 @@ _local = threading.local()  # .stash: the Stash of the block call running in thi
 _cuda_ok = False  # install() sets it: the CUDA device has the fused kernels (compute capability >= 8.0)
 _backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen at the first forward
 _SDP = torch.nn.attention.SDPBackend
+BACKEND = "qwen_edit_kept"  # the mark on a keeping block's attention processor (its _attention_backend)
 # cuDNN's log-sum-exp is (B, H, S, 1) from torch 2.9 on, (B, H, S) before; its backward takes it as its forward gave it
 _CUDNN_LSE_4D = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
 
@@ -82,6 +87,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
             and dtype in (torch.bfloat16, torch.float16))
 
 
+def keep(block: torch.nn.Module) -> None:
+    """Mark a diffusers Qwen-Image transformer block: its attention runs as the op (and install the dispatch)."""
+    install()
+    block.attn.processor._attention_backend = BACKEND
+
+
 def install() -> None:
     """Route eligible attention calls of diffusers' Qwen-Image transformer through the op (idempotent)."""
     global _cuda_ok
@@ -102,12 +113,15 @@ def eligible(query: torch.Tensor) -> bool:
 
 def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
              attention_kwargs=None, *, backend=None, parallel_config=None):
-    """diffusers' dispatch_attention_fn, with the op for calls it can serve (layout B, S, H, D in and out)."""
-    if (backend is None and parallel_config is None and attn_mask is None and dropout_p == 0.0 and not is_causal
-            and not enable_gqa and not attention_kwargs and torch.is_grad_enabled() and eligible(query)):
-        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        out, _ = torch.ops.qwen_edit.kept_attention(q, k, v, scale)
-        return out.permute(0, 2, 1, 3)
+    """diffusers' dispatch_attention_fn, with the op for the calls of marked blocks it can serve (layout B, S, H, D in
+    and out)."""
+    if backend == BACKEND:
+        if (parallel_config is None and attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa
+                and not attention_kwargs and torch.is_grad_enabled() and eligible(query)):
+            q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+            out, _ = torch.ops.qwen_edit.kept_attention(q, k, v, scale)
+            return out.permute(0, 2, 1, 3)
+        backend = None  # diffusers' default
     return _DIFFUSERS(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                       backend=backend, parallel_config=parallel_config)
 
