@@ -2,10 +2,9 @@
 
     python -m train.bench [--tiny] [--mode lora|full] [--checkpointing none|full] [--compile] [--baseline] ...
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
-    python -m train.bench --attention_probe [...]      # the attention kernels alone, bf16 against fp8 (one GPU)
     python -m train.bench --block_probe [...]          # the memory plan's block measurement, kept attention or not
 
-What is timed and how MFU is counted: train/benchmarks/step.py; the attention probe: train/benchmarks/attention.py.
+What is timed and how MFU is counted: train/benchmarks/step.py; the block probe: train/benchmarks/blocks.py.
 """
 
 from __future__ import annotations
@@ -16,20 +15,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.benchmarks import attention, blocks
+from train.benchmarks import blocks
 from train.benchmarks.step import append_json, format_report, parse_args, run
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 
-ATTENTION_PROBE = "--attention_probe"
 BLOCK_PROBE = "--block_probe"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, report on rank 0; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if ATTENTION_PROBE in argv:
-        return attention_probe([a for a in argv if a != ATTENTION_PROBE])
     if BLOCK_PROBE in argv:
         return block_probe([a for a in argv if a != BLOCK_PROBE])
     prefix_rank_output()  # as train/main.py: other ranks' lines carry their rank
@@ -42,16 +38,6 @@ def main(argv: list[str] | None = None) -> int:
             append_json(args.json, record)
     engine.teardown()
     return 0
-
-
-def attention_probe(argv: list[str]) -> int:
-    """--attention_probe: the attention kernels alone (train/benchmarks/attention.py), without model or engine."""
-    args = attention.parse_args(argv)
-    record = attention.run(args)
-    print(attention.format_report(record), flush=True)
-    if args.json:
-        append_json(args.json, record)
-    return attention.exit_code(record)
 
 
 def block_probe(argv: list[str]) -> int:
