@@ -150,8 +150,9 @@ class TrainConfig:
     kept_attention_blocks: int = -1
     """With gradient_checkpointing: how many of the recomputed blocks (the first ones) keep their attention output
     and its log-sum-exp, so that their recomputation skips the attention kernel; -1 = all of them, 0 = none. Each
-    costs batch x tokens x heads x (2 x head_dim + 4) bytes (81 MB at 12.5k tokens) and saves about a third of a
-    block's forward per step (train/model/kept_attention.py). The memory plan chooses it unless set."""
+    costs batch x tokens x heads x (2 x head_dim + 4) bytes (81 MB at 12.5k tokens) and saves about half of a
+    block's recomputation (train/model/kept_attention.py, docs/perf_notes.md lever 27). The memory plan chooses it
+    unless set."""
     compile: bool = False
     """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
     fp8_base: bool = False
