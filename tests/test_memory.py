@@ -768,3 +768,31 @@ def test_the_counted_per_gpu_figures_the_docs_quote(full_model):
     lora = memory.count_sizes(full_model, LoraConfig().target_modules, 64)
     assert round(lora.gpu_state_bytes(False) / GB, 1) == 6.8
     assert round(memory.Sizes(**{**lora.__dict__, "dp_world": 8}).gpu_state_bytes(False) / GB, 1) == 1.6
+
+
+def _deepest_full(full_sizes, m: memory.Measured, budget_gb: float, host: memory.Host, offload_ok: bool) -> int:
+    """The most transformer blocks a full fine-tune may have for the plan to fit it on one GPU of `budget_gb`."""
+    deepest = 0
+    for depth in range(1, full_sizes.num_blocks + 1):
+        s = memory.Sizes(**{**full_sizes.__dict__, "num_blocks": depth, "full": True, "lora_params": 0})
+        try:
+            memory.choose(s, m, budget_gb * GB, memory.margin_bytes(0, budget_gb * GB), {}, True, False,
+                          None if offload_ok else "not offered", host)
+        except memory.PlanError:
+            break
+        deepest = depth
+    return deepest
+
+
+def test_the_full_fine_tuning_depths_the_docs_quote(full_sizes):
+    """docs/performance.md "Full fine-tuning: the deepest model per budget": planned from one H200's block figures at
+    12,984 tokens (the 2026-12-02 calls' plan_measured and block probe) and that machine's 133.8 GB of available host
+    memory, the deepest full fine-tune per budget on the GPU alone and with DeepSpeed's optimizer offload."""
+    m = memory.Measured(act_bytes=1_453_120_512, ckpt_bytes=78_565_888, transient_bytes=1_337_367_040, fwd_s=0.00813,
+                        fwd_bwd_s=0.02355, h2d_bytes_per_s=34e9, ckpt_transient_bytes=2_792_330_240,
+                        kept_bytes=81.0e6, kept_recompute_s=0.0044)
+    host = memory.Host(available_bytes=133.8 * GB)
+    quoted = {141: (17, 20), 80: (9, 20), 48: (5, 20), 24: (2, 12), 16: (1, 7)}
+    for budget, (alone, offloaded) in quoted.items():
+        assert _deepest_full(full_sizes, m, budget, host, False) == alone, budget
+        assert _deepest_full(full_sizes, m, budget, host, True) == offloaded, budget
