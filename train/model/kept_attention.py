@@ -94,14 +94,10 @@ def keep(block: torch.nn.Module) -> None:
 
 
 def install() -> None:
-    """Route eligible attention calls of diffusers' Qwen-Image transformer through the op (idempotent)."""
+    """Route marked blocks' attention calls through `dispatch` (idempotent; unmarked blocks go on to diffusers')."""
     global _cuda_ok
     _cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     transformer_qwenimage.dispatch_attention_fn = dispatch
-
-
-def uninstall() -> None:
-    transformer_qwenimage.dispatch_attention_fn = _DIFFUSERS
 
 
 def eligible(query: torch.Tensor) -> bool:
