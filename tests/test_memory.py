@@ -3,12 +3,13 @@ config keys it respects. The measurement itself needs a GPU; these use figures o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue as queues
 
 import pytest
 
-from train.config import Config, LoraConfig, ModelConfig, ProjectConfig, TrainConfig
+from train.config import Config, DataConfig, LoraConfig, ModelConfig, ProjectConfig, TrainConfig
 from train.model import memory, offload
 from train.model.tiny import make_tiny, write_full_size_configs
 
@@ -109,6 +110,42 @@ def test_explicit_keys_win_and_online_encoders_count(full_sizes):
     assert not pinned.cached and pinned.offloaded > 0  # data.cache set to "off" in the config: offload instead
     with pytest.raises(memory.PlanError, match="nothing fits"):
         memory.choose(sizes, m, 24 * GB, 2.7 * GB, {"data.cache": "off"}, fp8_ok=True, online=True)
+
+
+def test_encoding_ahead_adds_the_encode_transient_to_the_step(full_sizes, full_model):
+    """data.encode_ahead: the next micro-batch encodes while this one trains, so the online peak is the step's plus
+    the encode's transient E (both stream pools hold theirs); in turn the encode runs between the steps and only
+    the larger of E and the activations counts. From the cache nothing encodes. run_sizes takes the key, online
+    only."""
+    e = 4 * GB
+    m = memory.Measured(**{**measured(12_544).__dict__, "encode_bytes": e})
+    in_turn = memory.Sizes(**{**full_sizes.__dict__, "encoder_bytes": int(16.6 * GB)})
+    ahead = dataclasses.replace(in_turn, encode_ahead=True)
+    for checkpointed, offloaded in ((0, 0), (30, 10), (60, 60)):  # activations above E in each
+        online = memory.Choice(True, False, checkpointed, offloaded, False)
+        grown = memory.predict(ahead, m, online).peak_bytes - memory.predict(in_turn, m, online).peak_bytes
+        assert grown == pytest.approx(e)
+        cached = dataclasses.replace(online, cached=True)
+        assert memory.predict(ahead, m, cached).peak_bytes == memory.predict(in_turn, m, cached).peak_bytes
+    # an encode larger than the step's activations: in turn it alone counts, ahead both do
+    big = memory.Measured(**{**m.__dict__, "encode_bytes": 100 * GB})
+    online = memory.Choice(True, False, 60, 60, False)
+    acts = memory.activation_bytes(in_turn, big, 60)
+    assert memory.predict(in_turn, big, online).peak_bytes == pytest.approx(
+        memory.predict(in_turn, m, online).peak_bytes - acts + 100 * GB)
+    assert memory.predict(ahead, big, online).peak_bytes == pytest.approx(
+        memory.predict(ahead, m, online).peak_bytes + 96 * GB)
+    # the plan pays for the overlap where memory is short: more blocks checkpointed, never fewer
+    margin = memory.margin_bytes(0, 80 * GB)
+    c_turn, _ = memory.choose(in_turn, m, 80 * GB, margin, {"data.cache": "off"}, fp8_ok=True, online=True)
+    c_ahead, p_ahead = memory.choose(ahead, m, 80 * GB, margin, {"data.cache": "off"}, fp8_ok=True, online=True)
+    assert c_ahead.checkpointed > c_turn.checkpointed and p_ahead.peak_bytes <= 80 * GB - margin
+
+    def run(online: bool, key: bool) -> bool:
+        project = ProjectConfig(model=ModelConfig(path=str(full_model)), data=DataConfig(encode_ahead=key))
+        return memory.run_sizes(Config(project=project, deepspeed={}, world_size=1), online=online).encode_ahead
+
+    assert run(True, True) and not run(True, False) and not run(False, True)
 
 
 def test_budget_below_the_minimum_names_the_numbers(full_sizes):

@@ -333,6 +333,7 @@ def test_render_peaks_are_measured_and_reported(monkeypatch):
     v.d = SimpleNamespace(device=torch.device("cuda", 0))
     v.metrics = SimpleNamespace(message=messages.append)
     v.peak_bytes = None
+    v.encoders_lock = contextlib.nullcontext()
     transients = iter([3 * 10**9, 5 * 10**9, 2 * 10**9])
 
     def render(label):

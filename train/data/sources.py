@@ -1,16 +1,19 @@
 """What the training loop reads: `Batch` (a micro-batch as the transformer takes it) and the source protocol
 (`LoaderSource`: a DataLoader whose raw batches are turned into `Batch`es), with the online source that encodes
-images with the frozen encoders on the fly. The latent cache (train/data/latent_cache.py) is the other source.
+images with the frozen encoders on the fly, in turn or one micro-batch ahead (train/data/ahead.py). The latent cache
+(train/data/latent_cache.py) is the other source.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from train.data.ahead import EncodeAhead
 from train.model import conditioning, memory
 from train.model.components import Encoders
 
@@ -41,12 +44,17 @@ class LoaderSource:
 
     The loop takes any source with this shape: len() = micro-batches per epoch, start_epoch(epoch, skip)
     before each epoch (skip = micro-batches of it already trained, on resume), iteration yielding `Batch`es on
-    the training device, and take_wait_s() = seconds spent blocked on input since the last call. `encoders`: the
-    frozen encoders it uses, if any (validation renders with them instead of loading a second copy).
+    the training device, and take_wait_s() = seconds the loop spent blocked on its next micro-batch since the last
+    call (in turn: on the loader; ahead: on the thread, loader and encode, whatever of them the previous step did
+    not hide). `encoders`: the frozen encoders it uses, if any (validation renders with them instead of loading a
+    second copy), and `encoders_lock`, which every user of them holds while it runs them. `ahead`: `to_batch` runs
+    one micro-batch ahead in a thread (EncodeAhead) on the encoders' device; else in turn, on the loop's thread.
     """
 
-    def __init__(self, loader, to_batch: Callable[[dict], Batch], encoders: Encoders | None = None):
-        self.loader, self.to_batch, self.encoders = loader, to_batch, encoders
+    def __init__(self, loader, to_batch: Callable[[dict], Batch], encoders: Encoders | None = None,
+                 ahead: bool = False):
+        self.loader, self.to_batch, self.encoders, self.ahead = loader, to_batch, encoders, ahead
+        self.encoders_lock = threading.Lock()
         self._wait_s = 0.0
 
     def __len__(self) -> int:
@@ -61,6 +69,9 @@ class LoaderSource:
         return wait
 
     def __iter__(self):
+        return self._iter_ahead() if self.ahead else self._iter_in_turn()
+
+    def _iter_in_turn(self):
         it = iter(self.loader)
         while True:
             t0 = time.perf_counter()
@@ -71,9 +82,24 @@ class LoaderSource:
             self._wait_s += time.perf_counter() - t0
             yield self.to_batch(raw)
 
+    def _iter_ahead(self):
+        # iter() here, after start_epoch, in the loop's thread; the thread then only calls next() on it
+        ahead = EncodeAhead(iter(self.loader), self.to_batch, self.encoders_lock, self.encoders.vae.device)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                batch = ahead.take()
+                self._wait_s += time.perf_counter() - t0
+                if batch is None:
+                    return
+                yield batch
+        finally:  # the epoch's end, or the loop stopped early (break, an exception): no thread outlives it
+            ahead.close()
 
-def online_source(loader, encoders: Encoders, variant: str) -> LoaderSource:
-    """Images from the loader, encoded on the fly by the frozen encoders."""
+
+def online_source(loader, encoders: Encoders, variant: str, ahead: bool = False) -> LoaderSource:
+    """Images from the loader, encoded on the fly by the frozen encoders; `ahead`: one micro-batch ahead of the
+    training step, in a thread (data.encode_ahead)."""
 
     def encode(raw: dict) -> Batch:
         try:
@@ -82,4 +108,4 @@ def online_source(loader, encoders: Encoders, variant: str) -> LoaderSource:
             raise memory.OutOfMemory(f"CUDA out of memory while encoding a micro-batch of {len(raw['prompts'])} "
                                      f"online. {memory.oom_advice('encode', len(raw['prompts']))}") from e
 
-    return LoaderSource(loader, encode, encoders)
+    return LoaderSource(loader, encode, encoders, ahead)

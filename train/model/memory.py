@@ -9,7 +9,9 @@ fastest candidate that fits `budget - margin`:
     T = the transient of the pass (a block's backward, the head, the loss); T_c = the same measured with
     checkpointing, where it holds a block's recomputed activations too. The two terms are the backward's two
     phases: the plain blocks (the last ones) go first, and a checkpointed block recomputes only once they have
-    freed their activations (activation_bytes)
+    freed their activations (activation_bytes). Online encoding's transient E (encode_transient) comes on top of
+    that with data.encode_ahead, which encodes the next micro-batch during the step; without it the encode runs
+    between the steps and the larger of E and the activations counts
 
 The LoRA/optimizer state is this rank's share as DeepSpeed's ZeRO stage splits it over the data-parallel ranks
 (state_bytes_per_param); the optimizer step, which holds no activations but more gradient copies, is the other
@@ -159,6 +161,7 @@ class Sizes:
     other_params: int  # outside the blocks (embeddings, norm_out, proj_out)
     lora_params: int  # trainable LoRA parameters of the whole model
     encoder_bytes: int = 0  # Qwen2.5-VL + VAE in their dtype
+    encode_ahead: bool = False  # online, the next micro-batch encodes while this one trains (data.encode_ahead)
     vae_bytes: int = 0  # the VAE alone (what a validation render from the cache loads beside the model)
     full: bool = False  # every weight trains (train.mode = "full"): optimizer state for all of them
     zero_stage: int = 2  # DeepSpeed's zero_optimization.stage: how the trainable state is split over the ranks
@@ -322,7 +325,10 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     encode_peak = 0 if c.cached else m.encode_bytes
     kept = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
     in_step = weights + slots + encoders + s.gpu_state_bytes(c.offload_optimizer, in_step=True) + BUCKET_BYTES
-    peak = max(kept + max(acts, encode_peak), in_step)  # the optimizer step holds no activations
+    if s.encode_ahead:  # the next micro-batch encodes (on its own stream) during the whole step, optimizer included
+        peak = max(kept + acts, in_step) + encode_peak
+    else:  # the encode runs between the steps; the optimizer step holds no activations
+        peak = max(kept + max(acts, encode_peak), in_step)
     render = 0.0
     if m.render_forward_bytes is not None:  # the decode follows the denoising loop: R and V do not add
         vae = m.render_vae_tiled_bytes if c.vae_tiling else m.render_vae_bytes
@@ -975,12 +981,14 @@ def offload_share(model_dir: str | Path, lora, blocks: int, fp8_base: bool, dtyp
 
 def run_sizes(cfg, online: bool) -> Sizes:
     """count_sizes for this run's model and LoRA, with its DeepSpeed ZeRO stage and data-parallel world (how the
-    trainable state is split over the ranks) and, online, the encoders that share the GPU."""
+    trainable state is split over the ranks) and, online, the encoders that share the GPU and whether they encode
+    ahead."""
     p = cfg.project
     sizes = count_sizes(p.model.path, p.lora.target_modules, p.lora.rank,
                         encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
     stage = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
-    return dataclasses.replace(sizes, zero_stage=stage, dp_world=cfg.world_size)
+    return dataclasses.replace(sizes, zero_stage=stage, dp_world=cfg.world_size,
+                               encode_ahead=online and p.data.encode_ahead)
 
 
 def _measure_run(p, device: torch.device, work: Workload, render: Workload | None, dtype: torch.dtype,

@@ -84,13 +84,16 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
 
 def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
                  loader) -> sources.LoaderSource:
-    """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online."""
+    """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online (one
+    micro-batch ahead with data.encode_ahead, in the zero2 mode)."""
     if cfg.project.data.cache != "off":
         return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
-    return sources.online_source(loader, encoders, variant)
+    # the model-parallel encoder stage is ahead of its decoder already; there each micro-batch encodes when asked for
+    ahead = p.data.encode_ahead and p.parallel.mode == "zero2"
+    return sources.online_source(loader, encoders, variant, ahead)
 
 
 def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step: int) -> Path:
@@ -171,7 +174,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                else NullMetrics())
     try:
         encoders = getattr(source, "encoders", None) if conditioning is None else validation.vae_only(p.model, d)
-        hook = validation.build_hook(cfg, d, eng.module, encoders, metrics, start_step, conditioning)
+        hook = validation.build_hook(cfg, d, eng.module, encoders, metrics, start_step, conditioning,
+                                     getattr(source, "encoders_lock", None))
 
         def after_step(step: int) -> None:
             if hook is not None:

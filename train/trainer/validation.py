@@ -27,6 +27,7 @@ import io
 import itertools
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -287,13 +288,16 @@ class Validator:
 
     `conditioning`: this rank's share of the edits as `encode_requests` recorded them elsewhere; then
     `encoders` needs only its VAE (for decoding), and the pipeline replays the recordings instead of encoding.
+    `encoders_lock`: held while a render runs the encoders (the training source's, which a thread of its may be
+    encoding the next micro-batch with: data.encode_ahead); None = nobody else uses them.
     """
 
     def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
-                 conditioning: dict[int, Recorded] | None = None):
+                 conditioning: dict[int, Recorded] | None = None, encoders_lock: threading.Lock | None = None):
         p = cfg.project
         self.cfg, self.d, self.module, self.encoders, self.metrics = cfg, d, module, encoders, metrics
         self.conditioning = conditioning
+        self.encoders_lock = encoders_lock or contextlib.nullcontext()
         self.inference = p.inference
         self.variant = components.detect_variant(p.model.path, p.model.variant)
         self.requests, problems = pipelines.read_requests(p.validation.file, p.train.seed)
@@ -319,7 +323,7 @@ class Validator:
         """Every request with the module as it is now: this rank renders items rank::world; rank 0 gets all.
         With a `label`, rank 0 prints a progress line per image it renders (its share of the edits)."""
         try:
-            with PeakMeter(self.d.device) as meter:
+            with self.encoders_lock, PeakMeter(self.d.device) as meter:
                 rendered = self._render(label)
         except torch.cuda.OutOfMemoryError as e:
             raise memory.OutOfMemory(f"CUDA out of memory while rendering validation images. "
@@ -459,13 +463,14 @@ def render_peak_gb(hook: Validator | None) -> float | None:
 
 
 def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
-               start_step: int, conditioning: dict[int, Recorded] | None = None) -> Validator | None:
+               start_step: int, conditioning: dict[int, Recorded] | None = None,
+               encoders_lock: threading.Lock | None = None) -> Validator | None:
     """The validation hook for loop.train(after_step=...), its 'before' images rendered; None without a file.
 
     `encoders`: the run's frozen encoders, or None (a latent cache): then they load on the first render.
-    `conditioning`: see Validator (encoders then holds only a VAE)."""
+    `conditioning` (encoders then holds only a VAE) and `encoders_lock`: see Validator."""
     if not cfg.project.validation.file:
         return None
-    validator = Validator(cfg, d, module, encoders, metrics, conditioning)
+    validator = Validator(cfg, d, module, encoders, metrics, conditioning, encoders_lock)
     validator.render_before(start_step)
     return validator
