@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import write_config
+from conftest import metrics, run_trainer, write_config
 
 from train import config
 from train.data import sources
+from train.data.ahead import EncodeAhead
 from train.model import components, memory
 from train.runtime import engine
 from train.trainer import build, validation
@@ -105,6 +106,23 @@ def test_the_same_batches_in_the_same_order(tiny_plus, tmp_path):
     assert waited > 0
 
 
+@pytest.mark.slow
+def test_training_ahead_gives_the_losses_of_training_in_turn(tiny_edit, tmp_path):
+    """train/main.py, 4 steps, with data.encode_ahead on and off: the same losses, bit for bit."""
+    losses = {}
+    for ahead in (True, False):
+        cfg = write_config(
+            tmp_path / f"{ahead}.json", **{"qwen_edit.data.encode_ahead": ahead, "qwen_edit.output.log_every_steps": 1}
+        )
+        proc = run_trainer(tiny_edit, tmp_path / str(ahead), config=cfg, extra=("--max_steps", "4"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert ("online encoding: one micro-batch ahead" in proc.stdout) == ahead
+        records = metrics(tmp_path / str(ahead))
+        assert all(0 <= r["data_wait_fraction"] <= 1 for r in records), records
+        losses[ahead] = [r["loss"] for r in records]
+    assert len(losses[True]) == 4 and losses[True] == losses[False], losses
+
+
 @pytest.mark.parametrize("where", ["encode", "loader"])
 def test_an_error_of_the_thread_is_raised_in_the_loop(where, monkeypatch):
     """An out-of-memory error while encoding micro-batch 2 reaches the loop as the memory.OutOfMemory that encoding
@@ -134,6 +152,16 @@ def test_an_error_of_the_thread_is_raised_in_the_loop(where, monkeypatch):
     if where == "encode":
         assert "while encoding a micro-batch of" in str(ahead) and memory.oom_advice("encode", 1) in str(ahead)
         assert isinstance(ahead.__cause__, torch.cuda.OutOfMemoryError)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where the thread cannot make its CUDA stream")
+def test_a_thread_that_cannot_start_raises_in_the_loop():
+    """The thread fails before its first encode (here: no CUDA for its stream): the loop gets the error, no hang."""
+    encode_ahead = EncodeAhead(iter([{"i": 0}]), lambda raw: raw, threading.Lock(), torch.device("cuda", 0))
+    with pytest.raises((RuntimeError, AssertionError)):
+        encode_ahead.take()
+    encode_ahead.close()
 
 
 def test_stopping_early_ends_the_thread():

@@ -41,23 +41,22 @@ class EncodeAhead:
         self._thread.start()
 
     def _run(self) -> None:
-        stream = None
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # the current device is per thread; a new one starts on cuda:0
-            stream = torch.cuda.Stream(self._device)
-        while True:
-            self._asked.acquire()
-            if self._stop.is_set():
-                return
-            try:
+        try:
+            stream = None
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)  # the current device is per thread; a new one starts on cuda:0
+                stream = torch.cuda.Stream(self._device)
+            while True:
+                self._asked.acquire()
+                if self._stop.is_set():
+                    return
                 raw = next(self._raws, None)
                 if raw is None:
                     self._done.put(("end", None, None))
                     return
                 self._done.put(("batch", *self._encode(raw, stream)))
-            except BaseException as e:  # an encode's or the loader's: handed to the consumer, which raises it
-                self._done.put(("error", e, None))
-                return
+        except BaseException as e:  # an encode's, the loader's, the stream's: handed to the consumer, which raises it
+            self._done.put(("error", e, None))
 
     def _encode(self, raw: dict, stream: torch.cuda.Stream | None) -> tuple[object, torch.cuda.Event | None]:
         """The micro-batch of `raw` and, on CUDA, an event recorded on `stream` after its last kernel."""

@@ -93,6 +93,8 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
     encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
     # the model-parallel encoder stage is ahead of its decoder already; there each micro-batch encodes when asked for
     ahead = p.data.encode_ahead and p.parallel.mode == "zero2"
+    if ahead:
+        print0("online encoding: one micro-batch ahead of the step, in a thread (data.encode_ahead)", rank=d.rank)
     return sources.online_source(loader, encoders, variant, ahead)
 
 
