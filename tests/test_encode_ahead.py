@@ -271,3 +271,37 @@ def test_the_config_key_reaches_the_source(tiny_edit, tmp_path, monkeypatch):
 
     assert ahead() and not ahead(**{"qwen_edit.data.encode_ahead": False})
     assert not ahead(**{"qwen_edit.parallel.mode": "model_parallel"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_micro_batches_cross_the_streams_intact():
+    """On a GPU the thread encodes on its own stream. A loop whose stream is busy (a chain of matmuls queued before
+    it reads each micro-batch) and that drops each micro-batch as soon as its reads are queued still reads the values
+    of encoding in turn: its stream waits for the encode's event, and record_stream keeps the allocator from giving
+    the memory to the next encode before those reads ran. No synchronisation until the end."""
+    device = torch.device("cuda", 0)
+    w = torch.randn(4096, 4096, device=device, generator=torch.Generator(device).manual_seed(0)) / 128
+
+    def encode(raw: dict) -> dict:
+        x = torch.full((1024, 1024), float(raw["i"] + 1), device=device)
+        for _ in range(50):  # many small kernels, deterministic
+            x = x * 1.0001 + 0.5
+        return {"x": x, "y": x.sum(0)}
+
+    def step(batch: dict) -> torch.Tensor:
+        z = w
+        for _ in range(30):
+            z = z @ w
+        return batch["x"].double().sum() + batch["y"].double().sum() + 0 * z.sum().double()
+
+    in_turn = [step(encode({"i": k})) for k in range(12)]
+    ahead, encode_ahead = [], EncodeAhead(iter([{"i": k} for k in range(12)]), encode, threading.Lock(), device)
+    try:
+        while (batch := encode_ahead.take()) is not None:
+            ahead.append(step(batch))
+            del batch  # freed now, read later on the loop's stream
+    finally:
+        encode_ahead.close()
+    torch.cuda.synchronize()
+    assert [t.item() for t in ahead] == [t.item() for t in in_turn]
