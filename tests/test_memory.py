@@ -821,13 +821,39 @@ def _deepest_full(full_sizes, m: memory.Measured, budget_gb: float, host: memory
     return deepest
 
 
+# One H200's block figures at 12,984 tokens (2026-12-02): the gpu_memory.sh records' plan_measured (A, S, T, T_c, the
+# online encode's transient) and the block probe's times (python -m train.bench --block_probe), h2d 34 GB/s.
+H200_12984 = memory.Measured(act_bytes=1_453_120_512, ckpt_bytes=78_565_888, transient_bytes=1_337_367_040,
+                             fwd_s=0.00813, fwd_bwd_s=0.02355, h2d_bytes_per_s=34e9, encode_bytes=2_212_153_856,
+                             ckpt_transient_bytes=2_792_330_240, kept_bytes=81.0e6, kept_recompute_s=0.0044)
+
+
+def test_the_kept_attention_plans_the_docs_quote(full_model, full_sizes):
+    """docs/perf_notes.md lever 27 and docs/performance.md "Memory": the plan's time in the blocks of a 2509 step per
+    budget without and with kept attention, from H200_12984; and 80 GB online over 141 GB online with the 0.27 s
+    encode (1.12x with the lever, 1.19x without)."""
+    online_sizes = dataclasses.replace(full_sizes, encoder_bytes=memory.encoder_bytes(full_model))
+    without = dataclasses.replace(H200_12984, kept_bytes=0.0, kept_recompute_s=None)
+    quoted = {(80, True): (1.765, 1.629), (80, False): (1.669, 1.572), (48, True): (1.939, 1.752),
+              (48, False): (1.843, 1.673), (24, False): (1.972, 1.779), (16, False): (1.988, 1.86),
+              (141, True): (1.435, 1.431)}
+    steps = {}
+    for (budget, online), want in quoted.items():
+        s = online_sizes if online else full_sizes
+        fixed = {"data.cache": "off"} if online else {}
+        got = tuple(round(memory.choose(s, m, budget * GB, memory.margin_bytes(0, budget * GB), fixed, True,
+                                        online)[1].step_s, 3) for m in (without, H200_12984))
+        assert got == want, (budget, online, got)
+        steps[budget, online] = got
+    assert round((steps[80, True][1] + 0.27) / (steps[141, True][1] + 0.27), 2) == 1.12
+    assert round((steps[80, True][0] + 0.27) / (steps[141, True][0] + 0.27), 2) == 1.19
+
+
 def test_the_full_fine_tuning_depths_the_docs_quote(full_sizes):
     """docs/performance.md "Full fine-tuning: the deepest model per budget": planned from one H200's block figures at
-    12,984 tokens (the 2026-12-02 calls' plan_measured and block probe) and that machine's 133.8 GB of available host
-    memory, the deepest full fine-tune per budget on the GPU alone and with DeepSpeed's optimizer offload."""
-    m = memory.Measured(act_bytes=1_453_120_512, ckpt_bytes=78_565_888, transient_bytes=1_337_367_040, fwd_s=0.00813,
-                        fwd_bwd_s=0.02355, h2d_bytes_per_s=34e9, ckpt_transient_bytes=2_792_330_240,
-                        kept_bytes=81.0e6, kept_recompute_s=0.0044)
+    12,984 tokens (H200_12984) and that machine's 133.8 GB of available host memory, the deepest full fine-tune per
+    budget on the GPU alone and with DeepSpeed's optimizer offload."""
+    m = H200_12984
     host = memory.Host(available_bytes=133.8 * GB)
     quoted = {141: (17, 20), 80: (9, 20), 48: (5, 20), 24: (2, 12), 16: (1, 7)}
     for budget, (alone, offloaded) in quoted.items():
