@@ -446,15 +446,16 @@ def most_kept(s: Sizes, m: Measured, c: Choice, p: Prediction, room: float) -> t
     faster, so the largest count that fits is the best."""
     if not c.checkpointed or p.fit_bytes > room:
         return c, p
-    lo, hi = 0, c.checkpointed  # fit(lo) <= room; find the largest count that still fits
+    best, lo, hi = (c, p), 0, c.checkpointed  # best fits with `lo` kept; find the largest count that still fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if predict(s, m, dataclasses.replace(c, kept_attention=mid)).fit_bytes <= room:
-            lo = mid
+        trial = dataclasses.replace(c, kept_attention=mid)
+        q = predict(s, m, trial)
+        if q.fit_bytes <= room:
+            best, lo = (trial, q), mid
         else:
             hi = mid - 1
-    return (c, p) if not lo else (dataclasses.replace(c, kept_attention=lo),
-                                  predict(s, m, dataclasses.replace(c, kept_attention=lo)))
+    return best
 
 
 def render_note(s: Sizes, m: Measured, c: Choice, p: Prediction, budget_bytes: float, margin_bytes: float,
