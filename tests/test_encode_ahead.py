@@ -61,11 +61,11 @@ class Loader(list):
             yield raw
 
 
-def load_cfg(tiny: Path, tmp: Path, **changes) -> config.Config:
-    """The tiny test config with dotted-key `changes`, loaded as train/main.py loads it on a CPU."""
+def load_cfg(tiny: Path, tmp: Path, has_gpu: bool = False, **changes) -> config.Config:
+    """The tiny test config with dotted-key `changes`, loaded as train/main.py loads it on a CPU (or a GPU host)."""
     path = write_config(tmp / "cfg.json", **changes)
     argv = ["--ds_config", path, "--model", tiny / "model", "--data", tiny / "data", "--output_dir", tmp / "out"]
-    return config.load_config(config.parse_args([str(a) for a in argv]), 1, has_gpu=False)
+    return config.load_config(config.parse_args([str(a) for a in argv]), 1, has_gpu=has_gpu)
 
 
 def source_of(loader, to_batch, ahead: bool = True) -> sources.LoaderSource:
@@ -262,15 +262,22 @@ def test_off_keeps_everything_on_the_loops_thread():
 
 def test_the_config_key_reaches_the_source(tiny_edit, tmp_path, monkeypatch):
     """build_source: data.encode_ahead in the zero2 mode; never in the model-parallel mode (its encoder stage is
-    ahead of its decoder already, and parallel.overlap false must encode each micro-batch only when asked)."""
+    ahead of its decoder already, and parallel.overlap false must encode each micro-batch only when asked). The
+    default, auto, is on with a GPU and off on the CPU."""
     monkeypatch.setattr(components, "load_encoders", lambda *a, **k: CPU_ENCODERS)
 
     def ahead(**changes) -> bool:
         cfg = load_cfg(tiny_edit, tmp_path, **changes)
         return build.build_source(cfg, WORLD_OF_ONE, "edit", [], Loader(1)).ahead
 
-    assert not ahead() and ahead(**{"qwen_edit.data.encode_ahead": True})  # off by default until measured
+    assert not ahead() and ahead(**{"qwen_edit.data.encode_ahead": True})  # auto: off on the CPU
     assert not ahead(**{"qwen_edit.data.encode_ahead": True, "qwen_edit.parallel.mode": "model_parallel"})
+    # auto resolves when the config loads: on for a GPU host, off for a CPU one; true and false stay as written
+    for key, has_gpu, expected in (("auto", True, True), ("auto", False, False), (False, True, False),
+                                   (True, False, True)):
+        cfg = load_cfg(tiny_edit, tmp_path, has_gpu, **{"qwen_edit.data.encode_ahead": key})
+        assert cfg.project.data.encode_ahead is expected, (key, has_gpu)
+    assert load_cfg(tiny_edit, tmp_path, True).project.data.encode_ahead is True  # the default is auto
 
 
 @pytest.mark.gpu

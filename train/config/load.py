@@ -169,9 +169,10 @@ ParallelCheck = Callable[..., None]
 
 def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gpus: int | None = None,
                 check_parallel: ParallelCheck | None = None) -> Config:
-    """Read, override, validate and resolve; raises ConfigError listing every problem. `num_gpus` (GPUs of this
-    node, None = unknown) checks the model-parallel devices with `check_parallel` (the commands that run that mode
-    pass model_parallel.plan.check_parallel; without it the placement is not checked)."""
+    """Read, override, validate and resolve (the DeepSpeed section and data.encode_ahead's auto for `has_gpu`);
+    raises ConfigError listing every problem. `num_gpus` (GPUs of this node, None = unknown) checks the
+    model-parallel devices with `check_parallel` (the commands that run that mode pass
+    model_parallel.plan.check_parallel; without it the placement is not checked)."""
     path = Path(args.ds_config)
     if not path.is_file():
         raise ConfigError([f"--ds_config: {str(path)!r} does not exist; pass a file such as ds_configs/zero2.json"])
@@ -207,6 +208,8 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     ds_keys.check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
     if problems:
         raise ConfigError(problems)
+    if project.data.encode_ahead == "auto":  # where the encoders and the step can overlap: a GPU
+        project.data.encode_ahead = has_gpu
     explicit = _explicit(raw) | {dotted for dotted, value in overrides.items() if value is not None}
     return Config(project=project, deepspeed=resolved, world_size=world_size, explicit=frozenset(explicit))
 
