@@ -8,6 +8,8 @@
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
 # SET="train.kept_attention_blocks=0 ..." also sets these qwen_edit keys (JSON values) in every generated config, for
 # a same-call comparison with a lever off; TAG=name is added to the records' names.
+# LAYERS=N builds the full-size transformer with N blocks (make_tiny --num_layers) in its own data directory: with
+# SET='train.mode="full"' it measures the deepest full fine-tune a budget fits (docs/performance.md "Memory").
 # VALIDATION=1 adds validation renders: a validation file of the first VAL_ROWS (2) rows of the dataset (their
 # references, their prompts) in the generated config, rendered before step 1 and after the last step with
 # VAL_STEPS (4) denoising steps (the memory does not depend on their number); the record then has the plan's
@@ -21,14 +23,15 @@ config=${CONFIG:-ds_configs/zero2.json}
 config_name=$(basename "$config" .json)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 QWEN_EDIT_RANDOM_INIT=1
-data=${DATA:-/tmp/gpu_memory_data_$variant}
+layers=${LAYERS:-0}
+data=${DATA:-/tmp/gpu_memory_data_$variant${LAYERS:+_L$LAYERS}}
 if [ ! -f "$data/model/model_index.json" ]; then
   python -m train.make_tiny --out "$data" --variant "$variant" --size 1024 --num_samples 24 --full_size_configs \
-    > "$out/make_tiny_$variant.log" 2>&1
+    --num_layers "$layers" > "$out/make_tiny_$variant.log" 2>&1
 fi
 for cache in ${CACHE:-auto}; do
   for budget in ${BUDGETS:-141 80 48 24}; do
-    name=${config_name}_${variant}_${cache}_${budget}${TAG:+_$TAG}
+    name=${config_name}_${variant}${LAYERS:+_L$LAYERS}_${cache}_${budget}${TAG:+_$TAG}
     cfg=$out/$name.json
     python - "$cfg" "$budget" "$cache" "$steps" "$data" "$config" "${VALIDATION:-0}" "${VAL_ROWS:-2}" \
       "${VAL_STEPS:-4}" "${SET:-}" <<'PY'

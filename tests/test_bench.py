@@ -218,6 +218,24 @@ def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_pa
     assert sum(p.numel() for p in built.parameters()) == 20_430_401_088
 
 
+def test_full_size_configs_at_a_chosen_depth(tmp_path, capsys):
+    """`python -m train.make_tiny --full_size_configs --num_layers 17`: the released width with 17 blocks (the
+    deepest full fine-tune docs/performance.md plans at 141 GB); --num_layers without --full_size_configs is refused
+    before anything is written."""
+    import json
+
+    from train import make_tiny
+
+    make_tiny.main(["--out", str(tmp_path / "d"), "--num_samples", "2", "--size", "64", "--full_size_configs",
+                    "--num_layers", "17"])
+    transformer = json.loads((tmp_path / "d" / "model" / "transformer" / "config.json").read_text())
+    assert (transformer["num_layers"], transformer["num_attention_heads"], transformer["attention_head_dim"]) == (
+        17, 24, 128)
+    with pytest.raises(SystemExit):
+        make_tiny.main(["--out", str(tmp_path / "e"), "--num_layers", "17"])
+    assert "add --full_size_configs" in capsys.readouterr().err and not (tmp_path / "e").exists()
+
+
 def test_idle_report_attributes_gaps_to_the_issuing_phase():
     """Gaps between kernels (overlapping kernels merged) are charged to the phase the host was in when the
     kernel after the gap was issued; host synchronisations are counted per phase."""

@@ -1,7 +1,7 @@
 """Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline (train/model/tiny.py).
 
     python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i] [--num_samples N] [--size PX]
-        [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N]
+        [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N] [--full_size_configs [--num_layers N]]
 
 writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit, -2509 or -2511; of Qwen/Qwen-Image for t2i) and
 DIR/data (images + metadata.jsonl). The demo's model is `--vae pooling --transformer demo --pretrain_steps 300`.
@@ -34,7 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full_size_configs", action="store_true",
                         help="write the released architectures' configs and no weights (load with "
                              "QWEN_EDIT_RANDOM_INIT=1; for GPU measurements)")
+    parser.add_argument("--num_layers", type=int, default=0,
+                        help="with --full_size_configs: the transformer's number of blocks at the released width "
+                             "(0 = the released 60), for the deepest full fine-tune a memory budget fits")
     args = parser.parse_args(argv)
+    if args.num_layers and not args.full_size_configs:
+        parser.error("--num_layers sets the full-size transformer's depth; add --full_size_configs")
+    if args.num_layers < 0:
+        parser.error(f"--num_layers must be 0 (the released 60) or a number of blocks, not {args.num_layers}")
     if args.pretrain_steps and (args.pretrain_steps < MIN_STEPS or args.variant == "t2i"):
         parser.error(f"--pretrain_steps must be 0 or at least {MIN_STEPS}, and 0 for --variant t2i (a "
                      "text-to-image model has no reference to copy)")
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
                           Pretraining(steps=args.pretrain_steps))
         print(f"pre-trained {out / 'model' / 'transformer'}: loss {losses[0]:.2f} -> {final_loss(losses):.3f}")
     if args.full_size_configs:
-        write_full_size_configs(out / "model")
+        write_full_size_configs(out / "model", args.num_layers or None)
     print(f"wrote {out / 'model'} and {out / 'data'}")
 
 

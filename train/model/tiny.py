@@ -318,12 +318,13 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
     return out
 
 
-def write_full_size_configs(model_dir: str | Path) -> None:
+def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None) -> None:
     """Turn a tiny model directory into a weightless one with the released architectures' configs: the Qwen-Image
     transformer and Qwen2.5-VL-7B (train/model/archs.py, with the tiny tokenizer's token ids) and the default VAE; the
     processor gets the released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (train.model.components builds
     each model at random init on the device): for measuring the real trainer on full-size shapes without 58 GB of
-    weights."""
+    weights. `num_layers` (None = the released 60) keeps the released width with that many blocks, for the deepest
+    full fine-tune a budget fits (docs/performance.md "Memory")."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2Tokenizer
 
@@ -335,7 +336,8 @@ def write_full_size_configs(model_dir: str | Path) -> None:
             f.unlink()
     with torch.device("meta"):
         zero_cond_t = QwenImageTransformer2DModel.load_config(model_dir / "transformer").get("zero_cond_t", False)
-        QwenImageTransformer2DModel(**FULL_ARCH, zero_cond_t=zero_cond_t).save_config(model_dir / "transformer")
+        arch = {**FULL_ARCH, "num_layers": num_layers or FULL_ARCH["num_layers"]}
+        QwenImageTransformer2DModel(**arch, zero_cond_t=zero_cond_t).save_config(model_dir / "transformer")
         AutoencoderKLQwenImage().save_config(model_dir / "vae")
     tokenizer = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
