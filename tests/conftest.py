@@ -98,14 +98,17 @@ def metrics(out: Path) -> list[dict]:
 
 
 class FakeCudaCounter:
-    """torch.cuda's allocation counters for one device, driven by the test: `allocate(n)` / `free(n)`."""
+    """torch.cuda's allocation counters for one device, driven by the test: `allocate(n)` / `free(n)`. Reserved
+    memory is a caching allocator's that never returns what it took: the most ever allocated."""
 
     def __init__(self):
-        self.allocated = self.peak = 0
+        self.allocated = self.peak = self.reserved = self.reserved_peak = 0
 
     def allocate(self, n: int) -> None:
         self.allocated += n
         self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
 
     def free(self, n: int) -> None:
         self.allocated -= n
@@ -114,9 +117,10 @@ class FakeCudaCounter:
         import torch
 
         def reset(device=None):
-            self.peak = self.allocated
+            self.peak, self.reserved_peak = self.allocated, self.reserved
 
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.reserved_peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 

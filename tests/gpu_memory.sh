@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Memory benchmark of the real entry point: the shipped default config with only qwen_edit.memory.budget_gb
 # changed, on full-size architectures at random init (no weights needed), one GPU. For each budget it records the
-# memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl) and the
+# memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
+# reserved, what the caching allocator held, which the budget's margin must cover) and the
 # median step time after the first two steps. docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
@@ -74,6 +75,7 @@ m = run / "metrics.jsonl"
 if m.is_file():
     rows = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
     rec["measured_peak_gb"] = max((r.get("peak_memory_gb", 0) for r in rows), default=None)
+    rec["measured_reserved_gb"] = max((r.get("peak_reserved_gb", 0) for r in rows), default=None)
     times = [r["step_time_s"] for r in rows if r["step"] > 2]
     rec["median_step_s"] = statistics.median(times) if times else None
 s = run / "summary.json"

@@ -94,13 +94,16 @@ def test_loss_curve_has_round_grid_lines_and_survives_odd_records(tmp_path):
 def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
     """PeakMeter resets torch's one peak counter to measure its block alone (everything allocated counts, as in the
     memory plan's predictions) while peak_memory_gb, what metrics.jsonl logs, reports the run's peak as if no meter
-    had run; reset_peak_memory (the plan's, after its measurement) starts the run's peak afresh. On a CPU: None, 0."""
+    had run; reset_peak_memory (the plan's, after its measurement) starts the run's peak afresh. peak_reserved_gb
+    likewise for the allocator's reserved memory, which a reset does not lower while the cache holds it. On a CPU:
+    None, 0."""
     import torch
     from conftest import FakeCudaCounter
 
     from train.runtime import metrics
 
     monkeypatch.setattr(metrics, "_peak_floor", {})
+    monkeypatch.setattr(metrics, "_reserved_floor", {})
     cuda = FakeCudaCounter()
     cuda.install(monkeypatch)
     gpu = torch.device("cuda", 0)
@@ -118,14 +121,17 @@ def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
         cuda.allocate(45)
         cuda.free(45)  # a render above the step peak: the run's peak includes it, as without a meter
     assert second.bytes == 55 and metrics.peak_memory_gb(gpu) == 55 / 1e9
+    assert metrics.peak_reserved_gb(gpu) == 55 / 1e9  # the allocator kept what the render took
     cuda.allocate(50)
     cuda.free(50)
-    assert metrics.peak_memory_gb(gpu) == 60 / 1e9
+    assert metrics.peak_memory_gb(gpu) == 60 / 1e9 and metrics.peak_reserved_gb(gpu) == 60 / 1e9
     metrics.reset_peak_memory(gpu)
     assert metrics.peak_memory_gb(gpu) == 10 / 1e9
+    assert metrics.peak_reserved_gb(gpu) == 60 / 1e9  # reserved, not allocated: the cache still holds it
     with metrics.PeakMeter(torch.device("cpu")) as cpu:
         pass
     assert cpu.bytes is None and metrics.peak_memory_gb(torch.device("cpu")) == 0.0
+    assert metrics.peak_reserved_gb(torch.device("cpu")) == 0.0
 
 
 class _Clock:

@@ -67,7 +67,8 @@ def test_zero2_outputs(zero2_run):
     resolved = json.loads((zero2_run / "config.json").read_text())
     assert resolved["zero_optimization"]["stage"] == 2 and resolved["qwen_edit"]["train"]["max_steps"] == 60
     record = metrics(zero2_run)[-1]
-    for key in ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_memory_gb"):
+    for key in ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_memory_gb",
+                "peak_reserved_gb"):
         assert key in record, key
     assert record["step"] == 60
     ckpt = zero2_run / "global_step60"

@@ -326,6 +326,7 @@ def test_render_peaks_are_measured_and_reported(monkeypatch):
     from train.runtime import metrics as run_metrics
 
     monkeypatch.setattr(run_metrics, "_peak_floor", {})
+    monkeypatch.setattr(run_metrics, "_reserved_floor", {})
     cuda = FakeCudaCounter()
     cuda.install(monkeypatch)
     messages = []

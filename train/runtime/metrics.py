@@ -107,9 +107,11 @@ def print0(*args, rank: int = 0, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-# torch keeps one peak counter per device; a PeakMeter resets it to measure a part of the run alone and keeps what it
-# held here, so that peak_memory_gb still reports the run's peak: {device index: bytes}.
+# torch keeps one pair of peak counters per device (allocated, reserved); a PeakMeter resets them to measure a part of
+# the run alone and keeps what they held here, so that peak_memory_gb and peak_reserved_gb still report the run's
+# peaks: {device index: bytes}.
 _peak_floor: dict[int, int] = {}
+_reserved_floor: dict[int, int] = {}
 
 
 def _index(device: torch.device) -> int:
@@ -117,9 +119,11 @@ def _index(device: torch.device) -> int:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start the run's peak (peak_memory_gb) afresh: the memory plan calls it after its measurement."""
+    """Start the run's peaks (peak_memory_gb, peak_reserved_gb) afresh: the memory plan calls it after its
+    measurement."""
     if device.type == "cuda":
         _peak_floor.pop(_index(device), None)
+        _reserved_floor.pop(_index(device), None)
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -131,10 +135,19 @@ def peak_memory_gb(device: torch.device) -> float:
     return 0.0
 
 
+def peak_reserved_gb(device: torch.device) -> float:
+    """torch.cuda.max_memory_reserved since reset_peak_memory (metrics.jsonl's peak_reserved_gb): what the caching
+    allocator held from the driver at its peak, allocated memory plus its cached free blocks (one pool per stream),
+    so the figure an out-of-memory error is about; 0 on a CPU."""
+    if device.type == "cuda":
+        return max(_reserved_floor.get(_index(device), 0), torch.cuda.max_memory_reserved(device)) / 1e9
+    return 0.0
+
+
 class PeakMeter:
     """`with PeakMeter(device) as m: ...` -> m.bytes: the GPU memory allocated at the peak inside the block (all of
     it, not only what the block added: comparable with the memory plan's predicted peaks); None on a CPU. It leaves
-    peak_memory_gb as it would have been without it."""
+    peak_memory_gb and peak_reserved_gb as they would have been without it."""
 
     def __init__(self, device: torch.device):
         self.device, self.bytes = device, None
@@ -143,6 +156,7 @@ class PeakMeter:
         if self.device.type == "cuda":
             i = _index(self.device)
             _peak_floor[i] = max(_peak_floor.get(i, 0), torch.cuda.max_memory_allocated(self.device))
+            _reserved_floor[i] = max(_reserved_floor.get(i, 0), torch.cuda.max_memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
