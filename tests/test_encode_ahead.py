@@ -278,6 +278,8 @@ def test_the_config_key_reaches_the_source(tiny_edit, tmp_path, monkeypatch):
         cfg = load_cfg(tiny_edit, tmp_path, has_gpu, **{"qwen_edit.data.encode_ahead": key})
         assert cfg.project.data.encode_ahead is expected, (key, has_gpu)
     assert load_cfg(tiny_edit, tmp_path, True).project.data.encode_ahead is True  # the default is auto
+    mp = {"qwen_edit.data.encode_ahead": True, "qwen_edit.parallel.mode": "model_parallel"}
+    assert load_cfg(tiny_edit, tmp_path, True, **mp).project.data.encode_ahead is False  # resolved with the mode
 
 
 @pytest.mark.gpu

@@ -169,8 +169,8 @@ ParallelCheck = Callable[..., None]
 
 def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gpus: int | None = None,
                 check_parallel: ParallelCheck | None = None) -> Config:
-    """Read, override, validate and resolve (the DeepSpeed section and data.encode_ahead's auto for `has_gpu`);
-    raises ConfigError listing every problem. `num_gpus` (GPUs of this node, None = unknown) checks the
+    """Read, override, validate and resolve (the DeepSpeed section for `has_gpu`; data.encode_ahead for it and the
+    parallel mode); raises ConfigError listing every problem. `num_gpus` (GPUs of this node, None = unknown) checks the
     model-parallel devices with `check_parallel` (the commands that run that mode pass
     model_parallel.plan.check_parallel; without it the placement is not checked)."""
     path = Path(args.ds_config)
@@ -208,8 +208,10 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     ds_keys.check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
     if problems:
         raise ConfigError(problems)
-    if project.data.encode_ahead == "auto":  # where the encoders and the step can overlap: a GPU
-        project.data.encode_ahead = has_gpu
+    # encoding ahead runs where the encoders and the step can overlap (a GPU), in the zero2 mode: the model-parallel
+    # encoder stage is ahead of its decoder already, and there each micro-batch encodes when asked for
+    ahead = project.data.encode_ahead
+    project.data.encode_ahead = (has_gpu if ahead == "auto" else ahead) and project.parallel.mode == "zero2"
     explicit = _explicit(raw) | {dotted for dotted, value in overrides.items() if value is not None}
     return Config(project=project, deepspeed=resolved, world_size=world_size, explicit=frozenset(explicit))
 

@@ -85,17 +85,15 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
 def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
                  loader) -> sources.LoaderSource:
     """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online (one
-    micro-batch ahead with data.encode_ahead, in the zero2 mode)."""
+    micro-batch ahead with data.encode_ahead)."""
     if cfg.project.data.cache != "off":
         return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
-    # the model-parallel encoder stage is ahead of its decoder already; there each micro-batch encodes when asked for
-    ahead = p.data.encode_ahead and p.parallel.mode == "zero2"
-    if ahead:
+    if p.data.encode_ahead:  # resolved by load_config: never in the model-parallel mode
         print0("online encoding: one micro-batch ahead of the step, in a thread (data.encode_ahead)", rank=d.rank)
-    return sources.online_source(loader, encoders, variant, ahead)
+    return sources.online_source(loader, encoders, variant, p.data.encode_ahead)
 
 
 def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step: int) -> Path:
