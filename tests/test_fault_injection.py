@@ -144,8 +144,8 @@ def test_no_fault_requested_reads_the_environment_once_and_adds_no_call(monkeypa
     runs after the plan is made, however many steps the loop takes."""
     engine, metrics, calls = run(monkeypatch, {}, max_steps=6)
     assert len(engine.env_reads_at_forward) == 12  # 6 steps x GAS 2
-    assert set(engine.env_reads_at_forward) == {3}  # no read after the plan, none per step
-    assert os.environ.reads == {faults.FAIL_SAVE_AT: 1, faults.NAN_LOSS_AT: 1, faults.OOM_AT: 1}
+    assert set(engine.env_reads_at_forward) == {4}  # no read after the plan, none per step
+    assert os.environ.reads == {faults.FAIL_SAVE_AT: 1, faults.NAN_LOSS_AT: 1, faults.OOM_AT: 1, faults.HOLD_AT: 1}
     assert {name for name, _ in calls} >= {"from_env", "around_loss"}
     assert all(forwards == 0 for _, forwards in calls), calls  # every call is made before the loop
     assert [r["step"] for r in metrics.records] == list(range(1, 7))
@@ -156,7 +156,7 @@ def test_requested_nan_loss_fires_at_its_step_only(monkeypatch):
     run without faults; the environment is still read only once."""
     _, plain, _ = run(monkeypatch, {}, max_steps=5)
     engine, faulty, calls = run(monkeypatch, {faults.NAN_LOSS_AT: "3"}, max_steps=5)
-    assert set(engine.env_reads_at_forward) == {3}
+    assert set(engine.env_reads_at_forward) == {4}
     hooked = [forwards for name, forwards in calls if name == "faulty"]
     assert hooked == list(range(10))  # only a requested fault adds a call per micro-step (5 steps x GAS 2)
     assert [r["step"] for r in faulty.records] == [1, 2, 4, 5]
@@ -169,6 +169,18 @@ def test_requested_oom_fires_at_its_step(monkeypatch):
     """QWEN_EDIT_OOM_AT=2: the first micro-batch of step 2 raises, reported as the trainer's OutOfMemory."""
     with pytest.raises(memory.OutOfMemory, match="CUDA out of memory at step 2: micro-batch 1"):
         run(monkeypatch, {faults.OOM_AT: "2"}, max_steps=4)
+
+
+def test_requested_hold_waits_before_its_steps_forward(monkeypatch):
+    """QWEN_EDIT_HOLD_AT=3: step 3 waits HOLD_S before its forward (the killed-rank test holds the run there, so
+    that the kill lands between two known checkpoints); the other steps do not wait."""
+    slept, seen = [], []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    faulty = faults.FaultPlan.from_env({faults.HOLD_AT: "3"}).around_loss(
+        lambda step: seen.append((step, len(slept))) or torch.ones(()))
+    for step in (1, 2, 3, 4):
+        faulty(step)
+    assert slept == [faults.HOLD_S] and seen == [(1, 0), (2, 0), (3, 1), (4, 1)]
 
 
 def test_plan_parses_once_and_names_a_bad_value():

@@ -79,9 +79,10 @@ def reap(processes: list[psutil.Process]) -> list[int]:
 
 def test_killed_rank_ends_the_job_and_resume_matches(tiny_edit, fault_config, reference_losses, tmp_path):
     """SIGKILL one rank after step 6: the launcher exits non-zero within 60 s; resuming from global_step4
-    reproduces the uninterrupted run's losses exactly (fp32 on CPU)."""
+    reproduces the uninterrupted run's losses exactly (fp32 on CPU). Step 7 hangs (QWEN_EDIT_HOLD_AT), so that the
+    kill lands before step 8's save however fast the steps run (a race the suite once lost on a loaded machine)."""
     out = tmp_path / "run"
-    launcher = launch(tiny_edit, out, fault_config)
+    launcher = launch(tiny_edit, out, fault_config, {"QWEN_EDIT_HOLD_AT": "7"})
     wait_for_step(out, 6, launcher)
     tree = psutil.Process(launcher.pid).children(recursive=True)
     killed_at = time.monotonic()

@@ -3,6 +3,8 @@
 QWEN_EDIT_FAIL_SAVE_AT=N      the save of step N raises ENOSPC after every rank wrote its files, before commit
 QWEN_EDIT_NAN_LOSS_AT=N,M     the loss of optimizer steps N, M (1-based) is replaced by NaN
 QWEN_EDIT_OOM_AT=N            step N raises torch.cuda.OutOfMemoryError
+QWEN_EDIT_HOLD_AT=N           step N waits (HOLD_S) before its forward: a hung step, so that a test can kill a rank
+                              at a known point (after step N-1's log line and before step N's save)
 
 The training loop reads these once, into a `FaultPlan`, before its first step, and wraps its loss function only
 when a step fault is requested: a normal run's hot loop neither parses the environment nor calls into this module.
@@ -12,12 +14,15 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 FAIL_SAVE_AT, NAN_LOSS_AT, OOM_AT = "QWEN_EDIT_FAIL_SAVE_AT", "QWEN_EDIT_NAN_LOSS_AT", "QWEN_EDIT_OOM_AT"
+HOLD_AT = "QWEN_EDIT_HOLD_AT"
+HOLD_S = 600.0  # longer than any test waits for a held run
 
 StepLoss = Callable[..., torch.Tensor]
 """loss_of(step, *args): the loss of one micro-batch of optimizer step `step` (1-based)."""
@@ -34,25 +39,31 @@ def _steps(environ: Mapping[str, str], name: str) -> frozenset[int]:
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """The optimizer steps (1-based) whose save fails, whose loss is NaN, that run out of memory; empty normally."""
+    """The optimizer steps (1-based) whose save fails, whose loss is NaN, that run out of memory, that hang; empty
+    normally."""
 
     fail_save_at: frozenset[int] = frozenset()
     nan_loss_at: frozenset[int] = frozenset()
     oom_at: frozenset[int] = frozenset()
+    hold_at: frozenset[int] = frozenset()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultPlan:
         """The plan the QWEN_EDIT_* variables of `environ` (None = os.environ) ask for."""
         environ = os.environ if environ is None else environ
-        return cls(_steps(environ, FAIL_SAVE_AT), _steps(environ, NAN_LOSS_AT), _steps(environ, OOM_AT))
+        return cls(_steps(environ, FAIL_SAVE_AT), _steps(environ, NAN_LOSS_AT), _steps(environ, OOM_AT),
+                   _steps(environ, HOLD_AT))
 
     def around_loss(self, loss_of: StepLoss) -> StepLoss:
-        """`loss_of` itself when no step fault is requested; otherwise a wrapper that raises the injected OOM
-        before the forward of a step in `oom_at` and turns the loss of a step in `nan_loss_at` into NaN."""
-        if not (self.oom_at or self.nan_loss_at):
+        """`loss_of` itself when no step fault is requested; otherwise a wrapper that waits HOLD_S before the
+        forward of a step in `hold_at`, raises the injected OOM before the forward of a step in `oom_at` and turns
+        the loss of a step in `nan_loss_at` into NaN."""
+        if not (self.oom_at or self.nan_loss_at or self.hold_at):
             return loss_of
 
         def faulty(step: int, *args, **kwargs) -> torch.Tensor:
+            if step in self.hold_at:
+                time.sleep(HOLD_S)
             if step in self.oom_at:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
             loss = loss_of(step, *args, **kwargs)
