@@ -103,6 +103,12 @@ class FakeCudaCounter:
 
     def __init__(self):
         self.allocated = self.peak = self.reserved = self.reserved_peak = 0
+        self.retries = 0  # cache flushes: torch.cuda.memory_stats()["num_alloc_retries"]
+
+    def flush(self) -> None:
+        """The allocator found no room under its cap: it gives its cached blocks back and retries."""
+        self.retries += 1
+        self.reserved = self.allocated
 
     def allocate(self, n: int) -> None:
         self.allocated += n
@@ -123,4 +129,5 @@ class FakeCudaCounter:
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.reserved_peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": self.retries})
 

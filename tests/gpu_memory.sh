@@ -2,8 +2,9 @@
 # Memory benchmark of the real entry point: the shipped default config with only qwen_edit.memory.budget_gb
 # changed, on full-size architectures at random init (no weights needed), one GPU. For each budget it records the
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
-# reserved, what the caching allocator held, which the budget's margin must cover) and the
-# median step time after the first two steps. docs/performance.md "Memory" has the figures and the command.
+# reserved, what the caching allocator held, which the budget's margin must cover), the median step time after the
+# first two steps, and per step its time and the allocator's cache flushes so far (alloc_retries).
+# docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
@@ -77,6 +78,8 @@ if m.is_file():
     rec["measured_peak_gb"] = max((r.get("peak_memory_gb", 0) for r in rows), default=None)
     rec["measured_reserved_gb"] = max((r.get("peak_reserved_gb", 0) for r in rows), default=None)
     times = [r["step_time_s"] for r in rows if r["step"] > 2]
+    rec["step_times_s"] = [round(r["step_time_s"], 3) for r in rows]  # every step's, the first (compiling) included
+    rec["alloc_retries"] = [r.get("alloc_retries") for r in rows]  # the allocator's cache flushes so far, per step
     rec["median_step_s"] = statistics.median(times) if times else None
 s = run / "summary.json"
 if s.is_file():

@@ -134,6 +134,29 @@ def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
     assert metrics.peak_reserved_gb(torch.device("cpu")) == 0.0
 
 
+def test_alloc_retries_counts_the_allocators_cache_flushes(monkeypatch):
+    """metrics.jsonl's alloc_retries is torch's num_alloc_retries (a key torch documents): the cache flushes so far,
+    which a step that ran into the budget's cap pays for; a flush leaves reserved memory at what is allocated. 0 on
+    a CPU."""
+    import torch
+    from conftest import FakeCudaCounter
+
+    from train.runtime import metrics
+
+    assert '"num_alloc_retries"' in torch.cuda.memory_stats.__doc__
+    monkeypatch.setattr(metrics, "_reserved_floor", {})
+    cuda = FakeCudaCounter()
+    cuda.install(monkeypatch)
+    gpu = torch.device("cuda", 0)
+    cuda.allocate(30)
+    cuda.free(20)
+    assert metrics.alloc_retries(gpu) == 0 and cuda.reserved == 30
+    cuda.flush()
+    cuda.flush()
+    assert metrics.alloc_retries(gpu) == 2 and cuda.reserved == 10
+    assert metrics.alloc_retries(torch.device("cpu")) == 0
+
+
 class _Clock:
     """time.perf_counter's stand-in: advances only when a test says so."""
 

@@ -144,6 +144,16 @@ def peak_reserved_gb(device: torch.device) -> float:
     return 0.0
 
 
+def alloc_retries(device: torch.device) -> int:
+    """How many times this process's caching allocator found no room under the cap (the device, or memory.budget_gb's
+    per-process fraction), freed all its cached blocks and tried cudaMalloc again (torch.cuda.memory_stats'
+    num_alloc_retries, counted since the process started; metrics.jsonl's alloc_retries). Each flush synchronizes the
+    device and gives the cache back, so a step that triggers one is slower; 0 on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    return 0
+
+
 class PeakMeter:
     """`with PeakMeter(device) as m: ...` -> m.bytes: the GPU memory allocated at the peak inside the block (all of
     it, not only what the block added: comparable with the memory plan's predicted peaks); None on a CPU. It leaves
