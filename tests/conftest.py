@@ -98,8 +98,9 @@ def metrics(out: Path) -> list[dict]:
 
 
 class FakeCudaCounter:
-    """torch.cuda's allocation counters for one device, driven by the test: `allocate(n)` / `free(n)`. Reserved
-    memory is a caching allocator's that never returns what it took: the most ever allocated."""
+    """torch.cuda's allocation counters for one device, driven by the test: `allocate(n)` / `free(n)`, and `flush()`
+    for the caching allocator meeting its cap. Reserved memory is a caching allocator's: it keeps what it took (the
+    most allocated since the last flush) until a flush gives the unused part back."""
 
     def __init__(self):
         self.allocated = self.peak = self.reserved = self.reserved_peak = 0

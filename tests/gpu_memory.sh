@@ -68,8 +68,8 @@ PY
     rm -rf "$run"
     start=$(date +%s)
     rc=0
-    timeout -k 20 "${RUN_TIMEOUT:-420}" python train/main.py --ds_config "$cfg" --model "$data/model" --data "$data/data" \
-      --output_dir "$run" > "$out/$name.log" 2>&1 || rc=$?
+    timeout -k 20 "${RUN_TIMEOUT:-420}" python train/main.py --ds_config "$cfg" --model "$data/model" \
+      --data "$data/data" --output_dir "$run" > "$out/$name.log" 2>&1 || rc=$?
     python - "$run" "$name" "$rc" "$(( $(date +%s) - start ))" >> "$out/memory.jsonl" <<'PY'
 import json, statistics, sys
 from pathlib import Path
