@@ -508,6 +508,49 @@ def test_vae_tiling_is_planned_unless_the_config_sets_it():
         memory.Choice(True, True, 0, 0, True), 60)
 
 
+def test_block_times_are_the_median_of_the_timed_passes(monkeypatch):
+    """memory._run leaves out the warm-up passes (the first compiles) and takes the median of the timed ones, so one
+    slow or fast pass does not move the plan's step (perf_notes M8); its bytes are the last pass's. CUDA's counters
+    and the clock are driven by the test."""
+    import itertools
+
+    import torch
+
+    from tests.conftest import FakeCudaCounter
+
+    counter = FakeCudaCounter()
+    counter.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counter.allocated)
+    passes = itertools.count(1)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):  # pass n keeps n bytes to the backward, which needs 10 n more at its peak
+            n = next(passes)
+            counter.allocate(n)
+
+            def backward(grad):
+                counter.allocate(10 * n)
+                counter.free(11 * n)
+                return grad
+
+            out = self.w * x
+            out.register_hook(backward)
+            return (out,)
+
+    # (forward ms, forward + backward ms) of the 2 warm-up and 5 timed passes
+    times = [(900, 2000), (40, 90), (7, 30), (9, 20), (5, 22), (8, 24), (6, 25)]
+    clock = iter(t / 1000 for f, b in times for t in (0, f, b))
+    monkeypatch.setattr(memory.time, "perf_counter", lambda: next(clock))
+    kept, transient, fwd, both = memory._run(Block(), {"x": torch.ones(3)}, torch.device("cpu"))
+    assert (fwd, both) == (0.007, 0.024)  # medians of 7 9 5 8 6 and 30 20 22 24 25 ms
+    assert (kept, transient) == (7, 70)  # the seventh pass
+    assert next(passes) == 8 and next(clock, None) is None
+
+
 def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
     """The GPU measurement's code path on the tiny model (CPU): a one-block transformer forward without gradients
     at the render's tokens, then the VAE decoding (online: and encoding) untiled and tiled. The byte counting

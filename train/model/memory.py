@@ -77,6 +77,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -708,11 +709,15 @@ def _inputs(model, w: Workload, dtype: torch.dtype, device: torch.device) -> dic
                 return_dict=False)
 
 
-def _run(model, inputs: dict, device: torch.device, repeats: int = 3) -> tuple[float, float, float, float]:
-    """(kept after forward, peak above that in the backward, forward s, forward+backward s) of the last repeat."""
+def _run(model, inputs: dict, device: torch.device, warmup: int = 2, repeats: int = 5
+         ) -> tuple[float, float, float, float]:
+    """(kept after forward, peak above that in the backward, forward s, forward+backward s): the memory of the last
+    pass, the times the median of `repeats` timed passes after `warmup` untimed ones (the first compiles). One timed
+    pass moved fwd_s by up to 20% between runs on one machine (docs/perf_notes.md M8)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    kept = transient = fwd = both = 0.0
-    for _ in range(repeats):  # the first compiles
+    kept = transient = 0.0
+    fwds, boths = [], []
+    for i in range(warmup + repeats):
         sync()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -726,10 +731,12 @@ def _run(model, inputs: dict, device: torch.device, repeats: int = 3) -> tuple[f
         sync()
         t2 = time.perf_counter()
         kept, transient = after_fwd - base, torch.cuda.max_memory_allocated(device) - after_fwd
-        fwd, both = t1 - t0, t2 - t0
+        if i >= warmup:
+            fwds.append(t1 - t0)
+            boths.append(t2 - t0)
         del loss
         model.zero_grad(set_to_none=True)
-    return kept, transient, fwd, both
+    return kept, transient, statistics.median(fwds), statistics.median(boths)
 
 
 def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
