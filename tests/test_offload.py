@@ -67,6 +67,51 @@ def test_offloaded_weights_leave_the_module():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_host_buffer_is_pinned_in_place_at_its_size(monkeypatch, capsys, refused):
+    """On a GPU the filled host buffer is registered with CUDA as it is, exactly its bytes (torch's pinned tensors
+    are rounded up to a power of two: a 0.34 GB fp8 block would cost 0.54 GB), and unregistered when the offloader
+    goes, before its memory is freed. Where CUDA refuses, a pinned copy from torch replaces it and the log says so.
+    CUDA is faked here; the blocks are the tiny model's."""
+    import gc
+
+    from train.model import offload
+
+    model, offloader = _prepared(3, {0, 1, 2})
+    whole = offloader._whole
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 1 if refused else 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize",)))
+    monkeypatch.setattr(offload, "_pinned_copy", lambda t: t.clone())
+    before = {i: buf.clone() for i, buf in offloader.host.items()}
+    offloader._pin()
+    total = sum(layout.nbytes for layout in offloader.layouts.values())
+    assert calls == [("register", whole.data_ptr(), total, offload.CUDA_HOST_REGISTER_PORTABLE)]
+    assert offloader.host_bytes == total == whole.numel()
+    assert all(torch.equal(offloader.host[i], before[i]) for i in before)  # the blocks' bytes, wherever they are
+    outside = [buf.data_ptr() < whole.data_ptr() or buf.data_ptr() >= whole.data_ptr() + total
+               for buf in offloader.host.values()]
+    assert all(outside) if refused else not any(outside)
+    assert ("pinned copy of its own" in capsys.readouterr().out) == refused
+    offloader.remove()
+    del model, offloader
+    gc.collect()
+    if refused:  # nothing was registered, so nothing is unregistered
+        assert len(calls) == 1
+    else:
+        assert calls[1:] == [("synchronize",), ("unregister", whole.data_ptr())]
+
+
 def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
     model_dir = tiny_edit / "model"
     reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)

@@ -6,12 +6,13 @@ every block synchronously, and it moves whole modules, including the LoRA adapte
 owns and has flattened into its own buffers. Here only the frozen tensors of a block move, and the prefetch
 order follows the direction of the pass.
 
-Scheme. Each offloaded block's frozen tensors (its linears' weights, fp8 or not, and their scales) live in one
-pinned host buffer. The GPU holds `num_slots` (2) buffers of the size of the largest block. A forward pre-hook
-on the block binds its tensors to views of the slot that holds it (copying it there first if no prefetch did),
-then starts copying the block that runs next into the other slot on a side stream: the next block in a forward,
-the previous one inside the backward (where the blocks are recomputed in reverse). The copy waits for an event
-recorded on the compute stream at that moment, so it never overwrites a slot before the kernels already issued
+Scheme. Each offloaded block's frozen tensors (its linears' weights, fp8 or not, and their scales) live in one slice
+of a host buffer that is pinned in place once filled (cudaHostRegister: exactly its bytes, where torch's pinned
+tensors are rounded up to a power of two). The GPU holds `num_slots` (2) buffers of the size of the largest block. A
+forward pre-hook on the block binds its tensors to views of the slot that holds it (copying it there first if no
+prefetch did), then starts copying the block that runs next into the other slot on a side stream: the next block in
+a forward, the previous one inside the backward (where the blocks are recomputed in reverse). The copy waits for an
+event recorded on the compute stream at that moment, so it never overwrites a slot before the kernels already issued
 for the block that used it have run; the block's own kernels wait for its copy's event.
 
 Why this is safe for the backward: offloaded blocks are always activation-checkpointed (config check), so their
@@ -28,6 +29,7 @@ import os
 import shutil
 import socket
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +109,19 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     return torch.full((1,), fill, dtype=dtype, device=device).expand(shape)
 
 
+def _unregister(whole: torch.Tensor, device: torch.device) -> None:
+    """Undo BlockOffloader._pin's cudaHostRegister before `whole`'s memory is freed (its last reference goes with
+    this call), once no copy can still be reading it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(whole.data_ptr())
+
+
+def _pinned_copy(whole: torch.Tensor) -> torch.Tensor:
+    """A copy of `whole` in pinned memory from torch's allocator (where CUDA will not pin `whole` in place)."""
+    own = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
+    return own.copy_(whole)
+
+
 def moves(t: torch.Tensor) -> bool:
     """Whether an offloaded block's frozen tensor lives on the host: the matrices do; vectors (biases, norm
     scales, fp8 row scales) are a fraction of a percent of the bytes and stay on the device."""
@@ -181,12 +196,7 @@ class BlockOffloader:
                     _as_buffer(owner, name)
         self.layouts = {i: _Layout([(owner, name) for owner, name, _ in found]) for i, found in tensors.items()}
         self.shared = share is not None
-        if share is not None:
-            self.host = self._shared_buffers(share)
-        else:
-            pin = self.device.type == "cuda"
-            self.host = {i: torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=pin)
-                         for i, lay in self.layouts.items()}
+        self.host = self._shared_buffers(share) if share is not None else self._own_buffers()
         writes = share is None or share.writer  # the others' tensors are placeholders (streaming.Placement)
         for i, layout in self.layouts.items():
             for owner, name, view in layout.views(self.host[i]):
@@ -194,7 +204,11 @@ class BlockOffloader:
                     view.copy_(_get(owner, name))
                 _bind(owner, name, placeholder(view.shape, view.dtype, self.device))
         if share is not None:
-            self._pin_shared()
+            from train.runtime.engine import all_gather_objects
+
+            all_gather_objects(True)  # the writer has filled the buffers
+        if self.device.type == "cuda":
+            self._pin()
         slot_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
         self.resident: list[int | None] = [None] * num_slots  # block index held by each slot
@@ -239,23 +253,31 @@ class BlockOffloader:
         self._whole = whole
         return {i: whole[offsets[i]: offsets[i] + layout.nbytes] for i, layout in self.layouts.items()}
 
-    def _pin_shared(self) -> None:
-        """Wait for the writer, then register the shared mapping with CUDA as pinned memory (on a GPU), so that
-        its copies to the device run asynchronously; where CUDA refuses, keep a pinned copy of this process's
-        own."""
-        from train.runtime.engine import all_gather_objects
+    def _own_buffers(self) -> dict[int, torch.Tensor]:
+        """Each block's host buffer as a slice of one ordinary allocation of this process, pinned once it is
+        filled (_pin). Its pages appear as the blocks are copied in, so host memory peaks about one block above the
+        final footprint, and pinning it whole costs its size: torch's own pinned tensors are each rounded up to a
+        power of two (CachingHostAllocator), which costs a 0.34 GB fp8 block 0.54 GB."""
+        offsets, total = {}, 0
+        for i, layout in self.layouts.items():
+            offsets[i], total = total, total + layout.nbytes
+        self._whole = whole = torch.empty(total, dtype=torch.uint8)
+        return {i: whole[offsets[i]: offsets[i] + layout.nbytes] for i, layout in self.layouts.items()}
 
-        all_gather_objects(True)  # the writer has filled the buffers
-        if self.device.type != "cuda":
-            return
+    def _pin(self) -> None:
+        """Register the filled host buffer with CUDA as pinned memory (cudaHostRegister: exactly its pages, also
+        for the node's shared mapping), so that its copies to the device run asynchronously, and unregister it
+        when this offloader goes. Where CUDA refuses, keep a pinned copy made by torch (rounded up to a power of
+        two) and say so."""
         whole = self._whole
         err = int(torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), whole.numel(), CUDA_HOST_REGISTER_PORTABLE))
         if err == 0:
+            weakref.finalize(self, _unregister, whole, self.device).atexit = False  # exit frees it anyway
             return
-        print(f"offloaded blocks: CUDA could not pin the shared host buffer (cudaError {err}); this process keeps "
-              "a pinned copy of its own", flush=True)
-        own = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
-        own.copy_(whole)
+        print(f"offloaded blocks: CUDA could not pin the host buffer in place (cudaError {err}); this process "
+              f"keeps a pinned copy of its own, {whole.numel() / 1e9:.1f} GB that torch's pinned allocator rounds "
+              "up to a power of two", flush=True)
+        own = _pinned_copy(whole)
         self.host = {i: own[buf.data_ptr() - whole.data_ptr():][: buf.numel()] for i, buf in self.host.items()}
         self.shared, self._whole = False, None
 
