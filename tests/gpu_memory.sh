@@ -3,7 +3,9 @@
 # changed, on full-size architectures at random init (no weights needed), one GPU. For each budget it records the
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
 # reserved, what the caching allocator held, which the budget's margin must cover), the median step time after the
-# first two steps, and per step its time and the allocator's cache flushes so far (alloc_retries).
+# first two steps, and per step its time, the allocator's cache flushes so far (alloc_retries), the process's host RSS
+# (host_rss_gb) and the pinned host memory torch's allocator holds (host_pinned_gb), to check the plan's
+# predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only).
 # docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
@@ -83,6 +85,8 @@ if m.is_file():
     times = [r["step_time_s"] for r in rows if r["step"] > 2]
     rec["step_times_s"] = [round(r["step_time_s"], 3) for r in rows]  # every step's, the first (compiling) included
     rec["alloc_retries"] = [r.get("alloc_retries") for r in rows]  # the allocator's cache flushes so far, per step
+    rec["host_rss_gb"] = [r.get("host_rss_gb") for r in rows]  # the process's resident host memory, per step
+    rec["host_pinned_gb"] = [r.get("host_pinned_gb") for r in rows]  # torch's pinned host pool, per step
     rec["median_step_s"] = statistics.median(times) if times else None
 s = run / "summary.json"
 if s.is_file():

@@ -159,6 +159,27 @@ def test_alloc_retries_counts_the_allocators_cache_flushes(monkeypatch):
     assert metrics.alloc_retries(torch.device("cpu")) == 0
 
 
+def test_host_memory_is_the_rss_and_torchs_pinned_pool(monkeypatch):
+    """metrics.jsonl's host_rss_gb is this process's RSS: it grows by what a tensor it fills takes. host_pinned_gb is
+    torch's pinned allocator's allocated_bytes.current (a key torch documents): its blocks in use and cached, as
+    rounded to a power of two, not only the active ones. 0 on a CPU and with a torch without host_memory_stats."""
+    import torch
+
+    from train.runtime import metrics
+
+    before = metrics.host_rss_gb()
+    filled = torch.ones(2**28 // 4)  # 0.27 GB, every page written
+    assert metrics.host_rss_gb() - before > 0.2 and before > 0
+    del filled
+    assert '"allocated_bytes.{current,' in torch.cuda.host_memory_stats.__doc__
+    pool = {"allocated_bytes.current": 3 * 2**30, "active_bytes.current": 2**30}  # 1 GiB in use, 2 GiB cached
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: pool)
+    assert metrics.host_pinned_gb(torch.device("cuda", 0)) == 3 * 2**30 / 1e9
+    assert metrics.host_pinned_gb(torch.device("cpu")) == 0.0
+    monkeypatch.delattr(torch.cuda, "host_memory_stats")
+    assert metrics.host_pinned_gb(torch.device("cuda", 0)) == 0.0
+
+
 class _Clock:
     """time.perf_counter's stand-in: advances only when a test says so."""
 

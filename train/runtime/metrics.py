@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 
@@ -152,6 +153,27 @@ def alloc_retries(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     return 0
+
+
+def host_rss_gb() -> float:
+    """This process's resident set size (psutil; metrics.jsonl's host_rss_gb): its host memory in RAM, pinned or not,
+    for checking the memory plan's host accounting. Shared pages it has touched count too, so a /dev/shm buffer
+    counts once in every process that maps it."""
+    return psutil.Process().memory_info().rss / 1e9
+
+
+def host_pinned_gb(device: torch.device) -> float:
+    """The pinned host memory torch's caching host allocator holds, blocks in use and cached, as taken from the driver
+    with cudaHostAlloc (torch.cuda.host_memory_stats' allocated_bytes.current; metrics.jsonl's host_pinned_gb). torch
+    rounds every pinned allocation up to a power of two (PowerOf2Ceil in aten/src/ATen/core/CachingHostAllocator.h,
+    unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold), so this is what the pinned buffers really cost,
+    up to twice what they hold. Memory pinned in place with cudaHostRegister, outside the allocator (as the block
+    offloader pins its host buffer), is not in it, only in host_rss_gb. 0 on a CPU or with a torch that has no
+    host_memory_stats."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type == "cuda" and stats is not None:
+        return stats().get("allocated_bytes.current", 0) / 1e9
+    return 0.0
 
 
 class PeakMeter:

@@ -12,7 +12,14 @@ from train.data.sources import Batch
 from train.model import conditioning, memory
 from train.runtime import checkpoint, faults, preempt
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import Throughput, alloc_retries, peak_memory_gb, peak_reserved_gb
+from train.runtime.metrics import (
+    Throughput,
+    alloc_retries,
+    host_pinned_gb,
+    host_rss_gb,
+    peak_memory_gb,
+    peak_reserved_gb,
+)
 from train.trainer import objective
 
 
@@ -163,7 +170,8 @@ class _Window:
                   "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "skipped_steps": self.skipped,
                   "data_wait_fraction": source.take_wait_s() / elapsed,
                   **self.speed.read(step - self.last_logged), "peak_memory_gb": peak_memory_gb(d.device),
-                  "peak_reserved_gb": peak_reserved_gb(d.device), "alloc_retries": alloc_retries(d.device)}
+                  "peak_reserved_gb": peak_reserved_gb(d.device), "alloc_retries": alloc_retries(d.device),
+                  "host_rss_gb": host_rss_gb(), "host_pinned_gb": host_pinned_gb(d.device)}
         self.loss.zero_()
         self.num_steps, self.last_logged = 0, step
         return record
