@@ -31,14 +31,14 @@ blocks to pinned host memory (train/model/offload.py), and for online encoding, 
 encoders then never share the GPU with training). A key set in the config is never changed. Without a GPU there
 is nothing to plan: the config runs as written.
 
-Host memory is counted too: the offloaded blocks' frozen weights live in pinned host memory (one buffer per block,
-in their stored dtype). Where several training processes share a node and /dev/shm has the room, the node keeps one
-copy in /dev/shm that each of them maps and pins (offload.NodeShare): K x (bytes of a block's matrices); otherwise
-each process keeps its own, P x K x (bytes of a block's matrices). Plus, with DeepSpeed's optimizer offload, P x
-its partition of the optimizer state (HOST_STATE_BYTES per trainable parameter / world size). A candidate fits only
-when that stays below the smallest available host memory of any rank (psutil) less host_margin_bytes; the plan then
-picks the fastest candidate that fits both, which offloads fewer blocks and checkpoints more, or trains from the
-cache, where the host is short. When only the host stops every
+Host memory is counted too: the offloaded blocks' frozen weights live in pinned host memory (one buffer pinned in
+place, exactly its bytes, in their stored dtype). Where several training processes share a node and /dev/shm has the
+room, the node keeps one copy in /dev/shm that each of them maps and pins (offload.NodeShare): K x (bytes of a
+block's matrices); otherwise each process keeps its own, P x K x (bytes of a block's matrices). Plus, with
+DeepSpeed's optimizer offload, P x its partition of the optimizer state (host_state_bytes: its pinned buffers as
+torch rounds them). A candidate fits only when that stays below the smallest available host memory of any rank
+(psutil) less host_margin_bytes; the plan then picks the fastest candidate that fits both, which offloads fewer
+blocks and checkpoints more, or trains from the cache, where the host is short. When only the host stops every
 candidate that fits the GPU, PlanError names the host figures and what to change; a config whose own
 train.offload_blocks does not fit the host stops before loading, with the plan on or off.
 
@@ -99,10 +99,9 @@ MASTER_AND_MOMENTS_BYTES = 12
 STEP_GRAD_BYTES = 8  # the step's bf16 gradient partition + its flattened copy + its fp32 copy
 STAGE0_STEP_BYTES = 20  # stage 0 (DeepSpeed's bf16 optimizer): weight, bf16 and fp32 gradients, master, moments
 # With DeepSpeed's optimizer offload the master, moments and fp32 gradients are in host memory: a LoRA parameter
-# keeps its bf16 weight and gradient on the GPU (stage 2 hands each reduced bucket to the host). The host holds
-# HOST_STATE_BYTES per parameter (fp32 master, gradient and two moments, and DeepSpeed's pinned bf16 copy of the
-# updated weights).
-HOST_STATE_BYTES = 18
+# keeps its bf16 weight and gradient on the GPU (stage 2 hands each reduced bucket to the host). The host holds 18
+# bytes per parameter, 10 of them pinned by torch, which rounds each allocation up to a power of two
+# (host_state_bytes).
 # The host optimizer step: DeepSpeedCPUAdam reads the fp32 weight, gradient and moments and writes weight, moments
 # and the bf16 copy (30 bytes per parameter) at an allowance for a many-core host's memory bandwidth.
 HOST_ADAM_BYTES = 30
@@ -257,11 +256,29 @@ def moved_bytes(s: Sizes, fp8_base: bool, dtype_bytes: int = 2) -> float:
     return s.block_fp8_params + (s.block_matrix_params - s.block_fp8_params) * dtype_bytes
 
 
+def pinned_bytes(nbytes: float) -> float:
+    """What a pinned tensor of `nbytes` takes from the host: torch's pinned allocator (CachingHostAllocator) rounds
+    every allocation up to a power of two, unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
+
+
+def host_state_bytes(trainable_params: int, world_size: int) -> float:
+    """Host bytes of DeepSpeed's optimizer offload on one rank (ZeRO 1 or 2, pin_memory, the trainer's one parameter
+    group; deepspeed/runtime/zero/stage_1_and_2.py): the rank's partition of n parameters has its fp32 master weights
+    (4n), fp32 gradients (4n) and a bf16 copy for the updated weights (2n) in three pinned tensors, each rounded up
+    to a power of two (pinned_bytes), and the two Adam moments (8n) in ordinary memory (the optimizer makes them
+    with zeros_like). The 18 bytes per parameter this once counted flat missed the rounding: 110.8 GB for a full
+    fine-tune of 18 blocks, where the rounded buffers take 135 GB (killed on a 128 GiB host, session 14). Not
+    counted: with gradient_accumulation_steps > 1 DeepSpeed also pins a bf16 gradient per parameter."""
+    n = trainable_params / world_size
+    return 2 * pinned_bytes(4 * n) + pinned_bytes(2 * n) + 8 * n
+
+
 def host_bytes(s: Sizes, c: Choice, host: Host, dtype_bytes: int = 2) -> float:
     """Pinned host bytes of candidate `c` on this node (the module docstring): each process's offloaded blocks and,
     with DeepSpeed's optimizer offload, its partition of the optimizer state."""
     blocks = c.offloaded * moved_bytes(s, c.fp8_base, dtype_bytes)
-    state = s.trainable_params * HOST_STATE_BYTES / host.world_size if c.offload_optimizer else 0.0
+    state = host_state_bytes(s.trainable_params, host.world_size) if c.offload_optimizer else 0.0
     if host.shares(blocks):  # one copy of the blocks for the node, in /dev/shm
         return blocks + host.ranks_per_node * state
     return host.ranks_per_node * (blocks + state)
@@ -284,7 +301,7 @@ def host_refusal(s: Sizes, c: Choice, host: Host, fixed: dict, dtype_bytes: int 
         parts = (f"{host.ranks_per_node} training process(es) on this node x {c.offloaded} offloaded blocks x "
                  f"{per_block / GB:.2f} GB ({kind} weights)")
     if c.offload_optimizer:
-        state = host.ranks_per_node * s.trainable_params * HOST_STATE_BYTES / host.world_size
+        state = host.ranks_per_node * host_state_bytes(s.trainable_params, host.world_size)
         parts += f" + {state / GB:.1f} GB of DeepSpeed's offloaded optimizer state"
     pinned = ""
     if "train.offload_blocks" in fixed:
@@ -885,7 +902,7 @@ def configured_offload(ds: dict) -> bool | None:
 def offload_blocker(ds: dict, s: Sizes, host: Host = Host()) -> str | None:
     """Why DeepSpeed's optimizer offload cannot serve this run (None: it can): the optimizer is not Adam/AdamW
     (DeepSpeedCPUAdam), the ZeRO stage is not 1 or 2, or the host lacks the room for the state (each rank holds
-    its 1/world_size partition, HOST_STATE_BYTES per parameter; the same margin as for offloaded blocks)."""
+    its 1/world_size partition, host_state_bytes; the same margin as for offloaded blocks)."""
     optimizer = ds.get("optimizer") or {}
     if str(optimizer.get("type", "")).lower() not in OFFLOADABLE_OPTIMIZERS:
         return (f"optimizer.type {json.dumps(optimizer.get('type'))} is not one DeepSpeed steps on the host with "
@@ -893,7 +910,7 @@ def offload_blocker(ds: dict, s: Sizes, host: Host = Host()) -> str | None:
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (1, 2):
         return f"zero_optimization.stage is {stage}; DeepSpeed offloads the optimizer of ZeRO stage 1 or 2"
-    need = s.trainable_params * HOST_STATE_BYTES * host.ranks_per_node / host.world_size
+    need = host_state_bytes(s.trainable_params, host.world_size) * host.ranks_per_node
     if need > host.room_bytes:
         return (f"its state needs {need / GB:.1f} GB of host memory on this node and {host.available_bytes / GB:.1f}"
                 f" GB is available, less a {host.margin_bytes / GB:.1f} GB margin")
