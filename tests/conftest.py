@@ -79,13 +79,17 @@ def write_config(path: Path, base: Path = TINY_CONFIG, **changes) -> Path:
 
 
 def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: int | None = None,
-                extra: tuple[str, ...] = (), timeout: int = 900,
-                port: int | None = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N train/main.py ...` (num_procs given) or plain `python train/main.py ...`."""
+                extra: tuple[str, ...] = (), timeout: int = 900, port: int | None = None,
+                prelude: str = "") -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N train/main.py ...` (num_procs given) or plain `python train/main.py ...`; `prelude`:
+    Python code the plain process runs first (a fake or a switched-off check), then train/main.py as __main__."""
     args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
             "--output_dir", str(out), *extra]
     if num_procs is None:
-        cmd = [sys.executable, str(REPO / "train" / "main.py"), *args]
+        main = str(REPO / "train" / "main.py")
+        start = (f"{prelude}\nimport runpy, sys\nsys.argv = sys.argv[1:]\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+        cmd = [sys.executable, *(["-c", start] if prelude else []), main, *args]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
                "--master_port", str(port or free_port()), str(REPO / "train" / "main.py"), *args]

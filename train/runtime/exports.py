@@ -298,6 +298,18 @@ def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int,
     return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank, metadata=metadata)
 
 
+def export_bytes(transformer, mode: str) -> int:
+    """Bytes of one export of the live `transformer` as export_lora / export_full write it (headers and config
+    aside): its LoRA adapter, or (full) every weight and persistent buffer, each in its training dtype."""
+    if mode == "lora":
+        from peft.utils import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(transformer).values()
+    else:
+        tensors = transformer.state_dict().values()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 EXPORT_INFO = "qwen_edit_export.json"  # a full export's metadata (diffusers writes the shards' headers itself)
 
 

@@ -103,14 +103,29 @@ def is_holder(ds: dict, d: engine.Dist) -> bool:
     return d.is_main or (bool(node_local) and d.local_rank == 0)
 
 
+def overwritten(out_dir: str | os.PathLike) -> list[Path]:
+    """What --overwrite deletes: the earlier run's files (not the cache or the pre-flight's reports)."""
+    out_dir = Path(out_dir)
+    return [out_dir / name for name in previous_run(out_dir) + [p.name for p in out_dir.glob("gpu_metrics*.jsonl")]]
+
+
+def overwritten_bytes(out_dir: str | os.PathLike) -> int:
+    """Bytes on disk of the files --overwrite deletes (links not followed), which the deletion frees."""
+    total = 0
+    for path in overwritten(out_dir):
+        total += path.lstat().st_blocks * 512
+        if path.is_dir() and not path.is_symlink():
+            total += sum(os.lstat(os.path.join(root, name)).st_blocks * 512 for root, dirs, files in os.walk(path)
+                         for name in dirs + files)
+    return total
+
+
 def start_writing(out_dir: str | os.PathLike, overwrite: bool) -> None:
     """Every check has passed: with --overwrite, delete the earlier run's files (not the cache) before this run
     writes its own."""
-    out_dir = Path(out_dir)
     if not overwrite:
         return
-    for name in previous_run(out_dir) + [p.name for p in out_dir.glob("gpu_metrics*.jsonl")]:
-        path = out_dir / name
+    for path in overwritten(out_dir):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:

@@ -16,7 +16,7 @@ from train import config
 from train.data import latent_cache, pairs, prompts, sources
 from train.model import components, fp8, lora_io, memory
 from train.model.conditioning import MODEL_NAMES
-from train.runtime import checkpoint, engine, exports, gpumon, outdir, preempt
+from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import loop, validation
 
@@ -166,6 +166,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
         resume_engine(cfg, d, eng, tag, saved, changes)
+    diskspace.check(eng, d, p.output, p.train.max_steps, start_step,
+                    exports.export_bytes(eng.module, p.train.mode), overwrite)  # before the directory is written
     start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
