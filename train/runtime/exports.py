@@ -228,10 +228,15 @@ def step_of(ckpt: Path) -> int:
 # --- exports of a live model (end of training, export_every_steps) and their writers ------------------------------
 
 
-def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+def _lora_tensors(transformer) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors where they live (peft's state dict of the live model)."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    return get_peft_model_state_dict(transformer)
+
+
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in _lora_tensors(transformer).items()}
 
 
 def export_metadata(config: dict, variant: str, step: int) -> dict[str, str]:
@@ -301,13 +306,8 @@ def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int,
 def export_bytes(transformer, mode: str) -> int:
     """Bytes of one export of the live `transformer` as export_lora / export_full write it (headers and config
     aside): its LoRA adapter, or (full) every weight and persistent buffer, each in its training dtype."""
-    if mode == "lora":
-        from peft.utils import get_peft_model_state_dict
-
-        tensors = get_peft_model_state_dict(transformer).values()
-    else:
-        tensors = transformer.state_dict().values()
-    return sum(t.numel() * t.element_size() for t in tensors)
+    tensors = _lora_tensors(transformer) if mode == "lora" else transformer.state_dict()
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 EXPORT_INFO = "qwen_edit_export.json"  # a full export's metadata (diffusers writes the shards' headers itself)
