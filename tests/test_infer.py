@@ -102,6 +102,9 @@ def test_bad_rows_are_reported_and_skipped(one_process):
     assert "bad row: line 3" in proc.stderr and "bad row: line 5" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["written"] == 5 and summary["bad_rows"] == 2 and summary["already_done"] == 0
+    assert len(summary["seconds_per_image"]) == 1 and len(summary["seconds_per_image"][0]) == 5  # one per image
+    assert all(t > 0 for t in summary["seconds_per_image"][0])
+    assert summary["peak_memory_gb"] == [None]  # the CPU has no allocator peak
 
 
 def test_resume_writes_only_missing_outputs(one_process, tiny_edit, tmp_path):

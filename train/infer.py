@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make the repository importable
@@ -123,15 +124,18 @@ def output_path(out_dir: str, request: pipelines.EditRequest) -> Path:
 
 
 def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settings, d: engine.Dist):
-    """Render and write every request of `todo`; returns (written, bad rows as (line, problem))."""
-    written, bad = 0, []
+    """Render and write every request of `todo`; returns (written, bad rows as (line, problem), seconds per image
+    rendered)."""
+    written, bad, seconds = 0, [], []
     for request in progress(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                             file=sys.stdout):
         problem = pipelines.check_request(request, variant, settings.inference.area,
                                           settings.inference.condition_area, getattr(pipe, "processor", None))
         if problem is None:
             images = pipelines.open_references(request, settings.data.alpha_background)
+            start = time.perf_counter()
             image = pipelines.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
+            seconds.append(time.perf_counter() - start)
             try:
                 pipelines.save_png_atomic(image, output_path(args.out, request))
                 written += 1
@@ -140,7 +144,7 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
         if problem is not None:
             print(f"bad row: line {request.line}: {problem}; skipped", file=sys.stderr, flush=True)
             bad.append((request.line, problem))
-    return written, bad
+    return written, bad, seconds
 
 
 def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> int:
@@ -152,14 +156,15 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
         todo, done, bad = select_rows(args, d)
         for line, problem in bad:
             print(f"bad row: line {line}: {problem}; skipped", file=sys.stderr, flush=True)
-        written = 0
+        written, seconds = 0, []
         if todo:
             pipe, variant = build_pipeline(args, settings, d)
-            written, bad_images = render_rows(pipe, variant, todo, args, settings, d)
+            written, bad_images, seconds = render_rows(pipe, variant, todo, args, settings, d)
             bad += bad_images
     finally:
         gpus = monitor.stop()
-    counts = engine.all_gather_objects((written, done, bad, gpus))
+    peak = torch.cuda.max_memory_allocated(d.device) / 1e9 if d.device.type == "cuda" else None
+    counts = engine.all_gather_objects((written, done, bad, gpus, seconds, peak))
     written, done = sum(c[0] for c in counts), sum(c[1] for c in counts)
     bad = sorted(b for c in counts for b in c[2])
     if d.is_main:
@@ -168,7 +173,11 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
             report.write_text("".join(f"line {line}: {problem}\n" for line, problem in bad))
         elif report.exists():
             report.unlink()  # from an earlier run whose rows have been fixed
+        # seconds_per_image: each rank's renders, in order (the first includes the warm-up); peak_memory_gb: torch's
+        # max allocated on each rank's device (None on the CPU); gpus: NVML's view (peak used, utilisation)
         summary = {"written": written, "already_done": done, "bad_rows": len(bad), "world_size": d.world_size,
+                   "seconds_per_image": [[round(t, 3) for t in c[4]] for c in counts],
+                   "peak_memory_gb": [None if c[5] is None else round(c[5], 3) for c in counts],
                    "gpus": [g for c in counts for g in c[3]]}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print0(f"wrote {written} images into {out}, {done} were already there, {len(bad)} bad row(s)"
