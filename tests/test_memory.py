@@ -186,13 +186,33 @@ def test_oom_advice_names_each_phases_settings():
     assert memory.OutOfMemory("x").without_traceback
 
 
-def test_inference_offload_follows_the_budget():
-    """train.infer's placement: everything on the GPU, whole components in turn, or layer by layer."""
-    parts = {"transformer": int(40.9 * GB), "text encoder and VAE": int(16.9 * GB)}
-    assert memory.inference_offload(parts, 141 * GB, 8.6 * GB) == "none"
-    assert memory.inference_offload(parts, 60 * GB, 4.5 * GB) == "model"
-    assert memory.inference_offload(parts, 48 * GB, 3.9 * GB) == "sequential"  # 40.9 GB + 6 GB + margin > 48
-    assert memory.inference_offload(parts, 24 * GB, 2.7 * GB) == "sequential"
+def test_inference_placement_follows_the_budget(full_sizes, full_model):
+    """train.infer's placement for the released 2509 (40.9 GB transformer, 16.6 GB Qwen2.5-VL): everything on the
+    GPU; else the encoders first and the transformer's first blocks streamed, as few as the room allows (Qwen2.5-VL
+    streamed too where it does not fit); else diffusers' layer-by-layer offload."""
+    s = full_sizes
+    parts = {"transformer": (s.num_blocks * s.block_params + s.other_params) * 2,
+             "text encoder": memory.component_bytes(full_model, "text_encoder"),
+             "VAE": memory.component_bytes(full_model, "vae")}
+    block, streamed = s.block_params * 2, memory.streamed_vl_bytes(full_model)
+    assert parts["text encoder"] / GB == pytest.approx(16.6, abs=0.1) and streamed / GB < 4
+
+    def placed(budget_gb):
+        budget = budget_gb * GB
+        return memory.inference_placement(parts, block, s.num_blocks, budget, memory.margin_bytes(0, budget), streamed)
+
+    assert placed(141) == memory.InferencePlacement("none")
+    # 80 GB: 57.7 GB of models + 6 GB + 5.5 GB margin fit; 64 GB: the transformer alone fits after the encoders
+    assert placed(80) == memory.InferencePlacement("none")
+    assert placed(64) == memory.InferencePlacement("blocks", 0, False)
+    # the rest of the transformer after the room: (room - embeddings and VAE - 2 slots) // 0.68 GB blocks resident
+    for budget_gb in (48, 24, 16):
+        room = budget_gb * GB - memory.margin_bytes(0, budget_gb * GB) - memory.INFERENCE_ACTIVATION_BYTES
+        fixed = parts["transformer"] - s.num_blocks * block + parts["VAE"]
+        resident = int((room - fixed - 2 * block) // block)
+        assert placed(budget_gb) == memory.InferencePlacement("blocks", 60 - resident, budget_gb < 24 + 1), budget_gb
+    assert [placed(b).offload_blocks for b in (48, 24, 16)] == [7, 40, 52]  # the figures README.md quotes
+    assert placed(8) == memory.InferencePlacement("sequential")  # not even the streamed encoder fits with 6 GB
 
 
 def test_explicit_keys_of_a_config(tmp_path):

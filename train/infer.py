@@ -16,6 +16,7 @@ of configs alone, as `python -m train.make_tiny --full_size_configs` writes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -82,20 +83,104 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
     return problems
 
 
-def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist):
-    """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied."""
+def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, placed=None):
+    """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied. placed: the memory
+    plan's placement, when it was made already."""
     variant = components.detect_variant(args.model, settings.model.variant)
     device = torch.device("cuda", 0) if args.placement == "split" else d.device
     dtype = components.encoder_dtype(args.dtype, device)
-    if args.placement == "single":
-        line = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), device)
-        if line:
-            print0(line, rank=d.rank)
+    if placed is None and args.placement == "single":
+        plan(args, settings, d)
     pipe = pipelines.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype),
                                   settings.model.vae_2d_frames)
     pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
     pipelines.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
     return pipe, variant
+
+
+def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> memory.InferencePlacement:
+    """The memory plan's placement on this process's device (printed), which sets inference.cpu_offload."""
+    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device)
+    if line:
+        print0(line, rank=d.rank)
+    return placed
+
+
+def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list, variant: str,
+                stream: bool):
+    """cpu_offload "blocks", first phase: the encoders alone on the device (Qwen2.5-VL streamed when `stream`)
+    record every row's conditioning as validation records it; the text encoder then leaves. Returns (the VAE,
+    {index: recording}, bad rows as (line, problem))."""
+    import gc
+
+    from train.trainer import validation
+
+    dtype = components.encoder_dtype(args.dtype, d.device)
+    encoders = components.load_encoders(args.model, dtype, d.device, stream_text_encoder=stream,
+                                        vae_2d_frames=settings.model.vae_2d_frames)
+    pipe = pipelines.pipeline_from_components(args.model, variant, validation._shape_only_transformer(args.model),
+                                              encoders)
+    recorded, bad = {}, []
+    with validation.preserved_training_state(encoders.vae, encoders.vae, settings.inference.vae_tiling,
+                                             settings.inference.vae_slicing):
+        for request in progress(todo, desc=f"encode (rank 0 of {d.world_size})", unit="row",
+                                disable=not d.is_main, file=sys.stdout):
+            problem = pipelines.check_request(request, variant, settings.inference.area,
+                                              settings.inference.condition_area, encoders.processor)
+            if problem is None:
+                recorded[request.index] = validation.record_conditioning(pipe, variant, request, settings.inference,
+                                                                         settings.data.alpha_background)
+            else:
+                print(f"bad row: line {request.line}: {problem}; skipped", file=sys.stderr, flush=True)
+                bad.append((request.line, problem))
+    vae = encoders.vae
+    del pipe, encoders
+    gc.collect()
+    if d.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return vae, recorded, bad
+
+
+def streamed_transformer(args: argparse.Namespace, variant: str, vae, offload: int, d: engine.Dist):
+    """cpu_offload "blocks", second phase: a pipeline of the transformer (LoRAs loaded) and the VAE alone, the
+    transformer's first `offload` blocks keeping their matrices in pinned host memory (train/model/offload.py, the
+    next block prefetched on a side stream), everything else on the device."""
+    from train.model import offload as offloading
+    from train.model import streaming
+
+    dtype = components.encoder_dtype(args.dtype, d.device)
+    blocks = set(range(offload))
+    transformer, _ = components._streamed_transformer(args.model, streaming.Placement(d.device, dtype,
+                                                                                       offload=blocks), frozen=True)
+    encoders = components.Encoders(text_encoder=None, processor=None, vae=vae)
+    pipe = pipelines.pipeline_from_components(args.model, variant, transformer, encoders)
+    pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
+    transformer.requires_grad_(False).eval()
+    if blocks:
+        transformer.block_offloader = offloading.BlockOffloader(
+            {i: transformer.transformer_blocks[i] for i in sorted(blocks)}, d.device)
+    return pipe
+
+
+def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list,
+                    placed: memory.InferencePlacement):
+    """cpu_offload "blocks": encode every row, then render them all with the recorded conditioning; returns
+    (written, bad rows as (line, problem), seconds per image rendered)."""
+    from train.trainer import validation
+
+    variant = components.detect_variant(args.model, settings.model.variant)
+    vae, recorded, bad = encode_rows(args, settings, d, todo, variant, placed.stream_text_encoder)
+    pipe = streamed_transformer(args, variant, vae, placed.offload_blocks, d)
+    if settings.inference.vae_tiling:
+        vae.enable_tiling()
+    if settings.inference.vae_slicing:
+        vae.enable_slicing()
+    replays = {q.index: (lambda p, q=q: validation.replayed_conditioning(validation._sampling_pipeline(p, q),
+                                                                          recorded[q.index], vae.device))
+               for q in todo if q.index in recorded}
+    written, bad_images, seconds = render_rows(pipe, variant, [q for q in todo if q.index in recorded], args,
+                                               settings, d, replays)
+    return written, bad + bad_images, seconds
 
 
 def random_models(args: argparse.Namespace, settings: config.ProjectConfig, device: torch.device,
@@ -123,9 +208,10 @@ def output_path(out_dir: str, request: pipelines.EditRequest) -> Path:
     return Path(out_dir) / f"{request.name}.png"
 
 
-def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settings, d: engine.Dist):
+def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settings, d: engine.Dist,
+                replays: dict | None = None):
     """Render and write every request of `todo`; returns (written, bad rows as (line, problem), seconds per image
-    rendered)."""
+    rendered). replays: {index: pipe -> context} in which the pipeline replays that row's recorded conditioning."""
     written, bad, seconds = 0, [], []
     for request in progress(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                             file=sys.stdout):
@@ -134,7 +220,8 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
         if problem is None:
             images = pipelines.open_references(request, settings.data.alpha_background)
             start = time.perf_counter()
-            image = pipelines.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
+            with (replays[request.index](pipe) if replays else contextlib.nullcontext()):
+                image = pipelines.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
             seconds.append(time.perf_counter() - start)
             try:
                 pipelines.save_png_atomic(image, output_path(args.out, request))
@@ -158,8 +245,12 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
             print(f"bad row: line {line}: {problem}; skipped", file=sys.stderr, flush=True)
         written, seconds = 0, []
         if todo:
-            pipe, variant = build_pipeline(args, settings, d)
-            written, bad_images, seconds = render_rows(pipe, variant, todo, args, settings, d)
+            placed = plan(args, settings, d) if args.placement == "single" else None
+            if placed is not None and placed.cpu_offload == "blocks":
+                written, bad_images, seconds = render_streamed(args, settings, d, todo, placed)
+            else:
+                pipe, variant = build_pipeline(args, settings, d, placed)
+                written, bad_images, seconds = render_rows(pipe, variant, todo, args, settings, d)
             bad += bad_images
     finally:
         gpus = monitor.stop()

@@ -235,8 +235,10 @@ class InferenceConfig:
     """Decode in tiles (less memory at large sizes)."""
     vae_slicing: bool = False
     """Decode a batch one image at a time."""
-    cpu_offload: Literal["none", "model", "sequential"] = "none"
-    """Move idle components to the CPU: model (whole components) or sequential (layers; slowest, least memory)."""
+    cpu_offload: Literal["none", "blocks", "model", "sequential"] = "none"
+    """train.infer: blocks (the encoders run first for every row and leave the GPU, then the transformer streams its
+    first blocks from pinned host memory, as many as the budget needs), model (whole components in turn) or
+    sequential (layer by layer; slowest, least memory). With memory.plan "auto" the budget chooses."""
 
 
 @section

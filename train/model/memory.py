@@ -1232,35 +1232,76 @@ def oom_advice(phase: str, micro_batch: int) -> str:
 
 # An allowance, not a measurement: a no-grad transformer pass at ~1 MP plus the VAE decode (train.infer's
 # placement has not been measured on a GPU).
-INFERENCE_ACTIVATION_BYTES = 6 * GB
+INFERENCE_ACTIVATION_BYTES = 6 * GB  # one transformer pass and the VAE's decode; 1.5 GB measured (below)
 
 
-def inference_offload(component_bytes: dict[str, int], budget: float, margin: float) -> str:
-    """train.infer's inference.cpu_offload for a budget: "none" when every component fits on the GPU at once,
-    "model" (diffusers moves each whole component to the GPU when used) when the largest fits, else "sequential"
-    (layer by layer, least memory). component_bytes: {name: bytes} of the pipeline's models."""
+@dataclass
+class InferencePlacement:
+    """train.infer's placement: inference.cpu_offload, and for "blocks" how many of the transformer's first blocks
+    keep their matrices in pinned host memory and whether Qwen2.5-VL streams block by block while it encodes."""
+
+    cpu_offload: str
+    offload_blocks: int = 0
+    stream_text_encoder: bool = False
+
+
+def inference_placement(parts: dict[str, float], block_bytes: float, num_blocks: int, budget: float, margin: float,
+                        streamed_vl: float = 0.0) -> InferencePlacement:
+    """train.infer's placement for a budget. parts: bytes of "transformer", "text encoder" and "VAE".
+
+    "none" when every model fits on the GPU at once with INFERENCE_ACTIVATION_BYTES beside them. Else "blocks": the
+    encoders run first for every row (the conditioning recorded, as validation replays it) and leave the GPU, then
+    the transformer runs with its first blocks streamed from pinned host memory by the project's offloader (two
+    device slots), as few as the room allows; Qwen2.5-VL itself streams (`streamed_vl` bytes on the GPU) when it
+    does not fit whole. "sequential" (diffusers, layer by layer) when not even that fits."""
     room = budget - margin - INFERENCE_ACTIVATION_BYTES
-    if sum(component_bytes.values()) <= room:
-        return "none"
-    if max(component_bytes.values()) <= room:
-        return "model"
-    return "sequential"
+    if sum(parts.values()) <= room:
+        return InferencePlacement("none")
+    vl, vae = parts["text encoder"], parts["VAE"]
+    stream = vl + vae > room
+    fixed = parts["transformer"] - num_blocks * block_bytes + vae  # embeddings, norms, output layer; the VAE
+    if (stream and streamed_vl + vae > room) or fixed + 2 * block_bytes > room:
+        return InferencePlacement("sequential")
+    if fixed + num_blocks * block_bytes <= room:
+        return InferencePlacement("blocks", 0, stream)
+    resident = int((room - fixed - 2 * block_bytes) // block_bytes)
+    return InferencePlacement("blocks", num_blocks - resident, stream)
 
 
-def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device) -> str | None:
+def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device
+                   ) -> tuple[str | None, InferencePlacement]:
     """Set settings.inference.cpu_offload from the budget (memory.budget_gb, or the free memory) unless the
-    --config sets it or memory.plan is off; returns the line to print, or None. A budget caps the process too."""
+    --config sets it or memory.plan is off; returns (the line to print or None, the placement). With
+    cpu_offload "blocks" (planned or set) the placement says how many blocks stream. A budget caps the process."""
+    chosen = InferencePlacement(settings.inference.cpu_offload)
     if device.type != "cuda":
-        return None
+        return None, chosen
     budget = budget_bytes(settings.memory.budget_gb, device)
-    if settings.memory.plan == "off" or "inference.cpu_offload" in explicit:
-        return None
-    sizes = count_sizes(model_dir, [], 0)
-    components = {"transformer": (sizes.num_blocks * sizes.block_params + sizes.other_params) * 2,
-                  "text encoder and VAE": encoder_bytes(model_dir)}
     margin = margin_bytes(settings.memory.margin_gb, budget)
-    settings.inference.cpu_offload = inference_offload(components, budget, margin)
-    total = sum(components.values())
-    return (f"memory plan: budget {budget / GB:.1f} GB, models {total / GB:.1f} GB (transformer "
-            f"{components['transformer'] / GB:.1f} GB) -> inference.cpu_offload = "
-            f"\"{settings.inference.cpu_offload}\" (set it in --config to choose yourself)")
+    sizes = count_sizes(model_dir, [], 0)
+    parts = {"transformer": (sizes.num_blocks * sizes.block_params + sizes.other_params) * 2,
+             "text encoder": component_bytes(model_dir, "text_encoder"), "VAE": component_bytes(model_dir, "vae")}
+    block = sizes.block_params * 2
+    streamed = streamed_vl_bytes(model_dir)
+    planned = inference_placement(parts, block, sizes.num_blocks, budget, margin, streamed)
+    figures = (f"memory plan: budget {budget / GB:.1f} GB, models {sum(parts.values()) / GB:.1f} GB (transformer "
+               f"{parts['transformer'] / GB:.1f} GB)")
+    if settings.memory.plan == "off" or "inference.cpu_offload" in explicit:
+        if chosen.cpu_offload != "blocks":
+            return None, chosen
+        # set by the config: as the plan would stream them, none when everything fits, all when nothing would
+        chosen = {"none": InferencePlacement("blocks", 0, False),
+                  "sequential": InferencePlacement("blocks", sizes.num_blocks, True)}.get(planned.cpu_offload, planned)
+        return f"{figures}, inference.cpu_offload \"blocks\" from --config: {describe_placement(chosen)}", chosen
+    settings.inference.cpu_offload = planned.cpu_offload
+    how = f": {describe_placement(planned)}" if planned.cpu_offload == "blocks" else ""
+    return (f"{figures} -> inference.cpu_offload = \"{planned.cpu_offload}\"{how} (set it in --config to choose "
+            "yourself)"), planned
+
+
+def describe_placement(p: InferencePlacement) -> str:
+    if p.cpu_offload != "blocks":
+        return ""
+    vl = "Qwen2.5-VL streamed block by block" if p.stream_text_encoder else "Qwen2.5-VL on the GPU"
+    return (f"the encoders first for every row ({vl}), then the transformer with its first {p.offload_blocks} "
+            "blocks streamed from pinned host memory")
