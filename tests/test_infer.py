@@ -251,19 +251,25 @@ def test_bridge_moves_and_casts_inputs_and_outputs():
         module(hidden_states=torch.ones(2, 4), mask=torch.ones(2, dtype=torch.long))
 
 
-def test_loras_load_with_weights(tiny_edit, tmp_path):
-    """--lora FILE:WEIGHT: a trained-looking LoRA changes the edit; weight 0 gives the base model's edit back."""
-    from train.config import InferenceConfig, LoraConfig, ModelConfig
-    from train.model import components
+def trained_looking_lora(tiny: Path, folder: Path) -> Path:
+    """A LoRA file for the tiny model (diffusers' layout) whose B matrices are not zero, so it changes the edit."""
+    from train.config import LoraConfig, ModelConfig
     from train.runtime import exports
 
-    transformer = components.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
+    transformer = components.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
     components.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
     torch.manual_seed(0)
     for name, p in transformer.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.5)
-    lora = exports.export_lora(transformer, tmp_path, alpha=4, rank=4)
+    return exports.export_lora(transformer, folder, alpha=4, rank=4)
+
+
+def test_loras_load_with_weights(tiny_edit, tmp_path):
+    """--lora FILE:WEIGHT: a trained-looking LoRA changes the edit; weight 0 gives the base model's edit back."""
+    from train.config import InferenceConfig
+
+    lora = trained_looking_lora(tiny_edit, tmp_path)
     settings = InferenceConfig(**SETTINGS)
     pipe = pipelines.load_pipeline(tiny_edit / "model", torch.float32)
     pipelines.place(pipe, settings, torch.device("cpu"))
@@ -290,17 +296,9 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
     import numpy as np
     from PIL import Image
 
-    from train.config import LoraConfig, ModelConfig
     from train.model import memory, offload
-    from train.runtime import exports
 
-    transformer = components.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
-    components.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
-    torch.manual_seed(0)
-    for name, p in transformer.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.5)
-    lora = exports.export_lora(transformer, tmp_path, alpha=4, rank=4)
+    lora = trained_looking_lora(tiny_edit, tmp_path)
     folder = write_edits(tmp_path / "edits", tiny_edit)
     settings_file = folder / "infer.json"
     settings_file.write_text(json.dumps({"qwen_edit": {"inference": {**SETTINGS, "true_cfg_scale": 2.0}}}))

@@ -118,7 +118,7 @@ def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: eng
     dtype = components.encoder_dtype(args.dtype, d.device)
     encoders = components.load_encoders(args.model, dtype, d.device, stream_text_encoder=stream,
                                         vae_2d_frames=settings.model.vae_2d_frames)
-    pipe = pipelines.pipeline_from_components(args.model, variant, validation._shape_only_transformer(args.model),
+    pipe = pipelines.pipeline_from_components(args.model, variant, validation.shape_only_transformer(args.model),
                                               encoders)
     recorded, bad = {}, []
     with validation.preserved_training_state(encoders.vae, encoders.vae, settings.inference.vae_tiling,
@@ -141,7 +141,7 @@ def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: eng
     return vae, recorded, bad
 
 
-def streamed_transformer(args: argparse.Namespace, variant: str, vae, offload: int, d: engine.Dist):
+def streaming_pipeline(args: argparse.Namespace, variant: str, vae, offload: int, d: engine.Dist):
     """cpu_offload "blocks", second phase: a pipeline of the transformer (LoRAs loaded) and the VAE alone, the
     transformer's first `offload` blocks keeping their matrices in pinned host memory (train/model/offload.py, the
     next block prefetched on a side stream), everything else on the device."""
@@ -150,7 +150,7 @@ def streamed_transformer(args: argparse.Namespace, variant: str, vae, offload: i
 
     dtype = components.encoder_dtype(args.dtype, d.device)
     blocks = set(range(offload))
-    transformer, _ = components._streamed_transformer(args.model, streaming.Placement(d.device, dtype,
+    transformer, _ = components.streamed_transformer(args.model, streaming.Placement(d.device, dtype,
                                                                                        offload=blocks), frozen=True)
     encoders = components.Encoders(text_encoder=None, processor=None, vae=vae)
     pipe = pipelines.pipeline_from_components(args.model, variant, transformer, encoders)
@@ -170,12 +170,12 @@ def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d:
 
     variant = components.detect_variant(args.model, settings.model.variant)
     vae, recorded, bad = encode_rows(args, settings, d, todo, variant, placed.stream_text_encoder)
-    pipe = streamed_transformer(args, variant, vae, placed.offload_blocks, d)
+    pipe = streaming_pipeline(args, variant, vae, placed.offload_blocks, d)
     if settings.inference.vae_tiling:
         vae.enable_tiling()
     if settings.inference.vae_slicing:
         vae.enable_slicing()
-    replays = {q.index: (lambda p, q=q: validation.replayed_conditioning(validation._sampling_pipeline(p, q),
+    replays = {q.index: (lambda p, q=q: validation.replayed_conditioning(validation.sampling_pipeline(p, q),
                                                                           recorded[q.index], vae.device))
                for q in todo if q.index in recorded}
     written, bad_images, seconds = render_rows(pipe, variant, [q for q in todo if q.index in recorded], args,

@@ -185,11 +185,11 @@ def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: to
     placement = streaming.Placement(transformer_device or device, dtype,
                                     offload=set(range(num_blocks)) if on_host else set())
     kept = host if on_host else placement.device
-    transformer, _ = _streamed_transformer(model_dir, placement, frozen=True, kept=kept)
+    transformer, _ = streamed_transformer(model_dir, placement, frozen=True, kept=kept)
     return {"text_encoder": text_encoder, "vae": vae, "transformer": transformer.to(kept).requires_grad_(False).eval()}
 
 
-def _streamed_transformer(model_dir: str | Path, placement, frozen: bool, kept: torch.device | None = None):
+def streamed_transformer(model_dir: str | Path, placement, frozen: bool, kept: torch.device | None = None):
     """streaming.load from the checkpoint, or at random init under QWEN_EDIT_RANDOM_INIT=1, said so with where the
     model is `kept` (default: the placement's device)."""
     from train.model import streaming
@@ -350,7 +350,7 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
                                     skip_offloaded=share is not None and not share.writer)
     if fp8_base:
         check_fp8_device()
-    transformer, quantized = _streamed_transformer(model_dir, placement, frozen=mode == "lora")
+    transformer, quantized = streamed_transformer(model_dir, placement, frozen=mode == "lora")
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
                                      offload=placement.offload, share=share,

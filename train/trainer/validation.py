@@ -95,7 +95,7 @@ def _patched(pipe, methods: dict):
             delattr(pipe, name)
 
 
-def _shape_only_transformer(model_dir: str):
+def shape_only_transformer(model_dir: str):
     """The transformer on the meta device: the pipeline reads its config before encoding (no weights load)."""
     from diffusers import QwenImageTransformer2DModel
 
@@ -104,7 +104,7 @@ def _shape_only_transformer(model_dir: str):
             QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
 
 
-def _sampling_pipeline(pipe, request: pipelines.EditRequest):
+def sampling_pipeline(pipe, request: pipelines.EditRequest):
     """The pipeline that samples `request`: a request without references goes to the text-to-image one."""
     return pipe if request.references else pipelines.text_to_image_pipeline(pipe)
 
@@ -118,7 +118,7 @@ def record_conditioning(pipe, variant: str, request: pipelines.EditRequest, inf,
     """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline
     (its references opened over the alpha `background`)."""
     calls: Recorded = []
-    pipe = _sampling_pipeline(pipe, request)
+    pipe = sampling_pipeline(pipe, request)
 
     def recording(name: str):
         original = getattr(pipe, name)
@@ -170,7 +170,7 @@ def encode_requests(cfg: Config, encoders: components.Encoders, rank: int, world
     p = cfg.project
     variant = components.detect_variant(p.model.path, p.model.variant)
     requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
-    pipe = pipelines.pipeline_from_components(p.model.path, variant, _shape_only_transformer(p.model.path), encoders)
+    pipe = pipelines.pipeline_from_components(p.model.path, variant, shape_only_transformer(p.model.path), encoders)
     with preserved_training_state(encoders.vae, encoders.vae, p.inference.vae_tiling, p.inference.vae_slicing):
         return {q.index: record_conditioning(pipe, variant, q, p.inference, p.data.alpha_background)
                 for q in requests[rank::world_size]}
@@ -365,7 +365,7 @@ class Validator:
         """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
         if self.conditioning is None:
             return contextlib.nullcontext()
-        return replayed_conditioning(_sampling_pipeline(pipe, request), self.conditioning[request.index],
+        return replayed_conditioning(sampling_pipeline(pipe, request), self.conditioning[request.index],
                                      self.encoders.vae.device)
 
     def _fingerprint(self, adapters_off: bool = False) -> dict:
