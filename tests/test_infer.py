@@ -332,3 +332,23 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
     # three offloaders: Qwen2.5-VL's ViT blocks and decoder layers, and the transformer's first 2 blocks
     streamed = [o for o in offloaders if o.order == [0, 1] and o.copies]
     assert len(offloaders) == 3 and streamed and all(o.copies for o in offloaders)
+
+
+def test_a_placement_that_cannot_fit_stops_before_loading(tiny_edit, tmp_path, monkeypatch, capsys):
+    """The plan's refusal (memory.PlanError) ends train.infer with exit 2 and its message, no traceback, nothing
+    loaded and no image written."""
+    from train.model import memory
+
+    folder = write_edits(tmp_path / "edits", tiny_edit)
+    args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(folder / "edits.jsonl"),
+                             "--out", str(tmp_path / "out"), "--config", str(folder / "infer.json")])
+
+    def refuse(*_):
+        raise memory.PlanError("train.infer: the models do not fit; raise qwen_edit.memory.budget_gb")
+
+    monkeypatch.setattr(infer, "plan", refuse)
+    monkeypatch.setattr(pipelines, "load_pipeline", lambda *a, **k: pytest.fail("a model loaded"))
+    code = infer.run(args, config.inference_settings(args.config), engine.Dist(0, 1, 0, torch.device("cpu")))
+    err = capsys.readouterr().err
+    assert code == 2 and "error: train.infer: the models do not fit" in err and "Traceback" not in err
+    assert not list((tmp_path / "out").rglob("*.png"))

@@ -213,6 +213,13 @@ def test_inference_placement_follows_the_budget(full_sizes, full_model):
         assert placed(budget_gb) == memory.InferencePlacement("blocks", 60 - resident, budget_gb < 24 + 1), budget_gb
     assert [placed(b).offload_blocks for b in (48, 24, 16)] == [7, 40, 52]  # the figures README.md quotes
     assert placed(8) == memory.InferencePlacement("sequential")  # not even the streamed encoder fits with 6 GB
+    # each process pins its own streamed copy: 40 blocks (27 GB) fit 48 GB of host memory once, not twice
+    room = 48 * GB
+    budget = 24 * GB
+    args = (parts, block, s.num_blocks, budget, memory.margin_bytes(0, budget), streamed)
+    assert memory.inference_placement(*args, memory.Host(room, 1)).offload_blocks == 40
+    with pytest.raises(memory.PlanError, match=r"needs 54\.\d GB of pinned host memory on this node \(2 process"):
+        memory.inference_placement(*args, memory.Host(room, 2))
 
 
 def test_explicit_keys_of_a_config(tmp_path):

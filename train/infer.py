@@ -83,14 +83,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
     return problems
 
 
-def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, placed=None):
-    """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied. placed: the memory
-    plan's placement, when it was made already."""
+def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist):
+    """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied (inference.cpu_offload
+    as the plan set it)."""
     variant = components.detect_variant(args.model, settings.model.variant)
     device = torch.device("cuda", 0) if args.placement == "split" else d.device
     dtype = components.encoder_dtype(args.dtype, device)
-    if placed is None and args.placement == "single":
-        plan(args, settings, d)
     pipe = pipelines.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype),
                                   settings.model.vae_2d_frames)
     pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
@@ -100,7 +98,8 @@ def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: 
 
 def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> memory.InferencePlacement:
     """The memory plan's placement on this process's device (printed), which sets inference.cpu_offload."""
-    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device)
+    host = memory.node_host(d.world_size) if d.device.type == "cuda" else memory.Host()  # a collective
+    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host)
     if line:
         print0(line, rank=d.rank)
     return placed
@@ -244,12 +243,16 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
         for line, problem in bad:
             print(f"bad row: line {line}: {problem}; skipped", file=sys.stderr, flush=True)
         written, seconds = 0, []
-        if todo:
+        try:  # on every rank, with rows to render or not: the host's count is a collective
             placed = plan(args, settings, d) if args.placement == "single" else None
+        except memory.PlanError as e:  # the same on every rank, before anything loads: no traceback
+            print0(f"error: {e}", rank=d.rank, file=sys.stderr)
+            return 2
+        if todo:
             if placed is not None and placed.cpu_offload == "blocks":
                 written, bad_images, seconds = render_streamed(args, settings, d, todo, placed)
             else:
-                pipe, variant = build_pipeline(args, settings, d, placed)
+                pipe, variant = build_pipeline(args, settings, d)
                 written, bad_images, seconds = render_rows(pipe, variant, todo, args, settings, d)
             bad += bad_images
     finally:

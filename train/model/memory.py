@@ -1246,14 +1246,16 @@ class InferencePlacement:
 
 
 def inference_placement(parts: dict[str, float], block_bytes: float, num_blocks: int, budget: float, margin: float,
-                        streamed_vl: float = 0.0) -> InferencePlacement:
+                        streamed_vl: float = 0.0, host: Host = Host()) -> InferencePlacement:
     """train.infer's placement for a budget. parts: bytes of "transformer", "text encoder" and "VAE".
 
     "none" when every model fits on the GPU at once with INFERENCE_ACTIVATION_BYTES beside them. Else "blocks": the
     encoders run first for every row (the conditioning recorded, as validation replays it) and leave the GPU, then
     the transformer runs with its first blocks streamed from pinned host memory by the project's offloader (two
     device slots), as few as the room allows; Qwen2.5-VL itself streams (`streamed_vl` bytes on the GPU) when it
-    does not fit whole. "sequential" (diffusers, layer by layer) when not even that fits."""
+    does not fit whole. "sequential" (diffusers, layer by layer) when not even that fits. PlanError when the pinned
+    host copies (each process its own: the streamed Qwen2.5-VL while encoding, then the streamed blocks) do not fit
+    `host`."""
     room = budget - margin - INFERENCE_ACTIVATION_BYTES
     if sum(parts.values()) <= room:
         return InferencePlacement("none")
@@ -1265,10 +1267,19 @@ def inference_placement(parts: dict[str, float], block_bytes: float, num_blocks:
     if fixed + num_blocks * block_bytes <= room:
         return InferencePlacement("blocks", 0, stream)
     resident = int((room - fixed - 2 * block_bytes) // block_bytes)
-    return InferencePlacement("blocks", num_blocks - resident, stream)
+    placed = InferencePlacement("blocks", num_blocks - resident, stream)
+    pinned = host.ranks_per_node * max(vl if stream else 0.0, placed.offload_blocks * block_bytes)
+    if pinned > host.room_bytes:
+        raise PlanError(f"train.infer: the models ({sum(parts.values()) / GB:.1f} GB) do not fit the "
+                        f"{budget / GB:.1f} GB budget, and streaming them ({describe_placement(placed)}) needs "
+                        f"{pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es)), "
+                        f"{host.room_bytes / GB:.1f} GB of the {host.available_bytes / GB:.1f} GB available after the "
+                        "margin. Raise qwen_edit.memory.budget_gb (a larger GPU), start fewer processes per node, or "
+                        "free host memory")
+    return placed
 
 
-def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device
+def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device, host: Host = Host()
                    ) -> tuple[str | None, InferencePlacement]:
     """Set settings.inference.cpu_offload from the budget (memory.budget_gb, or the free memory) unless the
     --config sets it or memory.plan is off; returns (the line to print or None, the placement). With
@@ -1283,7 +1294,7 @@ def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: 
              "text encoder": component_bytes(model_dir, "text_encoder"), "VAE": component_bytes(model_dir, "vae")}
     block = sizes.block_params * 2
     streamed = streamed_vl_bytes(model_dir)
-    planned = inference_placement(parts, block, sizes.num_blocks, budget, margin, streamed)
+    planned = inference_placement(parts, block, sizes.num_blocks, budget, margin, streamed, host)
     figures = (f"memory plan: budget {budget / GB:.1f} GB, models {sum(parts.values()) / GB:.1f} GB (transformer "
                f"{parts['transformer'] / GB:.1f} GB)")
     if settings.memory.plan == "off" or "inference.cpu_offload" in explicit:
