@@ -213,6 +213,15 @@ def test_inference_placement_follows_the_budget(full_sizes, full_model):
         assert placed(budget_gb) == memory.InferencePlacement("blocks", 60 - resident, budget_gb < 24 + 1), budget_gb
     assert [placed(b).offload_blocks for b in (48, 24, 16)] == [7, 40, 52]  # the figures README.md quotes
     assert placed(8) == memory.InferencePlacement("sequential")  # not even the streamed encoder fits with 6 GB
+    # larger renders keep more room: 3 references at 2 MP are 32k tokens, 2.6x the measured shape's allowance
+    assert memory.inference_tokens(2, 1024 * 1024) == 12_288 and memory.inference_allowance(12_288) == 6 * GB
+    big = memory.inference_tokens(3, 2 * 1024 * 1024)
+    assert memory.inference_allowance(big) == pytest.approx(6 * GB * big / 12_500)
+    budget = 48 * GB
+    wide = memory.inference_placement(parts, block, s.num_blocks, budget, memory.margin_bytes(0, budget), streamed,
+                                      tokens=big)
+    assert wide.offload_blocks - placed(48).offload_blocks == pytest.approx((memory.inference_allowance(big) - 6 * GB)
+                                                                           / block, abs=1)
     # each process pins its own streamed copy: 40 blocks (27 GB) fit 48 GB of host memory once, not twice
     room = 48 * GB
     budget = 24 * GB

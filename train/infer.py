@@ -99,7 +99,10 @@ def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: 
 def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> memory.InferencePlacement:
     """The memory plan's placement on this process's device (printed), which sets inference.cpu_offload."""
     host = memory.node_host(d.world_size) if d.device.type == "cuda" else memory.Host()  # a collective
-    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host)
+    requests, _ = pipelines.read_requests(args.input, args.seed)
+    most = max((len(q.references) for q in requests), default=0)
+    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host,
+                                         most)
     if line:
         print0(line, rank=d.rank)
     return placed

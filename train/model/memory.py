@@ -1232,7 +1232,20 @@ def oom_advice(phase: str, micro_batch: int) -> str:
 
 # An allowance, not a measurement: a no-grad transformer pass at ~1 MP plus the VAE decode (train.infer's
 # placement has not been measured on a GPU).
-INFERENCE_ACTIVATION_BYTES = 6 * GB  # one transformer pass and the VAE's decode; 1.5 GB measured (below)
+INFERENCE_ACTIVATION_BYTES = 6 * GB  # one transformer pass and the VAE's decode, up to INFERENCE_TOKENS
+INFERENCE_TOKENS = 12_500  # 1 MP with two references: 1.5 GB measured above the models (docs/performance.md)
+
+
+def inference_allowance(tokens: int) -> float:
+    """What train.infer's plan keeps beside the models for a pass and the decode: INFERENCE_ACTIVATION_BYTES up to
+    INFERENCE_TOKENS image tokens, in proportion above (both grow with the tokens and the area)."""
+    return INFERENCE_ACTIVATION_BYTES * max(1.0, tokens / INFERENCE_TOKENS)
+
+
+def inference_tokens(most_references: int, area: int) -> int:
+    """A bound on a render's image tokens: the target and every reference at `area` pixels, 16 x 16 pixels a token
+    (the VAE's 8x and the transformer's 2x2 patches)."""
+    return (1 + most_references) * area // 256
 
 
 @dataclass
@@ -1246,17 +1259,17 @@ class InferencePlacement:
 
 
 def inference_placement(parts: dict[str, float], block_bytes: float, num_blocks: int, budget: float, margin: float,
-                        streamed_vl: float = 0.0, host: Host = Host()) -> InferencePlacement:
+                        streamed_vl: float = 0.0, host: Host = Host(), tokens: int = 0) -> InferencePlacement:
     """train.infer's placement for a budget. parts: bytes of "transformer", "text encoder" and "VAE".
 
-    "none" when every model fits on the GPU at once with INFERENCE_ACTIVATION_BYTES beside them. Else "blocks": the
+    "none" when every model fits on the GPU at once with inference_allowance(tokens) beside them. Else "blocks": the
     encoders run first for every row (the conditioning recorded, as validation replays it) and leave the GPU, then
     the transformer runs with its first blocks streamed from pinned host memory by the project's offloader (two
     device slots), as few as the room allows; Qwen2.5-VL itself streams (`streamed_vl` bytes on the GPU) when it
     does not fit whole. "sequential" (diffusers, layer by layer) when not even that fits. PlanError when the pinned
     host copies (each process its own: the streamed Qwen2.5-VL while encoding, then the streamed blocks) do not fit
     `host`."""
-    room = budget - margin - INFERENCE_ACTIVATION_BYTES
+    room = budget - margin - inference_allowance(tokens)
     if sum(parts.values()) <= room:
         return InferencePlacement("none")
     vl, vae = parts["text encoder"], parts["VAE"]
@@ -1279,11 +1292,12 @@ def inference_placement(parts: dict[str, float], block_bytes: float, num_blocks:
     return placed
 
 
-def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device, host: Host = Host()
-                   ) -> tuple[str | None, InferencePlacement]:
+def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: torch.device, host: Host = Host(),
+                   most_references: int = 1) -> tuple[str | None, InferencePlacement]:
     """Set settings.inference.cpu_offload from the budget (memory.budget_gb, or the free memory) unless the
     --config sets it or memory.plan is off; returns (the line to print or None, the placement). With
-    cpu_offload "blocks" (planned or set) the placement says how many blocks stream. A budget caps the process."""
+    cpu_offload "blocks" (planned or set) the placement says how many blocks stream. A budget caps the process.
+    most_references: the most references a row of the input has (the render's tokens grow with them)."""
     chosen = InferencePlacement(settings.inference.cpu_offload)
     if device.type != "cuda":
         return None, chosen
@@ -1294,7 +1308,8 @@ def plan_inference(model_dir: str | Path, settings, explicit: set[str], device: 
              "text encoder": component_bytes(model_dir, "text_encoder"), "VAE": component_bytes(model_dir, "vae")}
     block = sizes.block_params * 2
     streamed = streamed_vl_bytes(model_dir)
-    planned = inference_placement(parts, block, sizes.num_blocks, budget, margin, streamed, host)
+    tokens = inference_tokens(most_references, settings.inference.area)
+    planned = inference_placement(parts, block, sizes.num_blocks, budget, margin, streamed, host, tokens)
     figures = (f"memory plan: budget {budget / GB:.1f} GB, models {sum(parts.values()) / GB:.1f} GB (transformer "
                f"{parts['transformer'] / GB:.1f} GB)")
     if settings.memory.plan == "off" or "inference.cpu_offload" in explicit:
