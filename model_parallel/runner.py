@@ -20,7 +20,7 @@ from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
 from train.model import components, lora_io
-from train.runtime import checkpoint, engine, exports, outdir, preempt
+from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import build, loop
 
@@ -174,6 +174,11 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     eng, transformer, dp = build_stage(cfg, plan, me, d)
     if tag is not None:
         build.resume_engine(cfg, d, eng, tag, state, changes)
+    # room on disk before anything is written: every stage's checkpoint files, and the export that decoder rank 0
+    # writes of pipeline 0's stages (a collective of the decoders; OutputDirError on every one of them)
+    mine = exports.export_bytes(transformer, p.train.mode) if me.pipeline == 0 else 0
+    export_size = sum(engine.all_gather_objects(mine))
+    diskspace.check(eng, d, p.output, p.train.max_steps, start_step, export_size, overwrite)
     build.start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],

@@ -200,9 +200,12 @@ def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, refer
     from train.runtime import exports
 
     out = tmp_path / "out"
-    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "cut.json", 3, [1]), num_procs=3,
-                      extra=("--max_steps", "6")))
+    run = run_trainer(tiny_edit, out, config=mp_config(tmp_path / "cut.json", 3, [1]), num_procs=3,
+                      extra=("--max_steps", "6"))
+    check(run)
     assert_same_training(out, reference)
+    # the room on disk was counted before step 1: both decoder stages' files and the export of both stages' LoRA
+    assert "disk: one checkpoint of " in run.stdout and "optimizer state from 2 ranks) and the export of" in run.stdout
     assert len(list((out / "global_step6").glob("*mp_rank_01_optim_states.pt"))) == 1
     assert export.main(["--checkpoint", str(out / "global_step6"), "--out", str(tmp_path / "exported")]) == 0
     from safetensors.torch import load_file
@@ -213,6 +216,26 @@ def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, refer
     (out / "global_step6" / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(ValueError, match="a decoder cut over 2 stages saves"):
         exports.export(out / "global_step6", tmp_path / "broken")
+
+
+@pytest.mark.slow
+def test_a_run_without_room_on_disk_stops_before_its_first_step(tiny_edit, tmp_path, monkeypatch):
+    """Encoder + decoder with 1 kB free in the output directory (shutil.disk_usage faked there through a
+    sitecustomize on PYTHONPATH): both exit 2 before step 1 with the disk check's line, no traceback, and nothing
+    written but the directory's lock."""
+    from train.runtime import outdir
+
+    out, site = tmp_path / "out", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import shutil\nreal = shutil.disk_usage\nshutil.disk_usage = lambda p: real(p)._replace(free=1000) if "
+        f"str(p).startswith({str(out)!r}) else real(p)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    run = run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json"), num_procs=2, extra=("--max_steps", "2"))
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert f"error: --output_dir {out}: 1e-06 GB free, the run needs " in run.stderr, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [outdir.LOCK_FILE], sorted(out.iterdir())
 
 
 @pytest.mark.slow
