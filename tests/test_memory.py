@@ -814,9 +814,10 @@ def test_zero_state_bytes_are_deepspeeds_buffers():
     assert memory.state_bytes_per_param(False, 2, 1, False) == 16  # one GPU: what the single-GPU plan counted
 
 
-def _offload_host_buffers(rank: int, world: int, port: int, queue) -> None:
+def _offload_host_buffers(rank: int, world: int, port: int, accumulation: int, queue) -> None:
     """One rank of test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers: the bytes of every tensor DeepSpeed
-    pins under optimizer offload (recorded at its accelerator's pin_memory) and of the Adam moments, after a step."""
+    pins under optimizer offload (recorded at its accelerator's pin_memory: at start, then in the steps) and of the
+    Adam moments, after two optimizer steps of `accumulation` micro-steps each."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     import deepspeed
@@ -835,39 +836,65 @@ def _offload_host_buffers(rank: int, world: int, port: int, queue) -> None:
     accelerator.pin_memory = recorded_pin
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     n = sum(p.numel() for p in model.parameters())
-    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+              "bf16": {"enabled": True},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    at_start = len(pinned)
     x = torch.randn(4, 512, dtype=torch.bfloat16)
-    engine.backward(engine(x).float().square().mean())
-    engine.step()
+    for _ in range(2 * accumulation):
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
     moments = sum(t.numel() * t.element_size() for state in engine.optimizer.optimizer.state.values()
                   for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-    queue.put((rank, {"n": n, "largest": 512 * 512, "pinned": sorted(pinned), "moments": moments}))
+    queue.put((rank, {"n": n, "largest": 512 * 512, "pinned": sorted(pinned[:at_start]),
+                      "in_steps": sorted(pinned[at_start:]), "moments": moments,
+                      "numels": [p.numel() for p in model.parameters()]}))
     torch.distributed.destroy_process_group()
 
 
-def test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers():
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers(accumulation, tmp_path):
     """host_state_bytes against what DeepSpeed's optimizer offload holds on each of 2 ranks (ZeRO 2, bf16, one
     parameter group as the trainer builds it): the pinned tensors are the fp32 master and gradient partitions, the
     bf16 copy of the partition and a bf16 buffer of the largest parameter, and the Adam moments are 8 bytes per
     parameter of the partition in ordinary memory. A pinned tensor costs the next power of two (torch's
     CachingHostAllocator), the reason a flat 18 bytes per parameter undercounted by ~20% (session 14's full
-    fine-tune of 18 blocks)."""
+    fine-tune of 18 blocks). With gradient accumulation each rank also pins a bf16 tensor per parameter of its
+    partition in the steps (4 weights and 4 biases here), counted by trainable_pinned_bf16 over the model's
+    parameters and split over the ranks."""
     assert memory.pinned_bytes(3 * 2**30) == 4 * 2**30 and memory.pinned_bytes(2**30) == 2**30
     assert memory.pinned_bytes(0) == 0
     world = 2
-    for rank, seen in _spawn_ranks(world, _offload_host_buffers).items():
+    for rank, seen in _spawn_ranks(world, _offload_host_buffers, accumulation).items():
         part = seen["n"] // world  # 1,050,624 of the 2,101,248 parameters: the partition needs no padding
         assert seen["pinned"] == sorted([4 * part, 4 * part, 2 * part, 2 * seen["largest"]]), (rank, seen)
         assert seen["moments"] == 8 * part, (rank, seen)
         counted = sum(memory.pinned_bytes(b) for b in seen["pinned"][1:]) + seen["moments"]  # less the small buffer
-        assert memory.host_state_bytes(seen["n"], world) == counted
+        if accumulation == 1:
+            assert seen["in_steps"] == [] and memory.host_state_bytes(seen["n"], world) == counted, (rank, seen)
+            continue
+        assert seen["in_steps"] == sorted([2 * 512] * 4 + [2 * 512 * 512] * 4), (rank, seen)
+        counted += sum(memory.pinned_bytes(b) for b in seen["in_steps"])
+        accumulated = memory.trainable_pinned_bf16(seen["numels"])
+        assert memory.host_state_bytes(seen["n"], world, accumulated) == counted, (rank, seen)
     # 18 full-size blocks of a full fine-tune on one rank: 110.8 GB flat, 135 GB as torch pins it
     n = 6_156_000_000
     assert 18 * n / GB == pytest.approx(110.8, abs=0.1)
     assert memory.host_state_bytes(n, 1) / GB == pytest.approx(135.1, abs=0.1)
+    if accumulation == 1:
+        return
+    # the plan counts them for the released model when the run accumulates (run_sizes sets `accumulating`)
+    root = make_tiny(tmp_path, "edit_plus", num_samples=2, size=64)
+    write_full_size_configs(root / "model")
+    lora_sizes = memory.count_sizes(root / "model", LoraConfig().target_modules, 64)
+    accumulating = dataclasses.replace(lora_sizes, accumulating=True)
+    assert accumulating.host_state_bytes(1) - lora_sizes.host_state_bytes(1) == lora_sizes.accumulation_pinned
+    # LoRA r64: every A and B matrix rounded up by a third (1.1 GB); a full fine-tune's tensors by 1.58x (65 GB)
+    assert lora_sizes.accumulation_pinned / (2 * lora_sizes.lora_params) == pytest.approx(4 / 3)
+    full = memory.count_sizes(root / "model", [], 0, full=True)
+    assert full.accumulation_pinned / GB == pytest.approx(64.6, abs=0.1)
 
 
 def test_full_fine_tuning_is_planned_per_rank(full_model):
@@ -897,6 +924,9 @@ def test_full_fine_tuning_is_planned_per_rank(full_model):
     project = ProjectConfig(model=ModelConfig(path=str(full_model)), train=TrainConfig(mode="full"))
     run = memory.run_sizes(Config(project=project, deepspeed=ds, world_size=8), online=False)
     assert (run.zero_stage, run.dp_world, run.full, run.trainable_params) == (1, 8, True, full.trainable_params)
+    assert not run.accumulating
+    accumulating = Config(project=project, deepspeed={**ds, "gradient_accumulation_steps": 4}, world_size=8)
+    assert memory.run_sizes(accumulating, online=False).accumulating
     stage0 = memory.Sizes(**{**full.__dict__, "dp_world": world, "zero_stage": 0})  # nothing split at stage 0
     with pytest.raises(memory.PlanError, match=f"ZeRO stage 2 \\(zero_optimization.stage 2\\) over {world} or more"):
         memory.choose(stage0, m, budget, margin, {}, fp8_ok=False, online=False, offload_blocker=host_short)

@@ -166,6 +166,13 @@ class Sizes:
     full: bool = False  # every weight trains (train.mode = "full"): optimizer state for all of them
     zero_stage: int = 2  # DeepSpeed's zero_optimization.stage: how the trainable state is split over the ranks
     dp_world: int = 1  # data-parallel ranks that split it
+    accumulation_pinned: int = 0  # what DeepSpeed's optimizer offload pins for gradient accumulation, whole model
+    accumulating: bool = False  # gradient_accumulation_steps > 1: that is pinned
+
+    def host_state_bytes(self, world_size: int) -> float:
+        """host_state_bytes of one rank, with the accumulation buffers when the run accumulates."""
+        return host_state_bytes(self.trainable_params, world_size,
+                                self.accumulation_pinned if self.accumulating else 0)
 
     @property
     def trainable_params(self) -> int:
@@ -262,23 +269,31 @@ def pinned_bytes(nbytes: float) -> float:
     return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
 
 
-def host_state_bytes(trainable_params: int, world_size: int) -> float:
+def host_state_bytes(trainable_params: int, world_size: int, accumulation_pinned: float = 0) -> float:
     """Host bytes of DeepSpeed's optimizer offload on one rank (ZeRO 1 or 2, pin_memory, the trainer's one parameter
     group; deepspeed/runtime/zero/stage_1_and_2.py): the rank's partition of n parameters has its fp32 master weights
     (4n), fp32 gradients (4n) and a bf16 copy for the updated weights (2n) in three pinned tensors, each rounded up
     to a power of two (pinned_bytes), and the two Adam moments (8n) in ordinary memory (the optimizer makes them
     with zeros_like). The 18 bytes per parameter this once counted flat missed the rounding: 110.8 GB for a full
-    fine-tune of 18 blocks, where the rounded buffers take 135 GB (killed on a 128 GiB host, session 14). Not
-    counted: with gradient_accumulation_steps > 1 DeepSpeed also pins a bf16 gradient per parameter."""
+    fine-tune of 18 blocks, where the rounded buffers take 135 GB (killed on a 128 GiB host, session 14). With
+    gradient_accumulation_steps > 1 DeepSpeed also pins a bf16 gradient for each parameter of the partition, each
+    its own tensor (async_accumulate_grad_in_cpu_via_gpu): `accumulation_pinned`, those of the whole model as torch
+    pins them (trainable_pinned_bf16), of which a rank holds its share."""
     n = trainable_params / world_size
-    return 2 * pinned_bytes(4 * n) + pinned_bytes(2 * n) + 8 * n
+    return 2 * pinned_bytes(4 * n) + pinned_bytes(2 * n) + 8 * n + accumulation_pinned / world_size
+
+
+def trainable_pinned_bf16(numels) -> int:
+    """Host bytes of one pinned bf16 tensor per trainable parameter of these sizes (each rounded up to a power of
+    two by torch's pinned allocator): DeepSpeed's gradient accumulation buffers under optimizer offload."""
+    return sum(pinned_bytes(2 * n) for n in numels)
 
 
 def host_bytes(s: Sizes, c: Choice, host: Host, dtype_bytes: int = 2) -> float:
     """Pinned host bytes of candidate `c` on this node (the module docstring): each process's offloaded blocks and,
     with DeepSpeed's optimizer offload, its partition of the optimizer state."""
     blocks = c.offloaded * moved_bytes(s, c.fp8_base, dtype_bytes)
-    state = host_state_bytes(s.trainable_params, host.world_size) if c.offload_optimizer else 0.0
+    state = s.host_state_bytes(host.world_size) if c.offload_optimizer else 0.0
     if host.shares(blocks):  # one copy of the blocks for the node, in /dev/shm
         return blocks + host.ranks_per_node * state
     return host.ranks_per_node * (blocks + state)
@@ -301,7 +316,7 @@ def host_refusal(s: Sizes, c: Choice, host: Host, fixed: dict, dtype_bytes: int 
         parts = (f"{host.ranks_per_node} training process(es) on this node x {c.offloaded} offloaded blocks x "
                  f"{per_block / GB:.2f} GB ({kind} weights)")
     if c.offload_optimizer:
-        state = host.ranks_per_node * host_state_bytes(s.trainable_params, host.world_size)
+        state = host.ranks_per_node * s.host_state_bytes(host.world_size)
         parts += f" + {state / GB:.1f} GB of DeepSpeed's offloaded optimizer state"
     pinned = ""
     if "train.offload_blocks" in fixed:
@@ -589,14 +604,16 @@ def count_sizes(model_dir: str | Path, target_modules: list[str], rank: int, enc
             kind = fp8._kind(f"transformer_blocks.0.{name}")
             fp8_params += module.weight.numel() if kind else 0
             token += module.weight.numel() if kind == "token" else 0
-    lora = 0
+    lora, lora_numels = 0, []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in target_modules):
             lora += rank * (module.in_features + module.out_features)
+            lora_numels += [rank * module.in_features, rank * module.out_features]  # lora_A, lora_B
     total = sum(p.numel() for p in model.parameters())
     n = len(model.transformer_blocks)
+    numels = [p.numel() for p in model.parameters()] if full else lora_numels
     return Sizes(n, block_params, matrices, fp8_params, token, total - n * block_params, 0 if full else lora,
-                 encoder_bytes, full=full)
+                 encoder_bytes, full=full, accumulation_pinned=trainable_pinned_bf16(numels))
 
 
 def encoder_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
@@ -910,7 +927,7 @@ def offload_blocker(ds: dict, s: Sizes, host: Host = Host()) -> str | None:
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (1, 2):
         return f"zero_optimization.stage is {stage}; DeepSpeed offloads the optimizer of ZeRO stage 1 or 2"
-    need = host_state_bytes(s.trainable_params, host.world_size) * host.ranks_per_node
+    need = s.host_state_bytes(host.world_size) * host.ranks_per_node
     if need > host.room_bytes:
         return (f"its state needs {need / GB:.1f} GB of host memory on this node and {host.available_bytes / GB:.1f}"
                 f" GB is available, less a {host.margin_bytes / GB:.1f} GB margin")
@@ -1013,7 +1030,8 @@ def run_sizes(cfg, online: bool) -> Sizes:
                         encoder_bytes(p.model.path) if online else 0, p.train.mode == "full")
     stage = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
     return dataclasses.replace(sizes, zero_stage=stage, dp_world=cfg.world_size,
-                               encode_ahead=online and p.data.encode_ahead)
+                               encode_ahead=online and p.data.encode_ahead,
+                               accumulating=cfg.deepspeed.get("gradient_accumulation_steps", 1) > 1)
 
 
 def _measure_run(p, device: torch.device, work: Workload, render: Workload | None, dtype: torch.dtype,
