@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -112,9 +113,7 @@ def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: eng
                 stream: bool):
     """cpu_offload "blocks", first phase: the encoders alone on the device (Qwen2.5-VL streamed when `stream`)
     record every row's conditioning as validation records it; the text encoder then leaves. Returns (the VAE,
-    {index: recording}, bad rows as (line, problem))."""
-    import gc
-
+    {index: recording in host memory}, bad rows as (line, problem))."""
     from train.trainer import validation
 
     dtype = components.encoder_dtype(args.dtype, d.device)
@@ -129,18 +128,31 @@ def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: eng
                                 disable=not d.is_main, file=sys.stdout):
             problem = pipelines.check_request(request, variant, settings.inference.area,
                                               settings.inference.condition_area, encoders.processor)
-            if problem is None:
-                recorded[request.index] = validation.record_conditioning(pipe, variant, request, settings.inference,
-                                                                         settings.data.alpha_background)
+            if problem is None:  # kept in host memory until its render (replay moves it back)
+                recorded[request.index] = [(name, _to_host(out)) for name, out in validation.record_conditioning(
+                    pipe, variant, request, settings.inference, settings.data.alpha_background)]
             else:
                 print(f"bad row: line {request.line}: {problem}; skipped", file=sys.stderr, flush=True)
                 bad.append((request.line, problem))
     vae = encoders.vae
     del pipe, encoders
-    gc.collect()
-    if d.device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(d.device)
     return vae, recorded, bad
+
+
+def _to_host(out):
+    """A recorded encoder output (a tensor, or a tuple of tensors and None) in host memory."""
+    if torch.is_tensor(out):
+        return out.cpu()
+    return tuple(None if t is None else t.cpu() for t in out)
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def streaming_pipeline(args: argparse.Namespace, variant: str, vae, offload: int, d: engine.Dist):
@@ -164,25 +176,40 @@ def streaming_pipeline(args: argparse.Namespace, variant: str, vae, offload: int
     return pipe
 
 
-def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list,
-                    placed: memory.InferencePlacement):
-    """cpu_offload "blocks": encode every row, then render them all with the recorded conditioning; returns
-    (written, bad rows as (line, problem), seconds per image rendered)."""
+def _replayed(recorded: dict, device: torch.device, pipe, request: pipelines.EditRequest):
+    """Inside, `pipe` replays the request's recorded conditioning (moved to `device`) instead of encoding."""
     from train.trainer import validation
 
+    return validation.replayed_conditioning(validation.sampling_pipeline(pipe, request), recorded[request.index],
+                                            device)
+
+
+STREAMED_CHUNK_ROWS = 256  # rows encoded, then rendered, at a time: their recordings wait in host memory (~16 MB
+# a row at 1 MP with two references and guidance); each chunk loads the encoders, then the transformer, once
+
+
+def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list,
+                    placed: memory.InferencePlacement):
+    """cpu_offload "blocks": chunk by chunk (STREAMED_CHUNK_ROWS), encode the rows, then render them with the
+    recorded conditioning; returns (written, bad rows as (line, problem), seconds per image rendered)."""
     variant = components.detect_variant(args.model, settings.model.variant)
-    vae, recorded, bad = encode_rows(args, settings, d, todo, variant, placed.stream_text_encoder)
-    pipe = streaming_pipeline(args, variant, vae, placed.offload_blocks, d)
-    if settings.inference.vae_tiling:
-        vae.enable_tiling()
-    if settings.inference.vae_slicing:
-        vae.enable_slicing()
-    replays = {q.index: (lambda p, q=q: validation.replayed_conditioning(validation.sampling_pipeline(p, q),
-                                                                          recorded[q.index], vae.device))
-               for q in todo if q.index in recorded}
-    written, bad_images, seconds = render_rows(pipe, variant, [q for q in todo if q.index in recorded], args,
-                                               settings, d, replays)
-    return written, bad + bad_images, seconds
+    written, bad, seconds = 0, [], []
+    for start in range(0, len(todo), STREAMED_CHUNK_ROWS):
+        chunk = todo[start:start + STREAMED_CHUNK_ROWS]
+        if len(todo) > STREAMED_CHUNK_ROWS:
+            print0(f"rows {start + 1}-{start + len(chunk)} of this rank's {len(todo)}", rank=d.rank)
+        vae, recorded, bad_rows = encode_rows(args, settings, d, chunk, variant, placed.stream_text_encoder)
+        pipe = streaming_pipeline(args, variant, vae, placed.offload_blocks, d)
+        if settings.inference.vae_tiling:
+            vae.enable_tiling()
+        if settings.inference.vae_slicing:
+            vae.enable_slicing()
+        done, bad_images, times = render_rows(pipe, variant, [q for q in chunk if q.index in recorded], args,
+                                              settings, d, functools.partial(_replayed, recorded, vae.device))
+        written, bad, seconds = written + done, bad + bad_rows + bad_images, seconds + times
+        del pipe, vae, recorded
+        _free(d.device)
+    return written, bad, seconds
 
 
 def random_models(args: argparse.Namespace, settings: config.ProjectConfig, device: torch.device,
@@ -211,9 +238,10 @@ def output_path(out_dir: str, request: pipelines.EditRequest) -> Path:
 
 
 def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settings, d: engine.Dist,
-                replays: dict | None = None):
+                replay=None):
     """Render and write every request of `todo`; returns (written, bad rows as (line, problem), seconds per image
-    rendered). replays: {index: pipe -> context} in which the pipeline replays that row's recorded conditioning."""
+    rendered). replay: (pipe, request) -> the context in which the pipeline replays the request's recorded
+    conditioning (None: the pipeline encodes)."""
     written, bad, seconds = 0, [], []
     for request in progress(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                             file=sys.stdout):
@@ -222,7 +250,7 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
         if problem is None:
             images = pipelines.open_references(request, settings.data.alpha_background)
             start = time.perf_counter()
-            with (replays[request.index](pipe) if replays else contextlib.nullcontext()):
+            with (replay(pipe, request) if replay else contextlib.nullcontext()):
                 image = pipelines.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
             seconds.append(time.perf_counter() - start)
             try:

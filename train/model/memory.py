@@ -1281,7 +1281,7 @@ def inference_placement(parts: dict[str, float], block_bytes: float, num_blocks:
     """train.infer's placement for a budget. parts: bytes of "transformer", "text encoder" and "VAE".
 
     "none" when every model fits on the GPU at once with inference_allowance(tokens) beside them. Else "blocks": the
-    encoders run first for every row (the conditioning recorded, as validation replays it) and leave the GPU, then
+    encoders run first for a chunk of rows (the conditioning recorded, as validation replays it) and leave the GPU, then
     the transformer runs with its first blocks streamed from pinned host memory by the project's offloader (two
     device slots), as few as the room allows; Qwen2.5-VL itself streams (`streamed_vl` bytes on the GPU) when it
     does not fit whole. "sequential" (diffusers, layer by layer) when not even that fits. PlanError when the pinned
@@ -1347,5 +1347,5 @@ def describe_placement(p: InferencePlacement) -> str:
     if p.cpu_offload != "blocks":
         return ""
     vl = "Qwen2.5-VL streamed block by block" if p.stream_text_encoder else "Qwen2.5-VL on the GPU"
-    return (f"the encoders first for every row ({vl}), then the transformer with its first {p.offload_blocks} "
+    return (f"the encoders first for each chunk of rows ({vl}), then the transformer with its first {p.offload_blocks} "
             "blocks streamed from pinned host memory")
