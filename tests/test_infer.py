@@ -288,9 +288,10 @@ def test_loras_load_with_weights(tiny_edit, tmp_path):
 
 
 def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch):
-    """cpu_offload "blocks" (the encoders first for each chunk of rows, Qwen2.5-VL streamed, then the transformer with its
-    first blocks streamed from host memory by the offloader) writes the images everything resident writes, with
-    guidance and a LoRA on the streamed blocks; bad rows are still reported (CPU, fp32)."""
+    """cpu_offload "blocks" (the encoders first for each chunk of rows, Qwen2.5-VL streamed, then the transformer
+    with its first blocks streamed from host memory by the offloader) writes the images everything resident
+    writes, with guidance and a LoRA on the streamed blocks, in two chunks of rows; bad rows are still reported
+    (CPU, fp32)."""
     import io
 
     import numpy as np
