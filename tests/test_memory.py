@@ -242,7 +242,7 @@ def test_explicit_keys_of_a_config(tmp_path):
 
 def test_optimizer_offload_is_the_last_resort(full_sizes):
     """At 16 GB only DeepSpeed's optimizer offload fits 8.4k tokens (the LoRA r64 state, 6.8 GB, is what does not):
-    it is chosen, its predicted peak is the same setting's without it minus 12 bytes per LoRA parameter, and the
+    it is chosen, its predicted peak is the same setting's without it minus 14 bytes per LoRA parameter, and the
     host step is charged; at 24 GB a setting without it fits, and it is not chosen."""
     m = measured(8_448)
     margin = memory.margin_bytes(0, 16 * GB)
@@ -253,7 +253,7 @@ def test_optimizer_offload_is_the_last_resort(full_sizes):
     lowered = full_sizes.lora_params * (memory.state_bytes_per_param(False, 2, 1, False)
                                         - memory.state_bytes_per_param(False, 2, 1, True))
     assert on_gpu.peak_bytes - p.peak_bytes == pytest.approx(lowered)
-    assert lowered == pytest.approx(5.1 * GB, rel=0.01)
+    assert lowered == pytest.approx(5.95 * GB, rel=0.01)
     assert p.step_s == on_gpu.step_s and on_gpu.optimizer_s == 0
     assert p.optimizer_s == pytest.approx(full_sizes.lora_params * (30 / 10e9 + 4 / 25e9))  # ~1.34 s
     assert "optimizer state in host memory" in memory.describe(c, 60)
@@ -322,7 +322,7 @@ def test_optimizer_offload_needs_adam_zero_and_host_memory(full_sizes):
     text = str(e.value)
     assert "nothing fits the memory budget: 16.0 GB" in text and "needs 18.6 GB" in text  # the best without it
     assert "optimizer offload (zero_optimization.offload_optimizer) the run would fit" in text
-    assert "needs 13.5 GB, of 13.7 GB" in text and 'optimizer.type "Lion"' in text
+    assert "needs 12.6 GB, of 13.7 GB" in text and 'optimizer.type "Lion"' in text
     with pytest.raises(memory.PlanError) as e:  # too small even with the offload: said so
         memory.choose(full_sizes, measured(8_448), 12 * GB, 2.1 * GB, {}, fp8_ok=True, online=False,
                       offload_blocker=lion)
@@ -382,7 +382,7 @@ def test_offloaded_blocks_count_against_the_host(full_sizes):
     text = str(e.value)
     assert text.startswith("nothing fits this node's host memory: only settings that pin host memory fit the GPU "
                            "budget (24.0 GB")
-    assert "8 training process(es) on this node x 37 offloaded blocks x 0.34 GB (fp8 weights)" in text
+    assert "8 training process(es) on this node x 35 offloaded blocks x 0.34 GB (fp8 weights)" in text
     assert "+ 8.8 GB of DeepSpeed's offloaded optimizer state" in text  # the least host memory of those: with it
     assert "100.0 GB is available, less a 21.0 GB margin" in text
     for fix in ("deepspeed --num_gpus", "qwen_edit.memory.budget_gb", 'data.cache "auto"', "data.num_workers"):
@@ -704,9 +704,10 @@ def test_the_cache_build_streams_the_vl_encoder_only_when_it_must():
         memory.cache_vl_decision(need, 13.7 * GB, 16 * GB, memory.Host(120 * GB, ranks_per_node=8, world_size=8))
 
 
-def _live_bytes(params=()) -> int:
-    """Bytes of every tensor storage alive in this process (each storage once): the tensors Python holds, and the
-    gradients of `params` (autograd makes them in C++, where gc does not see them until they are read)."""
+def _live_bytes(params=(), dtype=None) -> int:
+    """Bytes of every tensor storage alive in this process (each storage once), or only of tensors of `dtype`: the
+    tensors Python holds, and the gradients of `params` (autograd makes them in C++, where gc does not see them
+    until they are read)."""
     import gc
 
     import torch
@@ -714,7 +715,7 @@ def _live_bytes(params=()) -> int:
     gc.collect()
     seen = {}
     for obj in [*gc.get_objects(), *(p.grad for p in params)]:
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and dtype in (None, obj.dtype):
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(n for ptr, n in seen.items() if ptr)
@@ -812,6 +813,81 @@ def test_zero_state_bytes_are_deepspeeds_buffers():
             assert peak == pytest.approx(backward, abs=0.05), (rank, stage, seen)
             assert seen["in_step"] == pytest.approx(in_step, abs=0.05), (rank, stage, seen)
     assert memory.state_bytes_per_param(False, 2, 1, False) == 16  # one GPU: what the single-GPU plan counted
+
+
+def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue) -> None:
+    """One rank of test_offloaded_optimizer_device_bytes_are_deepspeeds: under DeepSpeed's optimizer offload the
+    device side is bf16 (weights, gradients, the reduction bucket) and the host side fp32 (master, gradients,
+    moments) plus two bf16 buffers of its own, left out here by name: the pinned copy of the updated weights
+    (counted by host_state_bytes) and a staging buffer of the largest parameter's size (its device twin,
+    temp_grad_buffer_for_gpu_offload, is left out too: a constant, 75 MB at full size, like the bucket). Bytes per
+    parameter of the rest above the process's before the model, at each reduction (stage 2 reduces bucket by
+    bucket during the backward, stage 1 once after it) and after the backward: the largest."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    n = sum(p.numel() for p in model.parameters())
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
+                                    "reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    del model
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    opt = engine.optimizer
+    left_out = {t.untyped_storage().data_ptr() for name in ("param_buffer_of_bit16_for_cpu_offload_groups",
+                                                             "temp_grad_buffer_for_cpu_offload",
+                                                             "temp_grad_buffer_for_gpu_offload")
+                for t in (lambda v: v if isinstance(v, (list, tuple)) else [v])(getattr(opt, name))}
+    assert len(left_out) >= 3, "DeepSpeed's offload buffers were renamed"
+    params = list(engine.module.parameters())
+
+    def device_bytes() -> int:
+        import gc
+
+        gc.collect()
+        seen = {}
+        for obj in [*gc.get_objects(), *(p.grad for p in params)]:
+            if isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16 and not obj.is_meta:
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(b for ptr, b in seen.items() if ptr and ptr not in left_out)
+
+    seen = []
+    name = "reduce_ipg_grads" if stage == 2 else "reduce_gradients"
+    reduce = getattr(opt, name)
+
+    def measured_reduce(*a, **k):
+        seen.append(device_bytes())
+        return reduce(*a, **k)
+
+    setattr(opt, name, measured_reduce)
+    engine.backward(engine(x).float().square().mean())
+    seen.append(device_bytes())
+    queue.put((rank, {"weights": sum(p.numel() * 2 for p in params) / n, "peak": max(seen) / n,
+                      "largest": max(p.numel() * 2 for p in params) / n, "reductions": len(seen) - 1}))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offloaded_optimizer_device_bytes_are_deepspeeds(stage):
+    """Under optimizer offload the plan counts on each GPU, per trainable parameter, its bf16 weight (a LoRA
+    parameter's) and at stage 1 its bf16 gradient; at stage 2 DeepSpeed frees each gradient once its bucket has gone
+    to the host, so none is counted (the bucket is, apart), beyond the one gradient autograd has just made and its
+    hook has not yet copied into the bucket (at most the largest parameter's: 75 MB at full size, within the margin).
+    Against DeepSpeed on 2 ranks; the H200 showed the same at full size (docs/performance.md "The last resort")."""
+    for rank, seen in _spawn_ranks(2, _offloaded_device_bytes, stage).items():
+        assert seen["weights"] == 2 and seen["reductions"] >= 1, seen
+        counted = memory.state_bytes_per_param(False, stage, 2, True) + (seen["largest"] if stage == 2 else 0)
+        assert seen["peak"] == pytest.approx(counted, abs=0.05), (rank, stage, seen)
+    assert memory.state_bytes_per_param(False, 2, 2, True) == 2 and memory.state_bytes_per_param(False, 1, 2, True) == 4
 
 
 def _offload_host_buffers(rank: int, world: int, port: int, accumulation: int, queue) -> None:
@@ -1001,7 +1077,7 @@ def test_the_kept_attention_plans_the_docs_quote(full_model, full_sizes):
     online_sizes = dataclasses.replace(full_sizes, encoder_bytes=memory.encoder_bytes(full_model))
     without = dataclasses.replace(H200_12984, kept_bytes=0.0, kept_recompute_s=None)
     quoted = {(80, True): (1.765, 1.629), (80, False): (1.669, 1.572), (48, True): (1.939, 1.752),
-              (48, False): (1.843, 1.673), (24, False): (1.972, 1.779), (16, False): (1.988, 1.86),
+              (48, False): (1.843, 1.673), (24, False): (1.972, 1.779), (16, False): (1.982, 1.822),
               (141, True): (1.435, 1.431)}
     steps = {}
     for (budget, online), want in quoted.items():
@@ -1021,7 +1097,7 @@ def test_the_full_fine_tuning_depths_the_docs_quote(full_sizes):
     budget on the GPU alone and with DeepSpeed's optimizer offload."""
     m = H200_12984
     host = memory.Host(available_bytes=133.8 * GB)
-    quoted = {141: (17, 17), 80: (9, 14), 48: (5, 14), 24: (2, 12), 16: (1, 7)}
+    quoted = {141: (17, 17), 80: (9, 14), 48: (5, 14), 24: (2, 14), 16: (1, 13)}
     for budget, (alone, offloaded) in quoted.items():
         assert _deepest_full(full_sizes, m, budget, host, False) == alone, budget
         assert _deepest_full(full_sizes, m, budget, host, True) == offloaded, budget

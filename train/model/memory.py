@@ -45,7 +45,8 @@ train.offload_blocks does not fit the host stops before loading, with the plan o
 The last resort, tried only when no setting of those knobs fits: DeepSpeed's own optimizer offload
 (zero_optimization.offload_optimizer = {device: cpu, pin_memory: true}, ZeRO stage 1 or 2). The fp32 master
 weights, the Adam moments and the fp32 gradient partition then live in pinned host memory and DeepSpeedCPUAdam
-steps there; the GPU keeps the bf16 weights and gradients of what trains (a LoRA parameter's 16 bytes become 4).
+steps there; the GPU keeps the bf16 weights of what trains, and at ZeRO stage 1 their bf16 gradients until the
+backward ends (a LoRA parameter's 16 bytes on one GPU become 2 at stage 2, 4 at stage 1).
 Its price is the host step, charged per optimizer step as HOST_ADAM_BYTES per trainable parameter at
 HOST_BYTES_PER_S (an allowance for the host's memory bandwidth, not a measurement) plus the bf16 gradients down and
 weights up over PCIe (measured rate): ~1.3 s for LoRA r64 on the default targets, on top of the step. It is offered
@@ -99,7 +100,8 @@ MASTER_AND_MOMENTS_BYTES = 12
 STEP_GRAD_BYTES = 8  # the step's bf16 gradient partition + its flattened copy + its fp32 copy
 STAGE0_STEP_BYTES = 20  # stage 0 (DeepSpeed's bf16 optimizer): weight, bf16 and fp32 gradients, master, moments
 # With DeepSpeed's optimizer offload the master, moments and fp32 gradients are in host memory: a LoRA parameter
-# keeps its bf16 weight and gradient on the GPU (stage 2 hands each reduced bucket to the host). The host holds 18
+# keeps its bf16 weight on the GPU, and its bf16 gradient only at stage 1 (stage 2 hands each reduced bucket to the
+# host and frees its gradients; measured on the H200: docs/performance.md "The last resort"). The host holds 18
 # bytes per parameter, 10 of them pinned by torch, which rounds each allocation up to a power of two
 # (host_state_bytes).
 # The host optimizer step: DeepSpeedCPUAdam reads the fp32 weight, gradient and moments and writes weight, moments
@@ -196,7 +198,10 @@ def state_bytes_per_param(full: bool, stage: int, world: int, offload_optimizer:
     own_weight = 0 if full else WEIGHT_BYTES
     grad = WEIGHT_BYTES / world if stage == 2 else WEIGHT_BYTES
     if offload_optimizer:  # DeepSpeed offloads at stage 1 or 2 only (offload_blocker)
-        return own_weight + grad
+        # Stage 2 copies each reduced bucket's gradients to the host and frees them there and then
+        # (copy_grads_in_partition, contiguous_gradients on as DeepSpeed's default): only the bucket stays, counted
+        # apart. Stage 1 reduces once the backward has ended, so every bf16 gradient exists until then.
+        return own_weight + (0 if stage == 2 else WEIGHT_BYTES)
     if stage == 0:
         return (STAGE0_STEP_BYTES if in_step else WEIGHT_BYTES + WEIGHT_BYTES + MASTER_AND_MOMENTS_BYTES) - (
             WEIGHT_BYTES - own_weight)
