@@ -704,10 +704,10 @@ def test_the_cache_build_streams_the_vl_encoder_only_when_it_must():
         memory.cache_vl_decision(need, 13.7 * GB, 16 * GB, memory.Host(120 * GB, ranks_per_node=8, world_size=8))
 
 
-def _live_bytes(params=(), dtype=None) -> int:
-    """Bytes of every tensor storage alive in this process (each storage once), or only of tensors of `dtype`: the
-    tensors Python holds, and the gradients of `params` (autograd makes them in C++, where gc does not see them
-    until they are read)."""
+def _live_bytes(params=(), dtype=None, excluded=frozenset()) -> int:
+    """Bytes of every tensor storage alive in this process (each storage once), or only of tensors of `dtype`, less
+    the storages whose data pointers are `excluded`: the tensors Python holds, and the gradients of `params`
+    (autograd makes them in C++, where gc does not see them until they are read)."""
     import gc
 
     import torch
@@ -718,7 +718,7 @@ def _live_bytes(params=(), dtype=None) -> int:
         if isinstance(obj, torch.Tensor) and not obj.is_meta and dtype in (None, obj.dtype):
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-    return sum(n for ptr, n in seen.items() if ptr)
+    return sum(n for ptr, n in seen.items() if ptr and ptr not in excluded)
 
 
 def _step_transient(step) -> int:
@@ -842,23 +842,13 @@ def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue)
     engine.backward(engine(x).float().square().mean())
     engine.step()
     opt = engine.optimizer
-    left_out = {t.untyped_storage().data_ptr() for name in ("param_buffer_of_bit16_for_cpu_offload_groups",
-                                                             "temp_grad_buffer_for_cpu_offload",
-                                                             "temp_grad_buffer_for_gpu_offload")
-                for t in (lambda v: v if isinstance(v, (list, tuple)) else [v])(getattr(opt, name))}
-    assert len(left_out) >= 3, "DeepSpeed's offload buffers were renamed"
+    buffers = [*opt.param_buffer_of_bit16_for_cpu_offload_groups, opt.temp_grad_buffer_for_cpu_offload,
+               opt.temp_grad_buffer_for_gpu_offload]
+    left_out = frozenset(t.untyped_storage().data_ptr() for t in buffers)
     params = list(engine.module.parameters())
 
     def device_bytes() -> int:
-        import gc
-
-        gc.collect()
-        seen = {}
-        for obj in [*gc.get_objects(), *(p.grad for p in params)]:
-            if isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16 and not obj.is_meta:
-                storage = obj.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(b for ptr, b in seen.items() if ptr and ptr not in left_out)
+        return _live_bytes(params, torch.bfloat16, left_out)
 
     seen = []
     name = "reduce_ipg_grads" if stage == 2 else "reduce_gradients"
@@ -1089,6 +1079,26 @@ def test_the_kept_attention_plans_the_docs_quote(full_model, full_sizes):
         steps[budget, online] = got
     assert round((steps[80, True][1] + 0.27) / (steps[141, True][1] + 0.27), 2) == 1.12
     assert round((steps[80, True][0] + 0.27) / (steps[141, True][0] + 0.27), 2) == 1.19
+
+
+def test_the_offloaded_full_fine_tune_figures_the_docs_quote(full_sizes):
+    """docs/performance.md "Full fine-tuning: the deepest model per budget": the 12-block full fine-tune at 80 GB
+    with the optimizer offloaded (session 16, one H200, tests/gpu_memory.sh), recomputed from that run's
+    `plan_measured`: its predicted peak by the formula since the offload count's fix (27.52 GB; 27.76 measured) and
+    the 8.2 GB of bf16 gradients the earlier formula added (35.76 printed), and its host memory: DeepSpeed's three
+    pinned buffers as torch rounds them and the 75.9 GB the plan counted."""
+    m = memory.Measured(act_bytes=1_521_128_448, ckpt_bytes=81_171_712, transient_bytes=628_826_112,
+                        fwd_s=0.010754928, fwd_bwd_s=0.030393010, h2d_bytes_per_s=54_186_331_547,
+                        encode_bytes=0.0, ckpt_transient_bytes=2_504_343_552, render_vae_bytes=0.0,
+                        render_vae_tiled_bytes=0.0, kept_bytes=81_020_160, kept_recompute_s=0.005695705)
+    full = dataclasses.replace(full_sizes, num_blocks=12, full=True)
+    choice = memory.Choice(False, False, 0, 0, True, offload_optimizer=True)
+    peak = memory.predict(full, m, choice).peak_bytes
+    assert round(peak / GB, 2) == 27.52 and abs(peak / (27.758 * GB) - 1) < 0.01
+    assert round((peak + 2 * full.trainable_params) / GB, 2) == 35.76  # the bf16 gradients counted before
+    n = full.trainable_params
+    assert [memory.pinned_bytes(n * b) / GB for b in (4, 4, 2)] == pytest.approx([17.18, 17.18, 8.59], abs=0.01)
+    assert round(memory.host_state_bytes(n, 1) / GB, 1) == 75.9
 
 
 def test_the_full_fine_tuning_depths_the_docs_quote(full_sizes):
