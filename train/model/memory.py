@@ -199,8 +199,9 @@ def state_bytes_per_param(full: bool, stage: int, world: int, offload_optimizer:
     grad = WEIGHT_BYTES / world if stage == 2 else WEIGHT_BYTES
     if offload_optimizer:  # DeepSpeed offloads at stage 1 or 2 only (offload_blocker)
         # Stage 2 copies each reduced bucket's gradients to the host and frees them there and then
-        # (copy_grads_in_partition, contiguous_gradients on as DeepSpeed's default): only the bucket stays, counted
-        # apart. Stage 1 reduces once the backward has ended, so every bf16 gradient exists until then.
+        # (copy_grads_in_partition; DeepSpeed turns contiguous_gradients on whenever it offloads, whatever the
+        # config says): only the bucket stays, counted apart. Stage 1 reduces once the backward has ended, so every
+        # bf16 gradient exists until then.
         return own_weight + (0 if stage == 2 else WEIGHT_BYTES)
     if stage == 0:
         return (STAGE0_STEP_BYTES if in_step else WEIGHT_BYTES + WEIGHT_BYTES + MASTER_AND_MOMENTS_BYTES) - (
