@@ -545,10 +545,11 @@ def test_vae_tiling_is_planned_unless_the_config_sets_it():
         memory.Choice(True, True, 0, 0, True), 60)
 
 
-def test_block_times_are_the_median_of_the_timed_passes(monkeypatch):
-    """memory._run leaves out the warm-up passes (the first compiles) and takes the median of the timed ones, so one
-    slow or fast pass does not move the plan's step (perf_notes M8); its bytes are the last pass's. CUDA's counters
-    and the clock are driven by the test."""
+def test_block_times_alternate_the_models_and_take_the_median_of_paired_differences(monkeypatch):
+    """memory._run alternates its models pass by pass, leaves out the warm-up rounds (the first compiles) and keeps
+    every timed pass, so that measure takes a block's time as the median of the paired differences of one round:
+    a drift of the GPU's clocks during the measurement, or one slow pass, does not move the plan's step (perf_notes
+    M8); the bytes are each model's last pass. CUDA's counters and the clock are driven by the test."""
     import itertools
 
     import torch
@@ -559,14 +560,16 @@ def test_block_times_are_the_median_of_the_timed_passes(monkeypatch):
     counter.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counter.allocated)
     passes = itertools.count(1)
+    order = []
 
     class Block(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, name):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(3))
+            self.name, self.w = name, torch.nn.Parameter(torch.ones(3))
 
         def forward(self, x):  # pass n keeps n bytes to the backward, which needs 10 n more at its peak
             n = next(passes)
+            order.append(self.name)
             counter.allocate(n)
 
             def backward(grad):
@@ -578,14 +581,20 @@ def test_block_times_are_the_median_of_the_timed_passes(monkeypatch):
             out.register_hook(backward)
             return (out,)
 
-    # (forward ms, forward + backward ms) of the 2 warm-up and 5 timed passes
-    times = [(900, 2000), (40, 90), (7, 30), (9, 20), (5, 22), (8, 24), (6, 25)]
-    clock = iter(t / 1000 for f, b in times for t in (0, f, b))
+    # (forward ms, forward + backward ms) of the 2 warm-up and 5 timed rounds, one pass per model each: the clock
+    # slows for rounds 5 and 6 (both models alike), and the two-block model's fourth timed pass is slow
+    one = [(900, 2000), (40, 90), (10, 30), (10, 30), (30, 70), (30, 70), (10, 30)]
+    two = [(900, 2000), (40, 90), (16, 46), (16, 46), (36, 86), (90, 300), (16, 46)]
+    clock = iter(t / 1000 for pair in zip(one, two, strict=True) for f, b in pair for t in (0, f, b))
     monkeypatch.setattr(memory.time, "perf_counter", lambda: next(clock))
-    kept, transient, fwd, both = memory._run(Block(), {"x": torch.ones(3)}, torch.device("cpu"))
-    assert (fwd, both) == (0.007, 0.024)  # medians of 7 9 5 8 6 and 30 20 22 24 25 ms
-    assert (kept, transient) == (7, 70)  # the seventh pass
-    assert next(passes) == 8 and next(clock, None) is None
+    (k1, t1, f1, b1), (k2, t2, f2, b2) = memory._run([Block("one"), Block("two")], {"x": torch.ones(3)},
+                                                     torch.device("cpu"))
+    assert order == ["one", "two"] * 7
+    assert f1 == pytest.approx([0.01, 0.01, 0.03, 0.03, 0.01]) and len(b2) == 5  # the warm-up rounds left out
+    assert memory._median_difference(f2, f1) == pytest.approx(0.006)
+    assert memory._median_difference(b2, b1) == pytest.approx(0.016)
+    assert (k1, t1, k2, t2) == (13, 130, 14, 140)  # each model's last pass: the 13th and 14th
+    assert next(passes) == 15 and next(clock, None) is None
 
 
 def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):

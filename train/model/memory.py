@@ -749,34 +749,42 @@ def _inputs(model, w: Workload, dtype: torch.dtype, device: torch.device) -> dic
                 return_dict=False)
 
 
-def _run(model, inputs: dict, device: torch.device, warmup: int = 2, repeats: int = 5
-         ) -> tuple[float, float, float, float]:
-    """(kept after forward, peak above that in the backward, forward s, forward+backward s): the memory of the last
-    pass, the times the median of `repeats` timed passes after `warmup` untimed ones (the first compiles). One timed
-    pass moved fwd_s by up to 20% between runs on one machine (docs/perf_notes.md M8)."""
+def _run(models: list, inputs: dict, device: torch.device, warmup: int = 2, repeats: int = 5
+         ) -> list[tuple[float, float, list[float], list[float]]]:
+    """For each model: (kept after forward, peak above that in the backward, forward s and forward+backward s of
+    each timed pass), the memory of its last pass. The passes alternate between the models, `warmup` untimed
+    rounds (the first compiles) then `repeats` timed ones, so that a drift of the GPU's clocks or of the host's
+    load during the measurement reaches every model alike and cancels in the differences measure takes: run one
+    model after the other, one H200 measured a v1 block's forward at 6.3 ms and, in the next run, 3.3 ms
+    (docs/perf_notes.md M8)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    kept = transient = 0.0
-    fwds, boths = [], []
+    results = [[0.0, 0.0, [], []] for _ in models]
     for i in range(warmup + repeats):
-        sync()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        loss = model(**inputs)[0].float().square().mean()
-        sync()
-        t1 = time.perf_counter()
-        after_fwd = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss.backward()
-        sync()
-        t2 = time.perf_counter()
-        kept, transient = after_fwd - base, torch.cuda.max_memory_allocated(device) - after_fwd
-        if i >= warmup:
-            fwds.append(t1 - t0)
-            boths.append(t2 - t0)
-        del loss
-        model.zero_grad(set_to_none=True)
-    return kept, transient, statistics.median(fwds), statistics.median(boths)
+        for model, result in zip(models, results, strict=True):
+            sync()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            loss = model(**inputs)[0].float().square().mean()
+            sync()
+            t1 = time.perf_counter()
+            after_fwd = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            loss.backward()
+            sync()
+            t2 = time.perf_counter()
+            result[0], result[1] = after_fwd - base, torch.cuda.max_memory_allocated(device) - after_fwd
+            if i >= warmup:
+                result[2].append(t1 - t0)
+                result[3].append(t2 - t0)
+            del loss
+            model.zero_grad(set_to_none=True)
+    return [tuple(r) for r in results]
+
+
+def _median_difference(more: list[float], fewer: list[float]) -> float:
+    """The median of the paired differences of two models' timed passes of one round (_run): a block's time."""
+    return statistics.median(a - b for a, b in zip(more, fewer, strict=True))
 
 
 def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
@@ -790,26 +798,27 @@ def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torc
     model_dir = Path(model_dir)
     keep = kept and kept_attention.available(device, dtype)
     runs = {}
-    for layers in (1, 2):
-        for checkpointed in (False, True):
+    for checkpointed in (False, True):
+        models = []
+        for layers in (1, 2):
             model = _mini_transformer(model_dir, layers, dtype, device)
             components.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base,
                                             kept_attention_blocks=-1 if keep else 0)
-            model.train()
-            runs[layers, checkpointed] = _run(model, _inputs(model, w, dtype, device), device)
-            del model
-            torch.cuda.empty_cache()
-    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[1, False], runs[2, False]
-    (k1c, t1c, _, b1c), (k2c, t2c, _, b2c) = runs[1, True], runs[2, True]
+            models.append(model.train())
+        runs[checkpointed] = _run(models, _inputs(models[0], w, dtype, device), device)
+        del models, model
+        torch.cuda.empty_cache()
+    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[False]
+    (k1c, t1c, _, b1c), (k2c, t2c, _, b2c) = runs[True]
     config = _mini_config(model_dir)
     x = kept_attention.kept_bytes(w.batch, w.image_tokens + w.text_tokens, config["num_attention_heads"],
                                   config["attention_head_dim"], dtype.itemsize) if keep else 0
     act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c - x, 0.0)
     head, head_c = max(k1 - act, 0.0), max(k1c - x - ckpt, 0.0)
-    fwd, both = max(f2 - f1, 1e-6), max(b2 - b1, 1e-6)
+    fwd, both = max(_median_difference(f2, f1), 1e-6), max(_median_difference(b2, b1), 1e-6)
     return Measured(act, ckpt, head + max(t1, t2), fwd, both, _h2d_rate(device),
                     ckpt_transient_bytes=head_c + max(t1c, t2c), kept_bytes=x,
-                    kept_recompute_s=min(max(b2c - b1c - both, 0.0), fwd) if keep else None)
+                    kept_recompute_s=min(max(_median_difference(b2c, b1c) - both, 0.0), fwd) if keep else None)
 
 
 def _h2d_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
