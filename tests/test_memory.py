@@ -186,6 +186,35 @@ def test_oom_advice_names_each_phases_settings():
     assert memory.OutOfMemory("x").without_traceback
 
 
+def test_the_step_advice_leaves_out_what_is_in_effect():
+    """With the plan's settings known, the step's advice does not suggest what the run already does (its 16 GB
+    choice checkpoints and offloads every block, in fp8, with DeepSpeed's optimizer offload); it says how many
+    blocks are offloaded and points at the plan's margin. Without the plan, the keys to set by hand."""
+    everything = memory.InEffect(True, 60, True, True, True, 0.0)
+    step = memory.oom_advice("step", 1, everything)
+    for already in ("gradient_checkpointing", "fp8_base", "offload_optimizer", "micro_batch"):
+        assert already not in step, (already, step)
+    assert "now 60" in step and "qwen_edit.memory.margin_gb (now automatic" in step and "data.area" in step
+    by_hand = memory.oom_advice("step", 2, memory.InEffect(False, 0, False, False, False, 0.0))
+    for lever in ("gradient_checkpointing = true", "fp8_base = true", "offload_optimizer", "memory.plan \"auto\"",
+                  "train_micro_batch_size_per_gpu = 1"):
+        assert lever in by_hand, (lever, by_hand)
+    assert "margin_gb (now 3 GB)" in memory.oom_advice("step", 1, dataclasses.replace(everything, margin_gb=3.0))
+
+
+def test_torch_oom_figures_are_shortened():
+    """torch's own figures of a CUDA out-of-memory error (its message as torch 2.x words it) reach the run's
+    message; an error without them adds nothing on a machine without CUDA."""
+    e = RuntimeError("CUDA out of memory. Tried to allocate 1.20 GiB. GPU 0 has a total capacity of 139.72 GiB of "
+                     "which 120.51 GiB is free. Including non-PyTorch memory, this process has 14.90 GiB memory in "
+                     "use. Of the allocated memory 13.85 GiB is allocated by PyTorch, and 0.51 GiB is reserved by "
+                     "PyTorch but unallocated. If reserved but unallocated memory is large ...")
+    figures = memory.torch_oom_figures(e)
+    assert figures.startswith(" (torch: tried to allocate 1.20 GiB; 13.85 GiB allocated and 0.51 GiB reserved but "
+                              "free"), figures
+    assert memory.torch_oom_figures(RuntimeError("CUDA out of memory (injected)")) == ""
+
+
 def test_inference_placement_follows_the_budget(full_sizes, full_model):
     """train.infer's placement for the released 2509 (40.9 GB transformer, 16.6 GB Qwen2.5-VL): everything on the
     GPU; else the encoders first and the transformer's first blocks streamed, as few as the room allows (Qwen2.5-VL
@@ -824,6 +853,54 @@ def test_zero_state_bytes_are_deepspeeds_buffers():
     assert memory.state_bytes_per_param(False, 2, 1, False) == 16  # one GPU: what the single-GPU plan counted
 
 
+def _bucket_buffers(rank: int, world: int, port: int, zero: dict, queue) -> None:
+    """One rank of test_the_counted_buckets_are_deepspeeds: the largest total of DeepSpeed's gradient bucket buffers
+    seen at any module's backward, over two steps, with the zero_optimization section `zero`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    seen = [0]
+
+    def hook(*args):
+        buckets = getattr(engine.optimizer, "ipg_buckets", {})
+        seen.append(sum(t.numel() * t.element_size() for b in buckets.values() for t in b.buffer))
+
+    for layer in engine.module:
+        layer.register_full_backward_hook(hook)
+    x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    queue.put((rank, max(seen)))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage,overlap,contiguous,offload", [
+    (0, True, True, False), (1, False, True, False), (1, True, True, True), (2, True, True, False),
+    (2, False, True, False), (2, True, False, False), (2, True, False, True), (2, False, False, True)])
+def test_the_counted_buckets_are_deepspeeds(stage, overlap, contiguous, offload):
+    """The plan's gradient buckets (Sizes.bucket_bytes from the config's zero_optimization) against the buffers
+    DeepSpeed allocates while the backward runs: two with overlap_comm (zero2.json's), one without, none without
+    contiguous gradients unless its optimizer offload turns them on, none at stage 0. A 16 GB plan that counted one
+    of zero2.json's two 0.4 GB buckets chose a setting that ran out of memory at step 1 (docs/performance.md)."""
+    zero = {"stage": stage, "overlap_comm": overlap, "contiguous_gradients": contiguous,
+            "reduce_bucket_size": 30_000}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    sizes = memory.Sizes(1, 1, 1, 1, 1, 0, 1, zero_stage=stage, **memory.bucket_sizes({"zero_optimization": zero}))
+    for rank, seen in _spawn_ranks(1, _bucket_buffers, zero).items():
+        assert seen == sizes.bucket_bytes(offload), (rank, seen, sizes)
+    if stage == 2 and overlap and contiguous:
+        assert seen == 2 * 30_000 * 2  # two bf16 buckets: the case the shipped zero2.json runs
+
+
 def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue) -> None:
     """One rank of test_offloaded_optimizer_device_bytes_are_deepspeeds: under DeepSpeed's optimizer offload the
     device side is bf16 (weights, gradients, the reduction bucket) and the host side fp32 (master, gradients,
@@ -1120,3 +1197,17 @@ def test_the_full_fine_tuning_depths_the_docs_quote(full_sizes):
     for budget, (alone, offloaded) in quoted.items():
         assert _deepest_full(full_sizes, m, budget, host, False) == alone, budget
         assert _deepest_full(full_sizes, m, budget, host, True) == offloaded, budget
+
+
+def test_the_shipped_configs_buckets():
+    """zero2.json overlaps its reduction with the backward: two buckets of 2e8 bf16 gradients (0.8 GB) are counted;
+    lora_fast.json (stage 1, no contiguous gradients) none, unless DeepSpeed's optimizer offload turns them on."""
+    import json
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "ds_configs"
+    ds = {name: json.loads((shipped / f"{name}.json").read_text()) for name in ("zero2", "lora_fast")}
+    zero2 = memory.Sizes(1, 1, 1, 1, 1, 0, 1, zero_stage=2, **memory.bucket_sizes(ds["zero2"]))
+    fast = memory.Sizes(1, 1, 1, 1, 1, 0, 1, zero_stage=1, **memory.bucket_sizes(ds["lora_fast"]))
+    assert zero2.bucket_bytes(False) == zero2.bucket_bytes(True) == 0.8e9
+    assert fast.bucket_bytes(False) == 0 and fast.bucket_bytes(True) == 0.4e9

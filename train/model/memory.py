@@ -93,8 +93,7 @@ GB = 1e9
 # a bucket is reduced; stage 1 holds every gradient until the backward's end), the fp32 master 4 and the two Adam
 # moments 8, split over the ranks by ZeRO stages 1 and 2 (stage 0 keeps all of them on every rank). In the step,
 # after the activations are gone, stages 1 and 2 hold the bf16 gradient partition, its flattened copy and its fp32
-# copy at once (8/W), beside the master and moments: 2 + 20/W. Plus DeepSpeed's gradient bucket (reduce_bucket_size
-# bf16 elements).
+# copy at once (8/W), beside the master and moments: 2 + 20/W. Plus DeepSpeed's gradient buckets (bucket_bytes).
 WEIGHT_BYTES = 2
 MASTER_AND_MOMENTS_BYTES = 12
 STEP_GRAD_BYTES = 8  # the step's bf16 gradient partition + its flattened copy + its fp32 copy
@@ -109,7 +108,8 @@ STAGE0_STEP_BYTES = 20  # stage 0 (DeepSpeed's bf16 optimizer): weight, bf16 and
 HOST_ADAM_BYTES = 30
 HOST_BYTES_PER_S = 10e9
 OFFLOADABLE_OPTIMIZERS = ("adam", "adamw")  # DeepSpeed steps these on the host with DeepSpeedCPUAdam
-BUCKET_BYTES = 2e8 * 2
+BUCKET_BYTES = 2e8 * 2  # one bucket of the shipped configs' reduce_bucket_size (2e8 bf16 elements): Sizes' default
+REDUCE_BUCKET_DEFAULT = 5e8  # DeepSpeed's reduce_bucket_size when the config leaves it out
 VL_ACTIVATION_BYTES = 1 * GB  # the VL model's activations for an encode (no gradients): an allowance
 ONLINE_SLACK = 1.1  # online encoding is kept while its step is at most this much slower than the cached one's
 PLAN_KEYS = ("train.fp8_base", "train.fp8_transposed", "train.compile", "train.gradient_checkpointing",
@@ -170,6 +170,18 @@ class Sizes:
     dp_world: int = 1  # data-parallel ranks that split it
     accumulation_pinned: int = 0  # what DeepSpeed's optimizer offload pins for gradient accumulation, whole model
     accumulating: bool = False  # gradient_accumulation_steps > 1: that is pinned
+    bucket: float = BUCKET_BYTES  # bytes of one of DeepSpeed's gradient buckets (bucket_sizes)
+    buckets: int = 1  # how many it allocates: 2 with overlap_comm
+    contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (the buckets exist only with it)
+
+    def bucket_bytes(self, offload_optimizer: bool) -> float:
+        """DeepSpeed's gradient buckets on each GPU from the backward's start to the step (ZeRO stages 1 and 2 with
+        contiguous gradients, which its optimizer offload always turns on; stage 0 has none): a hook copies each
+        gradient into the bucket that is filling, with overlap_comm a second one is reduced meanwhile. Checked against
+        DeepSpeed's own buffers in tests/test_memory.py."""
+        if self.zero_stage not in (1, 2) or not (self.contiguous_gradients or offload_optimizer):
+            return 0.0
+        return self.bucket * self.buckets
 
     def host_state_bytes(self, world_size: int) -> float:
         """host_state_bytes of one rank, with the accumulation buffers when the run accumulates."""
@@ -358,12 +370,13 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     resident = s.num_blocks - c.offloaded
     weights = s.other_params * dtype_bytes + resident * (block + transposed) + c.offloaded * max(offloaded_block, 0)
     slots = 2 * block if c.offloaded else 0
-    states = s.gpu_state_bytes(c.offload_optimizer) + BUCKET_BYTES
+    states = s.gpu_state_bytes(c.offload_optimizer) + s.bucket_bytes(c.offload_optimizer)
     encoders = 0 if c.cached else s.encoder_bytes
     acts = activation_bytes(s, m, c.checkpointed) + c.kept_attention * m.kept_bytes  # both backward phases hold X
     encode_peak = 0 if c.cached else m.encode_bytes
     kept = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
-    in_step = weights + slots + encoders + s.gpu_state_bytes(c.offload_optimizer, in_step=True) + BUCKET_BYTES
+    in_step = (weights + slots + encoders + s.gpu_state_bytes(c.offload_optimizer, in_step=True)
+               + s.bucket_bytes(c.offload_optimizer))
     if s.encode_ahead:  # the next micro-batch encodes (on its own stream) during the whole step, optimizer included
         peak = max(kept + acts, in_step) + encode_peak
     else:  # the encode runs between the steps; the optimizer step holds no activations
@@ -1046,7 +1059,19 @@ def run_sizes(cfg, online: bool) -> Sizes:
     stage = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
     return dataclasses.replace(sizes, zero_stage=stage, dp_world=cfg.world_size,
                                encode_ahead=online and p.data.encode_ahead,
-                               accumulating=cfg.deepspeed.get("gradient_accumulation_steps", 1) > 1)
+                               accumulating=cfg.deepspeed.get("gradient_accumulation_steps", 1) > 1,
+                               **bucket_sizes(cfg.deepspeed))
+
+
+def bucket_sizes(ds: dict) -> dict:
+    """Sizes' bucket fields from a DeepSpeed config: one bucket is reduce_bucket_size gradient elements (bf16; fp32
+    where data_types.grad_accum_dtype asks for fp32 accumulation, counted so whether or not DeepSpeed stages it),
+    two of them with overlap_comm (off by DeepSpeed's default below stage 3)."""
+    zero = ds.get("zero_optimization") or {}
+    fp32 = str((ds.get("data_types") or {}).get("grad_accum_dtype", "")).lower() in ("fp32", "float32", "float")
+    return {"bucket": float(zero.get("reduce_bucket_size", REDUCE_BUCKET_DEFAULT)) * (4 if fp32 else 2),
+            "buckets": 2 if zero.get("overlap_comm", False) else 1,
+            "contiguous_gradients": bool(zero.get("contiguous_gradients", True))}
 
 
 def _measure_run(p, device: torch.device, work: Workload, render: Workload | None, dtype: torch.dtype,
@@ -1252,12 +1277,64 @@ _LOWER = {
 }
 
 
-def oom_advice(phase: str, micro_batch: int) -> str:
+@dataclass(frozen=True)
+class InEffect:
+    """A run's memory settings as it trains (after the plan), for the step's out-of-memory advice."""
+
+    checkpoint_all: bool  # train.gradient_checkpointing on every block
+    offload_blocks: int
+    fp8_base: bool
+    offload_optimizer: bool  # DeepSpeed's zero_optimization.offload_optimizer
+    planned: bool  # qwen_edit.memory.plan "auto" chose them
+    margin_gb: float  # qwen_edit.memory.margin_gb (0: automatic)
+
+
+def _step_advice(now: InEffect) -> str:
+    """The step's levers that are not yet in effect, then what is left when the plan already pulled them all."""
+    items = [] if now.checkpoint_all else [
+        "qwen_edit.train.gradient_checkpointing = true (checkpoint_blocks 0 = every block)"]
+    items.append(f"train.offload_blocks = N (the first N blocks' frozen weights in host memory; now "
+                 f"{now.offload_blocks})")
+    if not now.fp8_base:
+        items.append("train.fp8_base = true")
+    items += ["a smaller qwen_edit.data.area", "a lower qwen_edit.lora.rank"]
+    if now.planned:
+        margin = f"now {now.margin_gb:g} GB" if now.margin_gb > 0 else "now automatic: 1.5 GB + 5% of the budget"
+        items.append(f"a larger qwen_edit.memory.margin_gb ({margin}): the plan then picks a setting with a "
+                     "smaller predicted peak")
+    else:
+        items.append("memory.plan \"auto\" with those keys left out of the config")
+    advice = ", ".join(items)
+    if not now.offload_optimizer:
+        advice += ("; last, zero_optimization.offload_optimizer = {\"device\": \"cpu\"} (the optimizer state in host "
+                   "memory, a slower step)")
+    return advice
+
+
+def oom_advice(phase: str, micro_batch: int, now: InEffect | None = None) -> str:
     """What lowers the memory of `phase` (load, encode, step, validation); a micro-batch of 1 is never suggested
-    to a run that already has it."""
+    to a run that already has it, nor (with `now`, the step's settings in effect) a step setting already on."""
     micro = ("; train_micro_batch_size_per_gpu = 1 (raise gradient_accumulation_steps instead)"
              if micro_batch > 1 and phase in ("encode", "step") else "")
-    return f"To use less memory: {_LOWER[phase]}{micro}"
+    lower = _step_advice(now) if phase == "step" and now is not None else _LOWER[phase]
+    return f"To use less memory: {lower}{micro}"
+
+
+def torch_oom_figures(e: BaseException) -> str:
+    """torch's own figures from a CUDA out-of-memory error, shortened: what it tried to allocate, what its caching
+    allocator held (allocated, and reserved but free) and the largest allocated so far; "" where it gave none."""
+    import re
+
+    text = str(e)
+    wanted = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    held = re.search(r"([\d.]+ [KMGT]?i?B) is allocated by PyTorch, and ([\d.]+ [KMGT]?i?B) is reserved by PyTorch but "
+                     r"unallocated", text)
+    parts = [f"tried to allocate {wanted.group(1)}"] if wanted else []
+    if held:
+        parts.append(f"{held.group(1)} allocated and {held.group(2)} reserved but free")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts.append(f"at most {torch.cuda.max_memory_allocated() / GB:.1f} GB allocated so far")
+    return f" (torch: {'; '.join(parts)})" if parts else ""
 
 
 # ---------------------------------------------------------------- inference

@@ -87,13 +87,23 @@ def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
     return value.item()  # sync point: only at log cadence
 
 
-def oom_message(step: int, b: Batch, mode: str) -> str:
+def oom_message(step: int, b: Batch, mode: str, now: memory.InEffect | None = None, figures: str = "") -> str:
     h, w = b.target_hw
     return (
         f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w * 8}x{h * 8} px "
         f"({b.x0.shape[1]} tokens) + {b.cond.reference_tokens.shape[1]} reference tokens, mode "
-        f"{mode}. {memory.oom_advice('step', b.x0.shape[0])}"
+        f"{mode}{figures}. {memory.oom_advice('step', b.x0.shape[0], now)}"
     )
+
+
+def in_effect(cfg: Config, device: torch.device) -> memory.InEffect:
+    """The memory settings this run trains with (the plan's, applied to the config), for the OOM advice; the plan
+    runs only on a GPU."""
+    p = cfg.project
+    t = p.train
+    planned = p.memory.plan == "auto" and device.type == "cuda"
+    return memory.InEffect(t.gradient_checkpointing and t.checkpoint_blocks == 0, t.offload_blocks, t.fp8_base,
+                           bool(memory.configured_offload(cfg.deepspeed)), planned, p.memory.margin_gb)
 
 
 class NonFiniteError(RuntimeError):
@@ -116,14 +126,15 @@ def _engine_loss(engine, t: TrainConfig, scheduler_cfg: dict, dtype: torch.dtype
 
 
 def _backward(engine, loss_of: faults.StepLoss, b: Batch, generator: torch.Generator, step: int,
-              mode: str) -> torch.Tensor:
+              mode: str, now: memory.InEffect | None = None) -> torch.Tensor:
     """Loss and backward of one micro-batch of optimizer step `step` + 1 (`step` steps are done); a CUDA OOM
-    becomes memory.OutOfMemory naming the micro-batch and the settings that help."""
+    becomes memory.OutOfMemory naming the micro-batch, torch's figures and the settings that help (`now`: those
+    in effect, left out of the advice)."""
     try:
         loss = loss_of(step + 1, b, generator)
         engine.backward(loss)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.OutOfMemory(oom_message(step, b, mode)) from e
+        raise memory.OutOfMemory(oom_message(step, b, mode, now, memory.torch_oom_figures(e))) from e
     return loss
 
 
@@ -206,6 +217,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
     epoch, taken = start_position(start_step, gas, len(source))  # resume inside the epoch where it stopped
     step, micro = start_step, 0
     window = _Window(d.device, start_step, gas, t.max_nonfinite_steps)
+    now = in_effect(cfg, d.device)
     engine.train()
     source.take_wait_s()
     while step < t.max_steps:
@@ -213,7 +225,7 @@ def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, tr
         taken = 0
         for batch in source:
             generator = micro_batch_generator(t.seed, step, micro, gas, d, d.device)
-            loss = _backward(engine, loss_of, batch, generator, step, t.mode)
+            loss = _backward(engine, loss_of, batch, generator, step, t.mode, now)
             engine.step()
             window.add(loss, batch, d.world_size)
             micro += 1
