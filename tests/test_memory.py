@@ -1211,3 +1211,26 @@ def test_the_shipped_configs_buckets():
     fast = memory.Sizes(1, 1, 1, 1, 1, 0, 1, zero_stage=1, **memory.bucket_sizes(ds["lora_fast"]))
     assert zero2.bucket_bytes(False) == zero2.bucket_bytes(True) == 0.8e9
     assert fast.bucket_bytes(False) == 0 and fast.bucket_bytes(True) == 0.4e9
+
+
+def test_expandable_segments_where_the_plan_offloads(monkeypatch):
+    """Where the plan's choice offloads (a budget below the model's need) torch's allocator is switched to expandable
+    segments and its cache emptied; not where nothing is offloaded, nor when the user set torch's allocator
+    settings, nor off CUDA."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("emptied"))
+    for env in memory.ALLOC_CONF_ENVS:
+        monkeypatch.delenv(env, raising=False)
+    cuda = torch.device("cuda", 0)
+    offloading = memory.Choice(True, False, 60, 60, True, True)
+    resident = memory.Choice(True, True, 0, 0, True, False)
+    assert memory.expandable_segments(resident, cuda) == "" and calls == []
+    assert memory.expandable_segments(offloading, torch.device("cpu")) == "" and calls == []
+    assert "expandable segments on" in memory.expandable_segments(offloading, cuda)
+    assert calls == ["expandable_segments:True", "emptied"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert memory.expandable_segments(dataclasses.replace(offloading, offload_optimizer=False), cuda) == ""
+    assert len(calls) == 2
