@@ -1234,3 +1234,25 @@ def test_expandable_segments_where_the_plan_offloads(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert memory.expandable_segments(dataclasses.replace(offloading, offload_optimizer=False), cuda) == ""
     assert len(calls) == 2
+
+
+def test_the_16_gb_plans_the_docs_quote(full_sizes):
+    """docs/performance.md "Memory", session 18: from that 16 GB run's own measurement (its record's plan_measured),
+    zero2.json's plan keeps 46 blocks' attention with both of DeepSpeed's gradient buckets counted and predicts
+    13.70 GB (13.61 measured); counting one bucket, as the run that ran out of memory did, it keeps 50. Host memory
+    left out (the H200 host had 133 GB available)."""
+    import json
+    from pathlib import Path
+
+    m = memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                        fwd_s=0.007736198999992894, fwd_bwd_s=0.02161766400000431, h2d_bytes_per_s=54992345519.41806,
+                        ckpt_transient_bytes=2708410368, kept_bytes=81020160, kept_recompute_s=0.00541686399999719)
+    ds = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json").read_text())
+    budget = 16 * GB
+    got = {}
+    for label, s in (("one bucket", full_sizes), ("zero2.json", dataclasses.replace(full_sizes,
+                                                                                    **memory.bucket_sizes(ds)))):
+        c, p = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {}, True, False)
+        assert c.offload_optimizer and c.checkpointed == c.offloaded == 60, (label, c)
+        got[label] = (c.kept_attention, round(p.peak_bytes / GB, 2))
+    assert got == {"one bucket": (50, 13.62), "zero2.json": (46, 13.7)}, got
