@@ -152,6 +152,40 @@ def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+def test_out_of_memory_while_building_names_the_row(built, tmp_path, monkeypatch):
+    """A CUDA out-of-memory error while the cache encodes a row stops the build with the trainer's OutOfMemory (no
+    traceback): the row, its image sizes, torch's figures and the cache build's own levers; no index is left, so the
+    next run rebuilds the cache instead of reading a partial one."""
+    import dataclasses
+
+    from train.model import memory
+
+    cfg, variant, rows, dataset, index = built
+    p = dataclasses.replace(cfg.project, data=dataclasses.replace(cfg.project.data, cache_dir=str(tmp_path / "c")))
+    real, calls = sources.encode_batch, []
+
+    def encode_batch(raw, encoders, variant):
+        calls.append(raw["lines"][0])
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 144.00 MiB. GPU 0 has a total "
+                                              "capacity of 139.8 GiB of which 1 GiB is free. Of the allocated "
+                                              "memory 12.54 GiB is allocated by PyTorch, and 2.35 GiB is reserved "
+                                              "by PyTorch but unallocated.")
+        return real(raw, encoders, variant)
+
+    monkeypatch.setattr(sources, "encode_batch", encode_batch)
+    with pytest.raises(memory.OutOfMemory) as e:
+        latent_cache.build(dataclasses.replace(cfg, project=p), WORLD_OF_ONE, variant, rows, dataset,
+                           index["depends_on"])
+    message = str(e.value)
+    h, w = dataset[2]["target"].shape[-2:]
+    assert f"while building the cache, encoding row {calls[2]} (target {w}x{h} px" in message, message
+    assert "tried to allocate 144.00 MiB; 12.54 GiB allocated and 2.35 GiB reserved but free" in message
+    assert message.endswith(memory.oom_advice("cache", 1)) and "python -m train.cache" in message
+    assert "micro_batch" not in message and e.value.without_traceback
+    assert latent_cache.read_index(tmp_path / "c") is None
+
+
 def test_cached_micro_batch_pads_prompts_like_online(built):
     """A micro-batch of prompts of different lengths: the same mask and padding as online, values within 5e-5
     absolute on values of order 1 (online encodes the two samples as one batch, the cache one at a time, and CPU

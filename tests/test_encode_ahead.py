@@ -151,6 +151,7 @@ def test_an_error_of_the_thread_is_raised_in_the_loop(where, monkeypatch):
     assert type(ahead) is type(in_turn) and str(ahead) == str(in_turn)
     if where == "encode":
         assert "while encoding a micro-batch of" in str(ahead) and memory.oom_advice("encode", 1) in str(ahead)
+        assert "(torch: tried to allocate 2.00 GiB" in str(ahead)  # torch's own figures, shortened
         assert isinstance(ahead.__cause__, torch.cuda.OutOfMemoryError)
 
 

@@ -181,6 +181,8 @@ def test_oom_advice_names_each_phases_settings():
     assert "train_micro_batch_size_per_gpu = 1" in memory.oom_advice("step", 2)
     assert "fp8_base" in memory.oom_advice("load", 1) and "data.cache" in memory.oom_advice("load", 1)
     assert "data.cache \"auto\"" in memory.oom_advice("encode", 1)
+    cache = memory.oom_advice("cache", 4)  # the build encodes one row at a time, so no micro-batch advice
+    assert "python -m train.cache" in cache and "margin_gb" in cache and "micro_batch" not in cache
     assert "inference.area" in memory.oom_advice("validation", 4)
     assert "micro_batch" not in memory.oom_advice("validation", 4)
     assert memory.OutOfMemory("x").without_traceback

@@ -170,6 +170,15 @@ def _prepare_dir(directory: Path, d: engine.Dist) -> None:
     engine.barrier()
 
 
+def _row_size(raw: dict) -> str:
+    """A collated sample's image sizes for a message: "target WxH px, references WxH, WxH px"."""
+    def wh(x: torch.Tensor) -> str:
+        return f"{x.shape[-1]}x{x.shape[-2]}"
+
+    refs = [wh(r) for r in raw["reference_pixels"]]
+    return f"target {wh(raw['target'])} px" + (f", references {', '.join(refs)} px" if refs else "")
+
+
 def encode_share(directory: Path, dataset, encoders: components.Encoders, variant: str, d: engine.Dist,
                  num_workers: int = 0) -> list[dict]:
     """Encode dataset items rank, rank + world, ... into this rank's shard parts; their index records."""
@@ -177,8 +186,14 @@ def encode_share(directory: Path, dataset, encoders: components.Encoders, varian
     loader = torch.utils.data.DataLoader(share, batch_size=1, num_workers=num_workers, collate_fn=pairs.collate)
     records, tensors, pending, part = [], {}, [], 0
     for raw in progress(loader, desc="encoding", unit="sample", disable=not d.is_main):
-        b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
-        line, dtype = raw["lines"][0], b.cond.reference_tokens.dtype
+        line = raw["lines"][0]
+        try:
+            b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
+        except torch.cuda.OutOfMemoryError as e:
+            raise memory.OutOfMemory(f"CUDA out of memory while building the cache, encoding row {line} "
+                                     f"({_row_size(raw)}){memory.torch_oom_figures(e)}. "
+                                     f"{memory.oom_advice('cache', 1)}") from e
+        dtype = b.cond.reference_tokens.dtype
         sample = {"x0": b.x0[0].to(dtype), "ref": b.cond.reference_tokens[0], "embeds": b.cond.prompt_embeds[0]}
         tensors.update({f"{line}.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in sample.items()})
         pending.append({"line": line, "target_hw": list(b.target_hw), "prompt_tokens": sample["embeds"].shape[0],
@@ -226,8 +241,12 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row
     dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
     # The plan's budget holds here too: where Qwen2.5-VL does not fit it, its blocks stream from host memory.
     stream = memory.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
-    encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream,
-                                         vae_2d_frames=p.model.vae_2d_frames)
+    try:
+        encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream,
+                                             vae_2d_frames=p.model.vae_2d_frames)
+    except torch.cuda.OutOfMemoryError as e:
+        raise memory.OutOfMemory(f"CUDA out of memory while loading the encoders for the cache"
+                                 f"{memory.torch_oom_figures(e)}. {memory.oom_advice('cache', 1)}") from e
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders
     gc.collect()

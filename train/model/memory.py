@@ -1287,6 +1287,10 @@ _LOWER = {
              "transformer loads; a lower qwen_edit.memory.budget_gb if other processes share the GPU"),
     "encode": ("data.cache \"auto\" (the encoders run once, before the transformer loads, and leave the GPU), a "
                "smaller qwen_edit.data.area or data.condition_area"),
+    "cache": ("a smaller qwen_edit.data.area or data.condition_area (the largest image's encode), a larger "
+              "qwen_edit.memory.margin_gb or a lower memory.budget_gb (below what Qwen2.5-VL and the VAE need, "
+              "Qwen2.5-VL's blocks stream from host memory), or build the cache with python -m train.cache on a "
+              "larger GPU and point data.cache_dir at it; the rows encoded so far are rewritten on the next run"),
     "step": ("qwen_edit.train.gradient_checkpointing = true (checkpoint_blocks 0 = every block), "
              "train.offload_blocks = N (the first N blocks' frozen weights in host memory), train.fp8_base = true, "
              "a smaller qwen_edit.data.area, a lower qwen_edit.lora.rank, or memory.plan \"auto\" with those keys "
@@ -1334,7 +1338,7 @@ def _step_advice(now: InEffect) -> str:
 
 
 def oom_advice(phase: str, micro_batch: int, now: InEffect | None = None) -> str:
-    """What lowers the memory of `phase` (load, encode, step, validation); a micro-batch of 1 is never suggested
+    """What lowers the memory of `phase` (load, encode, cache, step, validation); a micro-batch of 1 is never suggested
     to a run that already has it, nor (with `now`, the step's settings in effect) a step setting already on."""
     micro = ("; train_micro_batch_size_per_gpu = 1 (raise gradient_accumulation_steps instead)"
              if micro_batch > 1 and phase in ("encode", "step") else "")
