@@ -1238,70 +1238,66 @@ def test_expandable_segments_where_the_plan_offloads(monkeypatch):
     assert len(calls) == 2
 
 
+def _zero2_sizes(sizes: memory.Sizes) -> memory.Sizes:
+    """`sizes` with the gradient buckets the shipped zero2.json makes."""
+    import json
+    from pathlib import Path
+
+    ds = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json").read_text())
+    return dataclasses.replace(sizes, **memory.bucket_sizes(ds))
+
+
 def test_the_16_gb_plans_the_docs_quote(full_sizes):
     """docs/performance.md "Memory", session 18: from that 16 GB run's own measurement (its record's plan_measured),
     zero2.json's plan keeps 46 blocks' attention with both of DeepSpeed's gradient buckets counted and predicts
     13.70 GB (13.61 measured); counting one bucket, as the run that ran out of memory did, it keeps 50. Host memory
     left out (the H200 host had 133 GB available)."""
-    import json
-    from pathlib import Path
-
     m = memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
                         fwd_s=0.007736198999992894, fwd_bwd_s=0.02161766400000431, h2d_bytes_per_s=54992345519.41806,
                         ckpt_transient_bytes=2708410368, kept_bytes=81020160, kept_recompute_s=0.00541686399999719)
-    ds = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json").read_text())
     budget = 16 * GB
     got = {}
-    for label, s in (("one bucket", full_sizes), ("zero2.json", dataclasses.replace(full_sizes,
-                                                                                    **memory.bucket_sizes(ds)))):
+    for label, s in (("one bucket", full_sizes), ("zero2.json", _zero2_sizes(full_sizes))):
         c, p = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {}, True, False)
         assert c.offload_optimizer and c.checkpointed == c.offloaded == 60, (label, c)
         got[label] = (c.kept_attention, round(p.peak_bytes / GB, 2))
     assert got == {"one bucket": (50, 13.62), "zero2.json": (46, 13.7)}, got
 
 
-def _record_measured(record: dict) -> memory.Measured:
-    """A gpu_memory.sh record's plan_measured as the plan's Measured (the render figures left out: none ran)."""
-    keep = ("act_bytes", "ckpt_bytes", "transient_bytes", "fwd_s", "fwd_bwd_s", "h2d_bytes_per_s",
-            "ckpt_transient_bytes", "kept_bytes", "kept_recompute_s")
-    return memory.Measured(**{k: record[k] for k in keep})
-
-
-# Session 19's records (one H200, 2026-12-03, commit b77c64d, 2509 cached, zero2.json): plan_measured per budget.
+# Session 19's records (one H200, 2026-12-03, commit b77c64d, 2509 cached, zero2.json): plan_measured per budget
+# (no render ran, so no render figures).
 S19_LORA = {
-    141: dict(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232, fwd_s=0.007664199999993571,
-              fwd_bwd_s=0.022402530999983128, h2d_bytes_per_s=54331495333.60815, ckpt_transient_bytes=2708410368,
-              kept_bytes=81020160, kept_recompute_s=0.004428490999998758),
-    80: dict(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080, fwd_s=0.007357491000050231,
-             fwd_bwd_s=0.02131296099997826, h2d_bytes_per_s=53948601652.21411, ckpt_transient_bytes=2709882880,
-             kept_bytes=81020160, kept_recompute_s=0.005073101000050428),
-    48: dict(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232, fwd_s=0.008170878999990805,
-             fwd_bwd_s=0.022362611000005472, h2d_bytes_per_s=55096560388.43513, ckpt_transient_bytes=2708410368,
-             kept_bytes=81020160, kept_recompute_s=0.004131309000001693),
-    24: dict(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080, fwd_s=0.007900827000014488,
-             fwd_bwd_s=0.022317783999994845, h2d_bytes_per_s=54299931082.434166, ckpt_transient_bytes=2709882880,
-             kept_bytes=81020160, kept_recompute_s=0.0049004609999769855),
+    141: memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                         fwd_s=0.007664199999993571, fwd_bwd_s=0.022402530999983128,
+                         h2d_bytes_per_s=54331495333.60815, ckpt_transient_bytes=2708410368, kept_bytes=81020160,
+                         kept_recompute_s=0.004428490999998758),
+    80: memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                        fwd_s=0.007357491000050231, fwd_bwd_s=0.02131296099997826, h2d_bytes_per_s=53948601652.21411,
+                        ckpt_transient_bytes=2709882880, kept_bytes=81020160, kept_recompute_s=0.005073101000050428),
+    48: memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                        fwd_s=0.008170878999990805, fwd_bwd_s=0.022362611000005472,
+                        h2d_bytes_per_s=55096560388.43513, ckpt_transient_bytes=2708410368, kept_bytes=81020160,
+                        kept_recompute_s=0.004131309000001693),
+    24: memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                        fwd_s=0.007900827000014488, fwd_bwd_s=0.022317783999994845,
+                        h2d_bytes_per_s=54299931082.434166, ckpt_transient_bytes=2709882880, kept_bytes=81020160,
+                        kept_recompute_s=0.0049004609999769855),
 }
 # The full fine-tunes of the same day (the deepest the GPU alone fits per budget): budget -> (blocks, plan_measured).
 S19_FULL = {
-    48: (5, dict(act_bytes=1520281088, ckpt_bytes=80542464, transient_bytes=630213120, fwd_s=0.008305936999931873,
-                 fwd_bwd_s=0.02805201599994689, h2d_bytes_per_s=54650169272.49231, ckpt_transient_bytes=2507188224,
-                 kept_bytes=81020160, kept_recompute_s=0.004999029000032351)),
-    24: (2, dict(act_bytes=1521485312, ckpt_bytes=80542464, transient_bytes=628087296, fwd_s=0.008415406000040093,
-                 fwd_bwd_s=0.0281596620000073, h2d_bytes_per_s=55147133621.532646, ckpt_transient_bytes=2507212800,
-                 kept_bytes=81020160, kept_recompute_s=0.004290400999934718)),
-    16: (1, dict(act_bytes=1521485312, ckpt_bytes=80542464, transient_bytes=628087296, fwd_s=0.008062408000000687,
-                 fwd_bwd_s=0.027502352999931645, h2d_bytes_per_s=54871200737.72586, ckpt_transient_bytes=2507212800,
-                 kept_bytes=81020160, kept_recompute_s=0.004438120000145318)),
+    48: (5, memory.Measured(act_bytes=1520281088, ckpt_bytes=80542464, transient_bytes=630213120,
+                            fwd_s=0.008305936999931873, fwd_bwd_s=0.02805201599994689,
+                            h2d_bytes_per_s=54650169272.49231, ckpt_transient_bytes=2507188224, kept_bytes=81020160,
+                            kept_recompute_s=0.004999029000032351)),
+    24: (2, memory.Measured(act_bytes=1521485312, ckpt_bytes=80542464, transient_bytes=628087296,
+                            fwd_s=0.008415406000040093, fwd_bwd_s=0.0281596620000073,
+                            h2d_bytes_per_s=55147133621.532646, ckpt_transient_bytes=2507212800, kept_bytes=81020160,
+                            kept_recompute_s=0.004290400999934718)),
+    16: (1, memory.Measured(act_bytes=1521485312, ckpt_bytes=80542464, transient_bytes=628087296,
+                            fwd_s=0.008062408000000687, fwd_bwd_s=0.027502352999931645,
+                            h2d_bytes_per_s=54871200737.72586, ckpt_transient_bytes=2507212800, kept_bytes=81020160,
+                            kept_recompute_s=0.004438120000145318)),
 }
-
-
-def _zero2_sizes(sizes: memory.Sizes) -> memory.Sizes:
-    import json
-    from pathlib import Path
-
-    ds = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json").read_text())
-    return dataclasses.replace(sizes, **memory.bucket_sizes(ds))
 
 
 def test_the_session_19_lora_plans_the_docs_quote(full_sizes):
@@ -1311,7 +1307,7 @@ def test_the_session_19_lora_plans_the_docs_quote(full_sizes):
     quoted = {141: (0, 0, 0, True, 130.16), 80: (27, 27, 27, False, 73.22), 48: (45, 45, 45, False, 43.87),
               24: (59, 59, 59, True, 21.23)}
     for budget, want in quoted.items():
-        c, p = memory.choose(s, _record_measured(S19_LORA[budget]), budget * GB,
+        c, p = memory.choose(s, S19_LORA[budget], budget * GB,
                              memory.margin_bytes(0, budget * GB), {}, True, False)
         got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
         assert c.fp8_base and not c.offload_optimizer and got == want, (budget, got)
@@ -1322,8 +1318,7 @@ def test_the_session_19_full_fine_tunes_the_docs_quote(full_sizes):
     depth it ran is the deepest the GPU alone fits, planned bf16 with no checkpointing, at the printed peak
     (measured: 38.4, 16.0, 8.5 GB); one block more needs DeepSpeed's optimizer offload."""
     quoted = {48: 39.07, 24: 16.64, 16: 9.17}
-    for budget, (depth, record) in S19_FULL.items():
-        m = _record_measured(record)
+    for budget, (depth, m) in S19_FULL.items():
         for blocks in (depth, depth + 1):
             s = _zero2_sizes(memory.Sizes(**{**full_sizes.__dict__, "num_blocks": blocks, "full": True,
                                              "lora_params": 0}))

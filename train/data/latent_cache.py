@@ -190,9 +190,8 @@ def encode_share(directory: Path, dataset, encoders: components.Encoders, varian
         try:
             b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.OutOfMemory(f"CUDA out of memory while building the cache, encoding row {line} "
-                                     f"({_row_size(raw)}){memory.torch_oom_figures(e)}. "
-                                     f"{memory.oom_advice('cache', 1)}") from e
+            raise memory.out_of_memory(e, f"building the cache, encoding row {line} ({_row_size(raw)})",
+                                       "cache") from e
         dtype = b.cond.reference_tokens.dtype
         sample = {"x0": b.x0[0].to(dtype), "ref": b.cond.reference_tokens[0], "embeds": b.cond.prompt_embeds[0]}
         tensors.update({f"{line}.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in sample.items()})
@@ -245,8 +244,7 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row
         encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream,
                                              vae_2d_frames=p.model.vae_2d_frames)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.OutOfMemory(f"CUDA out of memory while loading the encoders for the cache"
-                                 f"{memory.torch_oom_figures(e)}. {memory.oom_advice('cache', 1)}") from e
+        raise memory.out_of_memory(e, "loading the encoders for the cache", "cache") from e
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders
     gc.collect()

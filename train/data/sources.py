@@ -105,8 +105,7 @@ def online_source(loader, encoders: Encoders, variant: str, ahead: bool = False)
         try:
             return encode_batch(raw, encoders, variant)
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.OutOfMemory(f"CUDA out of memory while encoding a micro-batch of {len(raw['prompts'])} "
-                                     f"online{memory.torch_oom_figures(e)}. "
-                                     f"{memory.oom_advice('encode', len(raw['prompts']))}") from e
+            n = len(raw["prompts"])
+            raise memory.out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
 
     return LoaderSource(loader, encode, encoders, ahead)

@@ -1346,6 +1346,12 @@ def oom_advice(phase: str, micro_batch: int, now: InEffect | None = None) -> str
     return f"To use less memory: {lower}{micro}"
 
 
+def out_of_memory(e: BaseException, doing: str, phase: str, micro_batch: int = 1) -> OutOfMemory:
+    """The OutOfMemory to raise from torch's error `e` in `phase`: "CUDA out of memory while <doing>", torch's
+    figures, then what lowers that phase's memory."""
+    return OutOfMemory(f"CUDA out of memory while {doing}{torch_oom_figures(e)}. {oom_advice(phase, micro_batch)}")
+
+
 def torch_oom_figures(e: BaseException) -> str:
     """torch's own figures from a CUDA out-of-memory error, shortened: what it tried to allocate, what its caching
     allocator held (allocated, and reserved but free) and the largest allocated so far; "" where it gave none."""

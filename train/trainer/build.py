@@ -66,8 +66,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
             share, t.kept_attention_blocks)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.OutOfMemory(f"CUDA out of memory while loading the transformer{memory.torch_oom_figures(e)}. "
-                                 f"{memory.oom_advice('load', cfg.micro_batch_size)}") from e
+        raise memory.out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
     if offloader is not None:
         print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
                f"({offloader.host_bytes / 1e9:.1f} GB pinned{', one copy for the node' if offloader.shared else ''}), "

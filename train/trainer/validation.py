@@ -326,8 +326,7 @@ class Validator:
             with self.encoders_lock, PeakMeter(self.d.device) as meter:
                 rendered = self._render(label)
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.OutOfMemory(f"CUDA out of memory while rendering validation images"
-                                     f"{memory.torch_oom_figures(e)}. {memory.oom_advice('validation', 1)}") from e
+            raise memory.out_of_memory(e, "rendering validation images", "validation") from e
         if meter.bytes is not None:
             self.peak_bytes = max(self.peak_bytes or 0, meter.bytes)
             self.metrics.message(f"validation: the render peaked at {meter.bytes / 1e9:.2f} GB of GPU memory on rank 0 "
