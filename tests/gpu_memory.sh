@@ -3,7 +3,8 @@
 # changed, on full-size architectures at random init (no weights needed), one GPU. For each budget it records the
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
 # reserved, what the caching allocator held, which the budget's margin must cover), the median step time after the
-# first two steps, and per step its time, the allocator's cache flushes so far (alloc_retries), the process's host RSS
+# first two steps, and per step its time, the allocator's cache flushes so far (alloc_retries), torch.compile's
+# graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the process's host RSS
 # (host_rss_gb) and the pinned host memory torch's allocator holds (host_pinned_gb), to check the plan's
 # predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only).
 # docs/performance.md "Memory" has the figures and the command.
@@ -85,6 +86,8 @@ if m.is_file():
     times = [r["step_time_s"] for r in rows if r["step"] > 2]
     rec["step_times_s"] = [round(r["step_time_s"], 3) for r in rows]  # every step's, the first (compiling) included
     rec["alloc_retries"] = [r.get("alloc_retries") for r in rows]  # the allocator's cache flushes so far, per step
+    rec["compiled_graphs"] = [r.get("compiled_graphs") for r in rows]  # torch.compile's graphs so far, per step
+    rec["data_wait"] = [r.get("data_wait_fraction") for r in rows]  # the step's share spent waiting for its batch
     rec["host_rss_gb"] = [r.get("host_rss_gb") for r in rows]  # the process's resident host memory, per step
     rec["host_pinned_gb"] = [r.get("host_pinned_gb") for r in rows]  # torch's pinned host pool, per step
     rec["median_step_s"] = statistics.median(times) if times else None

@@ -159,6 +159,24 @@ def test_alloc_retries_counts_the_allocators_cache_flushes(monkeypatch):
     assert metrics.alloc_retries(torch.device("cpu")) == 0
 
 
+def test_compiled_graphs_counts_what_torch_compile_builds():
+    """metrics.jsonl's compiled_graphs grows when torch.compile builds a graph (a first call, or a new shape that
+    recompiles), and not when a compiled graph runs again: a slow step with it unchanged did not compile."""
+    import torch
+
+    from train.runtime import metrics
+
+    torch._dynamo.reset()
+    before = metrics.compiled_graphs()
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    double(torch.ones(3))
+    first = metrics.compiled_graphs()
+    double(torch.ones(3) * 5)
+    assert first == before + 1 and metrics.compiled_graphs() == first
+    double(torch.ones(2, 2))  # a new shape recompiles
+    assert metrics.compiled_graphs() == first + 1
+
+
 def test_host_memory_is_the_rss_and_torchs_pinned_pool(monkeypatch):
     """metrics.jsonl's host_rss_gb is this process's RSS: it grows by what a tensor it fills takes. host_pinned_gb is
     torch's pinned allocator's allocated_bytes.current (a key torch documents): its blocks in use and cached, as

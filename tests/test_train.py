@@ -68,7 +68,7 @@ def test_zero2_outputs(zero2_run):
     assert resolved["zero_optimization"]["stage"] == 2 and resolved["qwen_edit"]["train"]["max_steps"] == 60
     record = metrics(zero2_run)[-1]
     for key in ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_memory_gb",
-                "peak_reserved_gb", "alloc_retries", "host_rss_gb", "host_pinned_gb"):
+                "peak_reserved_gb", "alloc_retries", "compiled_graphs", "host_rss_gb", "host_pinned_gb"):
         assert key in record, key
     assert record["alloc_retries"] == 0  # a CPU run has no caching allocator
     assert record["host_rss_gb"] > 0 and record["host_pinned_gb"] == 0  # nor a pinned host allocator

@@ -155,6 +155,15 @@ def alloc_retries(device: torch.device) -> int:
     return 0
 
 
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far (dynamo's unique_graphs counter;
+    metrics.jsonl's compiled_graphs): a step during which it grows compiled or recompiled something, which explains
+    a slow step."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
 def host_rss_gb() -> float:
     """This process's resident set size (psutil; metrics.jsonl's host_rss_gb): its host memory in RAM, pinned or not,
     for checking the memory plan's host accounting. Shared pages it has touched count too, so a /dev/shm buffer

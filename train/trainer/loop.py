@@ -15,6 +15,7 @@ from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.metrics import (
     Throughput,
     alloc_retries,
+    compiled_graphs,
     host_pinned_gb,
     host_rss_gb,
     peak_memory_gb,
@@ -182,6 +183,7 @@ class _Window:
                   "data_wait_fraction": source.take_wait_s() / elapsed,
                   **self.speed.read(step - self.last_logged), "peak_memory_gb": peak_memory_gb(d.device),
                   "peak_reserved_gb": peak_reserved_gb(d.device), "alloc_retries": alloc_retries(d.device),
+                  "compiled_graphs": compiled_graphs(),
                   "host_rss_gb": host_rss_gb(), "host_pinned_gb": host_pinned_gb(d.device)}
         self.loss.zero_()
         self.num_steps, self.last_logged = 0, step
