@@ -1328,3 +1328,36 @@ def test_the_session_19_full_fine_tunes_the_docs_quote(full_sizes):
                 assert round(p.peak_bytes / GB, 2) == quoted[budget], (budget, p.peak_bytes / GB)
             else:
                 assert c.offload_optimizer, (budget, blocks, c)
+
+
+# Session 20's records (one H200, 2026-12-04, commit 6161d1d, 2509, zero2.json): plan_measured of the 9-block full
+# fine-tune at 80 GB (cached) and of the 80 GB LoRA run with online encoding.
+S20_FULL_80 = memory.Measured(act_bytes=1520281088, ckpt_bytes=80542464, transient_bytes=630213120,
+                              fwd_s=0.007757813000011993, fwd_bwd_s=0.027093786999998315,
+                              h2d_bytes_per_s=55167432003.48575, ckpt_transient_bytes=2507188224,
+                              kept_bytes=81020160, kept_recompute_s=0.005753500000011513)
+S20_ONLINE_80 = memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                                fwd_s=0.008004614000014953, fwd_bwd_s=0.02291770100003987,
+                                h2d_bytes_per_s=55291028650.28436, encode_bytes=2212153856.0,
+                                ckpt_transient_bytes=2708410368, kept_bytes=81020160,
+                                kept_recompute_s=0.0039848649999498775)
+
+
+def test_the_session_20_plans_the_docs_quote(full_model, full_sizes):
+    """docs/performance.md "Memory", session 20, recomputed from each run's own measurement: the 80 GB full
+    fine-tune of 9 blocks runs bf16 on the GPU alone with no checkpointing at the printed 68.98 GB (68.31 measured),
+    and 10 blocks would need the optimizer offload; the 80 GB online LoRA run checkpoints and offloads 38 blocks,
+    all keeping their attention, at the printed 74.33 GB (70.17 measured), the next micro-batch encoding ahead."""
+    for blocks in (9, 10):
+        s = _zero2_sizes(memory.Sizes(**{**full_sizes.__dict__, "num_blocks": blocks, "full": True, "lora_params": 0}))
+        c, p = memory.choose(s, S20_FULL_80, 80 * GB, memory.margin_bytes(0, 80 * GB), {}, True, False)
+        if blocks == 9:
+            assert (c.fp8_base, c.checkpointed, c.offload_optimizer) == (False, 0, False), c
+            assert round(p.peak_bytes / GB, 2) == 68.98, p.peak_bytes / GB
+        else:
+            assert c.offload_optimizer, c
+    s = _zero2_sizes(dataclasses.replace(full_sizes, encoder_bytes=memory.encoder_bytes(full_model), encode_ahead=True))
+    c, p = memory.choose(s, S20_ONLINE_80, 80 * GB, memory.margin_bytes(0, 80 * GB), {"data.cache": "off"}, True,
+                         True)
+    got = (c.fp8_base, c.fp8_transposed, c.checkpointed, c.offloaded, c.kept_attention, round(p.peak_bytes / GB, 2))
+    assert got == (True, False, 38, 38, 38, 74.33), got
