@@ -4,7 +4,8 @@
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
 # reserved, what the caching allocator held, which the budget's margin must cover), the median step time after the
 # first two steps, and per step its time, the allocator's cache flushes so far (alloc_retries), torch.compile's
-# graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the process's host RSS
+# graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the GPU's lowest SM
+# clock and mean power sampled once a second during the step (sm_clock_mhz, power_w), the process's host RSS
 # (host_rss_gb) and the pinned host memory torch's allocator holds (host_pinned_gb), to check the plan's
 # predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only).
 # docs/performance.md "Memory" has the figures and the command.
@@ -54,7 +55,7 @@ for item in sets.split():  # section.key=JSON value
     q.setdefault(section, {})[key] = json.loads(value)
 q["data"].update(cache=cache, cache_dir=f"{data}/cache", num_workers=2)  # one cache for every budget
 q["train"]["max_steps"] = int(steps)
-q["output"].update(save_every_steps=0, log_every_steps=1, tensorboard=False, gpu_monitor_interval_s=0)
+q["output"].update(save_every_steps=0, log_every_steps=1, tensorboard=False, gpu_monitor_interval_s=1)
 if validate == "1":  # validation.file rows: {"edit_image": path or [paths], "prompt": ...}, paths made absolute
     rows = [json.loads(line) for line in open(f"{data}/data/metadata.jsonl") if line.strip()][:int(val_rows)]
     edits = path[:-len(".json")] + "_validation.jsonl"
@@ -88,6 +89,8 @@ if m.is_file():
     rec["alloc_retries"] = [r.get("alloc_retries") for r in rows]  # the allocator's cache flushes so far, per step
     rec["compiled_graphs"] = [r.get("compiled_graphs") for r in rows]  # torch.compile's graphs so far, per step
     rec["data_wait"] = [r.get("data_wait_fraction") for r in rows]  # the step's share spent waiting for its batch
+    rec["sm_clock_mhz"] = [r.get("gpu0_sm_clock_mhz") for r in rows]  # the lowest SM clock sampled in the step
+    rec["power_w"] = [r.get("gpu0_power_w") for r in rows]  # the mean board power sampled in the step
     rec["host_rss_gb"] = [r.get("host_rss_gb") for r in rows]  # the process's resident host memory, per step
     rec["host_pinned_gb"] = [r.get("host_pinned_gb") for r in rows]  # torch's pinned host pool, per step
     rec["median_step_s"] = statistics.median(times) if times else None

@@ -40,6 +40,25 @@ class FakeNvml(types.SimpleNamespace):
         return types.SimpleNamespace(gpu=10 * handle["index"] + handle["samples"])
 
 
+class ClockedNvml(FakeNvml):
+    """FakeNvml whose GPUs also report an SM clock that drops 100 MHz per sample from 1980, a power of 500 W plus
+    10 W per sample, and a temperature of 40 C plus 5 per sample; GPU 1 reports no temperature."""
+
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        assert kind == self.NVML_CLOCK_SM
+        return 1980 - 100 * (handle["samples"] - 1)
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return (500 + 10 * handle["samples"]) * 1000  # milliwatts
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        if handle["index"] == 1:
+            raise self.NVMLError("not supported")
+        return 40 + 5 * handle["samples"]
+
+
 def test_samples_window_and_summary(monkeypatch):
     """Direct samples: the window holds peak memory and mean utilisation since its last read; the summary all."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -59,6 +78,25 @@ def test_samples_window_and_summary(monkeypatch):
         {"node": 0, "gpu": 1, "peak_memory_used_gb": 6.0, "memory_total_gb": 80.0, "mean_utilization_pct": 12.0,
          "samples": 3},
     ]
+
+
+def test_the_window_has_the_lowest_clock_mean_power_and_highest_temperature(monkeypatch):
+    """A throttling GPU shows in metrics.jsonl: the window's SM clock is its lowest sample, power the mean, the
+    temperature the highest; a reading the GPU does not give is left out, and a driver without these calls (the plain
+    fake) gives memory and utilisation alone."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monitor = gpumon.GpuMonitor(1.0, nvml=ClockedNvml())
+    monitor.sample()
+    monitor.sample()
+    assert monitor.window() == {"gpu0_memory_gb": 2.0, "gpu0_utilization_pct": 1.5, "gpu0_sm_clock_mhz": 1880.0,
+                                "gpu0_power_w": 515.0, "gpu0_temperature_c": 50.0,
+                                "gpu1_memory_gb": 4.0, "gpu1_utilization_pct": 11.5, "gpu1_sm_clock_mhz": 1880.0,
+                                "gpu1_power_w": 515.0}
+    assert set(monitor.sample()[0]) == {"time", "node", "gpu", "memory_used_gb", "memory_total_gb",
+                                        "utilization_pct", "sm_clock_mhz", "power_w", "temperature_c"}
+    plain = gpumon.GpuMonitor(1.0, nvml=FakeNvml(count=1))
+    plain.sample()
+    assert set(plain.window()) == {"gpu0_memory_gb", "gpu0_utilization_pct"}
 
 
 def test_thread_writes_time_series(tmp_path, monkeypatch):

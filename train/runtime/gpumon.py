@@ -1,4 +1,4 @@
-"""Per-GPU memory and utilisation, sampled by nvidia-ml-py in a background thread.
+"""Per-GPU memory, utilisation, SM clock, power and temperature, sampled by nvidia-ml-py in a background thread.
 
 One monitor per node (local rank 0) samples every GPU the node's processes see (CUDA_VISIBLE_DEVICES) every
 `interval_s`: the samples go to a jsonl time series, `window()` summarises those since its last call (training
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -92,22 +93,43 @@ class GpuMonitor:
             except self.nvml.NVMLError:
                 continue
             used_gb, total_gb = memory.used / 1e9, memory.total / 1e9
-            records.append({"time": now, "node": self.node, "gpu": index, "memory_used_gb": used_gb,
-                            "memory_total_gb": total_gb, "utilization_pct": utilization})
+            record = {"time": now, "node": self.node, "gpu": index, "memory_used_gb": used_gb,
+                      "memory_total_gb": total_gb, "utilization_pct": utilization, **self._clocks(handle)}
+            records.append(record)
             with self._lock:
-                self._window.setdefault(index, []).append((used_gb, utilization))
+                self._window.setdefault(index, []).append(record)
                 t = self._totals.setdefault(index, {"peak": 0.0, "util_sum": 0.0, "n": 0, "total_gb": total_gb})
                 t["peak"], t["util_sum"], t["n"] = max(t["peak"], used_gb), t["util_sum"] + utilization, t["n"] + 1
         return records
 
+    def _clocks(self, handle) -> dict:
+        """The SM clock (MHz), board power (W) and temperature (C) of one GPU; a reading the driver or the GPU does
+        not give is left out. A clock below the GPU's maximum under load means power or thermal throttling, which
+        makes steps slower with nothing in the program changed."""
+        nvml, out = self.nvml, {}
+        for key, read in (("sm_clock_mhz", lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+                          ("power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+                          ("temperature_c", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))):
+            try:
+                out[key] = float(read())
+            except (nvml.NVMLError, AttributeError):
+                continue
+        return out
+
     def window(self) -> dict:
-        """{'gpuI_memory_gb': peak used, 'gpuI_utilization_pct': mean} over the samples since the last call."""
+        """Over the samples since the last call: {'gpuI_memory_gb': peak used, 'gpuI_utilization_pct': mean,
+        'gpuI_sm_clock_mhz': lowest, 'gpuI_power_w': mean, 'gpuI_temperature_c': highest} (the last three where the
+        GPU reports them)."""
         with self._lock:
             window, self._window = self._window, {}
         out = {}
         for index, samples in sorted(window.items()):
-            out[f"gpu{index}_memory_gb"] = max(s[0] for s in samples)
-            out[f"gpu{index}_utilization_pct"] = sum(s[1] for s in samples) / len(samples)
+            out[f"gpu{index}_memory_gb"] = max(s["memory_used_gb"] for s in samples)
+            out[f"gpu{index}_utilization_pct"] = sum(s["utilization_pct"] for s in samples) / len(samples)
+            for key, summarise in (("sm_clock_mhz", min), ("power_w", statistics.fmean), ("temperature_c", max)):
+                values = [s[key] for s in samples if key in s]
+                if values:
+                    out[f"gpu{index}_{key}"] = summarise(values)
         return out
 
     def summary(self) -> list[dict]:
