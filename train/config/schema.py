@@ -194,7 +194,8 @@ class OutputConfig:
     tensorboard: bool = True
     """Write tensorboard scalars under output/tensorboard."""
     gpu_monitor_interval_s: float = 5.0
-    """Seconds between samples of per-GPU memory and utilisation (nvidia-ml-py) into the metrics; 0 = off."""
+    """Seconds between samples of per-GPU memory, utilisation, SM clock, power and temperature (nvidia-ml-py) into the
+    metrics; 0 = off."""
 
 
 @section
