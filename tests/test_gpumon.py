@@ -58,6 +58,10 @@ class ClockedNvml(FakeNvml):
             raise self.NVMLError("not supported")
         return 40 + 5 * handle["samples"]
 
+    def nvmlDeviceGetMaxClockInfo(self, handle, kind):
+        assert kind == self.NVML_CLOCK_SM
+        return 1980
+
 
 def test_samples_window_and_summary(monkeypatch):
     """Direct samples: the window holds peak memory and mean utilisation since its last read; the summary all."""
@@ -97,6 +101,33 @@ def test_the_window_has_the_lowest_clock_mean_power_and_highest_temperature(monk
     plain = gpumon.GpuMonitor(1.0, nvml=FakeNvml(count=1))
     plain.sample()
     assert set(plain.window()) == {"gpu0_memory_gb", "gpu0_utilization_pct"}
+
+
+def test_the_summary_has_the_clock_and_power_under_load(monkeypatch):
+    """summary.json's busy_sm_clock_mhz and busy_power_w average the samples at >= 50% utilisation only (an idle
+    GPU lowers its clock on purpose), next to the card's max_sm_clock_mhz; without busy samples, or from a driver
+    without these readings, they are absent."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = ClockedNvml(count=1)
+    monitor = gpumon.GpuMonitor(1.0, nvml=nvml)
+    handle = monitor.handles[0][1]
+    busy = iter([10, 60, 90, 20])  # the four samples' utilisation: the 2nd and 3rd are busy
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", lambda h: types.SimpleNamespace(gpu=next(busy)),
+                        raising=False)
+    for _ in range(4):
+        monitor.sample()
+    assert handle["samples"] == 4
+    (entry,) = monitor.summary()
+    # clocks 1980, 1880, 1780, 1680 and power 510-540 W by sample; the busy ones are the 2nd and 3rd
+    assert entry["busy_sm_clock_mhz"] == 1830.0 and entry["busy_power_w"] == 525.0, entry
+    assert entry["max_sm_clock_mhz"] == 1980.0 and entry["mean_utilization_pct"] == 45.0
+    idle = gpumon.GpuMonitor(1.0, nvml=ClockedNvml(count=1))
+    idle.sample()  # 1% busy
+    assert not {"busy_sm_clock_mhz", "busy_power_w", "max_sm_clock_mhz"} & set(idle.summary()[0])
+    plain = gpumon.GpuMonitor(1.0, nvml=FakeNvml(count=1))
+    for _ in range(60):
+        plain.sample()  # reaches 60% busy, but reports no clock or power
+    assert not {"busy_sm_clock_mhz", "busy_power_w", "max_sm_clock_mhz"} & set(plain.summary()[0])
 
 
 def test_thread_writes_time_series(tmp_path, monkeypatch):

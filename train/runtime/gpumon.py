@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+BUSY_PCT = 50.0  # a sample with at least this utilisation is under load: its clock and power go into the summary
+
 
 def _load_nvml():
     """The initialised pynvml module, or None where there is none, no driver or no GPU."""
@@ -98,9 +100,21 @@ class GpuMonitor:
             records.append(record)
             with self._lock:
                 self._window.setdefault(index, []).append(record)
-                t = self._totals.setdefault(index, {"peak": 0.0, "util_sum": 0.0, "n": 0, "total_gb": total_gb})
+                t = self._totals.setdefault(index, {"peak": 0.0, "util_sum": 0.0, "n": 0, "total_gb": total_gb,
+                                                    "busy_clocks": [], "busy_power": []})
                 t["peak"], t["util_sum"], t["n"] = max(t["peak"], used_gb), t["util_sum"] + utilization, t["n"] + 1
+                if utilization >= BUSY_PCT:  # an idle GPU lowers its clock on purpose: only busy samples count
+                    for key, values in (("sm_clock_mhz", t["busy_clocks"]), ("power_w", t["busy_power"])):
+                        if key in record:
+                            values.append(record[key])
         return records
+
+    def max_sm_clock_mhz(self, handle) -> float | None:
+        """The GPU's maximum SM clock (nvml's max clock info), None where the driver does not give it."""
+        try:
+            return float(self.nvml.nvmlDeviceGetMaxClockInfo(handle, self.nvml.NVML_CLOCK_SM))
+        except (self.nvml.NVMLError, AttributeError):
+            return None
 
     def _clocks(self, handle) -> dict:
         """The SM clock (MHz), board power (W) and temperature (C) of one GPU; a reading the driver or the GPU does
@@ -133,12 +147,25 @@ class GpuMonitor:
         return out
 
     def summary(self) -> list[dict]:
-        """Per GPU over the whole run: peak memory used, total memory, mean utilisation, number of samples."""
+        """Per GPU over the whole run: peak memory used, total memory, mean utilisation, number of samples; where the
+        GPU reports them, its mean SM clock and power over the busy samples (utilisation >= BUSY_PCT) and its
+        maximum SM clock."""
+        handles = dict(self.handles)
         with self._lock:
-            return [{"node": self.node, "gpu": i, "peak_memory_used_gb": round(t["peak"], 3),
-                     "memory_total_gb": round(t["total_gb"], 3),
-                     "mean_utilization_pct": round(t["util_sum"] / t["n"], 1), "samples": t["n"]}
-                    for i, t in sorted(self._totals.items())]
+            out = []
+            for i, t in sorted(self._totals.items()):
+                entry = {"node": self.node, "gpu": i, "peak_memory_used_gb": round(t["peak"], 3),
+                         "memory_total_gb": round(t["total_gb"], 3),
+                         "mean_utilization_pct": round(t["util_sum"] / t["n"], 1), "samples": t["n"]}
+                if t["busy_clocks"]:
+                    entry["busy_sm_clock_mhz"] = round(statistics.fmean(t["busy_clocks"]), 1)
+                    top = self.max_sm_clock_mhz(handles[i]) if i in handles else None
+                    if top is not None:
+                        entry["max_sm_clock_mhz"] = top
+                if t["busy_power"]:
+                    entry["busy_power_w"] = round(statistics.fmean(t["busy_power"]), 1)
+                out.append(entry)
+            return out
 
     def stop(self) -> list[dict]:
         """End the sampling thread (after one last sample) and return `summary()`."""
