@@ -13,7 +13,8 @@
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
 # RUN_TIMEOUT (420 s) limits each run; on a fresh machine the first row needs ~230-260 s for 8 steps (the plan's
-# measurement compiles for ~65 s, the first step for ~70 s), later rows ~145-225 s. A run still going at the limit
+# measurement compiles for ~65 s, the first step for ~70 s; an online first row had not reached step 1 after 200 s
+# in session 20, its plan alone 76 s), later rows ~145-225 s. A run still going at the limit
 # gets SIGTERM, then SIGKILL 20 s later: a SIGTERM during a compile can hang torch 2.11 (docs/performance.md "Memory").
 # SET="train.kept_attention_blocks=0 ..." also sets these qwen_edit keys (JSON values) in every generated config, for
 # a same-call comparison with a lever off; TAG=name is added to the records' names.
