@@ -101,15 +101,16 @@ class GpuMonitor:
             with self._lock:
                 self._window.setdefault(index, []).append(record)
                 t = self._totals.setdefault(index, {"peak": 0.0, "util_sum": 0.0, "n": 0, "total_gb": total_gb,
-                                                    "busy_clocks": [], "busy_power": []})
+                                                    "busy": {}})
                 t["peak"], t["util_sum"], t["n"] = max(t["peak"], used_gb), t["util_sum"] + utilization, t["n"] + 1
                 if utilization >= BUSY_PCT:  # an idle GPU lowers its clock on purpose: only busy samples count
-                    for key, values in (("sm_clock_mhz", t["busy_clocks"]), ("power_w", t["busy_power"])):
-                        if key in record:
-                            values.append(record[key])
+                    for key in ("sm_clock_mhz", "power_w"):
+                        if key in record:  # [sum, count] of the busy samples' readings
+                            total = t["busy"].setdefault(key, [0.0, 0])
+                            total[0], total[1] = total[0] + record[key], total[1] + 1
         return records
 
-    def max_sm_clock_mhz(self, handle) -> float | None:
+    def _max_sm_clock_mhz(self, handle) -> float | None:
         """The GPU's maximum SM clock (nvml's max clock info), None where the driver does not give it."""
         try:
             return float(self.nvml.nvmlDeviceGetMaxClockInfo(handle, self.nvml.NVML_CLOCK_SM))
@@ -157,13 +158,11 @@ class GpuMonitor:
                 entry = {"node": self.node, "gpu": i, "peak_memory_used_gb": round(t["peak"], 3),
                          "memory_total_gb": round(t["total_gb"], 3),
                          "mean_utilization_pct": round(t["util_sum"] / t["n"], 1), "samples": t["n"]}
-                if t["busy_clocks"]:
-                    entry["busy_sm_clock_mhz"] = round(statistics.fmean(t["busy_clocks"]), 1)
-                    top = self.max_sm_clock_mhz(handles[i]) if i in handles else None
-                    if top is not None:
-                        entry["max_sm_clock_mhz"] = top
-                if t["busy_power"]:
-                    entry["busy_power_w"] = round(statistics.fmean(t["busy_power"]), 1)
+                for key, (total, count) in t["busy"].items():
+                    entry[f"busy_{key}"] = round(total / count, 1)
+                top = self._max_sm_clock_mhz(handles[i]) if "sm_clock_mhz" in t["busy"] and i in handles else None
+                if top is not None:
+                    entry["max_sm_clock_mhz"] = top
                 out.append(entry)
             return out
 
