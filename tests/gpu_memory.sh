@@ -7,7 +7,8 @@
 # graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the GPU's lowest SM
 # clock and mean power sampled once a second during the step (sm_clock_mhz, power_w), the process's host RSS
 # (host_rss_gb) and the pinned host memory torch's allocator holds (host_pinned_gb), to check the plan's
-# predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only).
+# predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only), and over the whole
+# run the GPU's mean SM clock and power while busy beside its maximum clock (summary.json's gpus).
 # docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
@@ -103,6 +104,7 @@ if s.is_file():
                                         "predicted_host_step_s", "predicted_host_pinned_gb", "render_tokens",
                                         "vae_tiling", "predicted_render_peak_gb")})
     rec["measured_render_peak_gb"] = summary.get("measured_render_peak_gb")
+    rec["gpus"] = summary.get("gpus")  # per GPU: mean utilisation, busy SM clock and power, maximum SM clock
     rec["plan_measured"] = plan.get("measured")  # A, S, T, ...: the prediction recomputes from these and the sizes
 print(json.dumps(rec))
 PY
