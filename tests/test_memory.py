@@ -1368,3 +1368,67 @@ def test_the_session_20_plans_the_docs_quote(full_model, full_sizes):
         c, p = memory.choose(s, m, 80 * GB, memory.margin_bytes(0, 80 * GB), {"data.cache": "off"}, True, True)
         got = (c.fp8_base, c.fp8_transposed, c.checkpointed, c.offloaded, c.kept_attention, round(p.peak_bytes / GB, 2))
         assert got == (True, False, 38, 38, 38, peak), got
+
+
+# Session 21's records (one H200, 2026-12-04, commit 1489168, zero2.json): plan_measured of the 2509 online runs at
+# 141 and 80 GB (one call), of the 2509 cached run at 141 GB and of the v1 cached runs at 141 and 80 GB (the next
+# call, the machine held), and at 48 and 24 GB (the call after).
+S21_ONLINE = {
+    141: memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                         fwd_s=0.007957529000009345, fwd_bwd_s=0.021183403999998518,
+                         h2d_bytes_per_s=55056850585.77666, encode_bytes=2212153856.0,
+                         ckpt_transient_bytes=2708410368, kept_bytes=81020160, kept_recompute_s=0.005193426999994699),
+    80: memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                        fwd_s=0.00769119699998555, fwd_bwd_s=0.02256347400003733,
+                        h2d_bytes_per_s=54144831606.38967, encode_bytes=2212153856.0,
+                        ckpt_transient_bytes=2709882880, kept_bytes=81020160, kept_recompute_s=0.004515940999965551),
+}
+S21_CACHED_141 = memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                                 fwd_s=0.007950511000046845, fwd_bwd_s=0.02276128900001595,
+                                 h2d_bytes_per_s=55214455555.29294, ckpt_transient_bytes=2709882880,
+                                 kept_bytes=81020160, kept_recompute_s=0.004268764000073588)
+S21_V1_CACHED = {
+    141: memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                         fwd_s=0.0053589380000858, fwd_bwd_s=0.014826397000092584, h2d_bytes_per_s=53751894484.359604,
+                         ckpt_transient_bytes=1878763008, kept_bytes=61457760, kept_recompute_s=0.002974582999854647),
+    80: memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                        fwd_s=0.0049891740000020945, fwd_bwd_s=0.014074973999981921, h2d_bytes_per_s=54651192893.86066,
+                        ckpt_transient_bytes=1878305280, kept_bytes=61457760, kept_recompute_s=0.0035391750001281252),
+    48: memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                        fwd_s=0.005145208999920214, fwd_bwd_s=0.014075141000148506, h2d_bytes_per_s=54958546172.4779,
+                        ckpt_transient_bytes=1878305280, kept_bytes=61457760, kept_recompute_s=0.004081632999941576),
+    24: memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                        fwd_s=0.00485054199998558, fwd_bwd_s=0.014101437000135775, h2d_bytes_per_s=53846249945.91432,
+                        ckpt_transient_bytes=1878305280, kept_bytes=61457760, kept_recompute_s=0.003694839999980104),
+}
+
+
+def test_the_session_21_plans_the_docs_quote(tmp_path, full_model, full_sizes):
+    """docs/performance.md "Memory", session 21, recomputed from each run's own measurement: 2509 online at 141 GB
+    checkpoints and offloads 3 blocks without the transposed copy (131.41 GB printed, 126.11 measured), at 80 GB 38
+    (74.32, 70.03); 2509 from the cache at 141 GB with the transposed copy and no checkpointing (130.18, 126.93); v1
+    from the cache (its transformer is 2509's: the same counted sizes) runs without checkpointing at 141 GB (108.50,
+    105.17), and checkpoints 16 / 39 / 59 blocks at 80 / 48 / 24 GB, keeping the attention of
+    15 / 37 / 59 and offloading 16 / 39 / 49 (74.44 / 44.08 / 21.24 printed; 71.61 / 41.87 / 20.26 measured)."""
+    s = _zero2_sizes(dataclasses.replace(full_sizes, encoder_bytes=memory.encoder_bytes(full_model), encode_ahead=True))
+    quoted = {141: (3, 3, 3, 131.41), 80: (38, 38, 38, 74.32)}
+    for budget, want in quoted.items():
+        c, p = memory.choose(s, S21_ONLINE[budget], budget * GB, memory.margin_bytes(0, budget * GB),
+                             {"data.cache": "off"}, True, True)
+        got = (c.checkpointed, c.offloaded, c.kept_attention, round(p.peak_bytes / GB, 2))
+        assert c.fp8_base and not c.fp8_transposed and not c.cached and got == want, (budget, c, got)
+    c, p = memory.choose(_zero2_sizes(full_sizes), S21_CACHED_141, 141 * GB, memory.margin_bytes(0, 141 * GB), {},
+                         True, False)
+    assert (c.fp8_transposed, c.checkpointed, round(p.peak_bytes / GB, 2)) == (True, 0, 130.18), (c, p)
+    v1 = make_tiny(tmp_path / "v1", "edit", num_samples=2, size=64)
+    write_full_size_configs(v1 / "model")
+    v1_sizes = memory.count_sizes(v1 / "model", LoraConfig().target_modules, 64)
+    assert v1_sizes == full_sizes
+    s = _zero2_sizes(v1_sizes)
+    quoted = {141: (0, 0, 0, True, 108.50), 80: (16, 16, 15, False, 74.44), 48: (39, 39, 37, False, 44.08),
+              24: (59, 49, 59, False, 21.24)}
+    for budget, want in quoted.items():
+        c, p = memory.choose(s, S21_V1_CACHED[budget], budget * GB, memory.margin_bytes(0, budget * GB), {}, True,
+                             False)
+        got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+        assert c.fp8_base and not c.offload_optimizer and got == want, (budget, got)
