@@ -8,7 +8,9 @@
 # clock and mean power sampled once a second during the step (sm_clock_mhz, power_w), the process's host RSS
 # (host_rss_gb) and the pinned host memory torch's allocator holds (host_pinned_gb), to check the plan's
 # predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only), and over the whole
-# run the GPU's mean SM clock and power while busy beside its maximum clock (summary.json's gpus).
+# run the GPU's mean SM clock and power while busy beside its maximum clock (summary.json's gpus; its busy samples
+# include the plan's measurement and the first step's compile, so rows compare by median_step_sm_clock_mhz, the
+# median over the steps of median_step_s of each step's lowest clock).
 # docs/performance.md "Memory" has the figures and the command.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
@@ -96,6 +98,8 @@ if m.is_file():
     rec["host_rss_gb"] = [r.get("host_rss_gb") for r in rows]  # the process's resident host memory, per step
     rec["host_pinned_gb"] = [r.get("host_pinned_gb") for r in rows]  # torch's pinned host pool, per step
     rec["median_step_s"] = statistics.median(times) if times else None
+    clocks = [r["gpu0_sm_clock_mhz"] for r in rows if r["step"] > 2 and r.get("gpu0_sm_clock_mhz")]
+    rec["median_step_sm_clock_mhz"] = statistics.median(clocks) if clocks else None  # the same steps' lowest clocks
 s = run / "summary.json"
 if s.is_file():
     summary = json.loads(s.read_text())
