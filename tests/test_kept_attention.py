@@ -254,3 +254,31 @@ def test_compiled_blocks_keep_and_skip_like_eager_ones(kernel_calls):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name in eager_grads:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_gemm_probe_covers_the_converted_linears():
+    """python -m train.bench --gemm_probe times exactly the linears train.fp8_base converts in a released block: per
+    stream, the (in, out) features of its list are those of the block's token linears; its report sums them for
+    the step, and without a GPU it refuses."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from train.benchmarks import gemms
+    from train.model import fp8
+    from train.model.archs import FULL_ARCH
+
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": 1})
+    converted = sorted((m.in_features, m.out_features) for name, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and fp8._kind(name) == "token")
+    assert converted == sorted(2 * [(k, n) for _, k, n in gemms.linears()])
+    row = {"m": 8, "k": 3072, "n": 3072, "fwd_ms_exact": 1.0, "fwd_ms_fast": 0.75, "bwd_ms_exact": 1.0,
+           "bwd_ms_fast": 0.75, "fwd_error_exact": 1e-3, "fwd_error_fast": 2e-3, "bwd_error_exact": 1e-3,
+           "bwd_error_fast": 3e-3}
+    text = gemms.format_report({"gpu": "G", "torch": "t", "image_tokens": 8, "text_tokens": 0, "blocks": 60,
+                                "linears": {"image_q": row}, "step_s_exact": 0.12, "step_s_fast": 0.09,
+                                "tflops_exact": 1.0, "tflops_fast": 1.3, "max_error_exact": 1e-3,
+                                "max_error_fast": 3e-3})
+    assert "0.1200 s per step exact" in text and "fast - exact -0.0300 s" in text and "3.00e-03 fast" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            gemms.run(gemms.parse_args([]))

@@ -3,8 +3,10 @@
     python -m train.bench [--tiny] [--mode lora|full] [--checkpointing none|full] [--compile] [--baseline] ...
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
     python -m train.bench --block_probe [...]          # the memory plan's block measurement, kept attention or not
+    python -m train.bench --gemm_probe [...]           # one block's fp8 matmuls, fast accumulation off and on
 
-What is timed and how MFU is counted: train/benchmarks/step.py; the block probe: train/benchmarks/blocks.py.
+What is timed and how MFU is counted: train/benchmarks/step.py; the block probe: train/benchmarks/blocks.py; the
+matmul probe: train/benchmarks/gemms.py.
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.benchmarks import blocks
+from train.benchmarks import blocks, gemms
 from train.benchmarks.step import append_json, format_report, parse_args, run
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output
 
 BLOCK_PROBE = "--block_probe"
+GEMM_PROBE = "--gemm_probe"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, report on rank 0; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if BLOCK_PROBE in argv:
-        return block_probe([a for a in argv if a != BLOCK_PROBE])
+        return probe(blocks, [a for a in argv if a != BLOCK_PROBE])
+    if GEMM_PROBE in argv:
+        return probe(gemms, [a for a in argv if a != GEMM_PROBE])
     prefix_rank_output()  # as train/main.py: other ranks' lines carry their rank
     args = parse_args(argv)
     d = engine.init_distributed()
@@ -40,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def block_probe(argv: list[str]) -> int:
-    """--block_probe: the memory plan's block measurement with and without kept attention
-    (train/benchmarks/blocks.py)."""
-    args = blocks.parse_args(argv)
-    record = blocks.run(args)
-    print(blocks.format_report(record), flush=True)
+def probe(module, argv: list[str]) -> int:
+    """A one-process probe, run, reported, its JSON appended: --block_probe (train/benchmarks/blocks.py, the memory
+    plan's block measurement with and without kept attention) or --gemm_probe (train/benchmarks/gemms.py)."""
+    args = module.parse_args(argv)
+    record = module.run(args)
+    print(module.format_report(record), flush=True)
     if args.json:
         append_json(args.json, record)
     return 0
