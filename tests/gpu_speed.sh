@@ -76,6 +76,10 @@ for row in $rows; do
       run_row z2511 200 "${fast[@]}" --zero_cond_t "${timing[@]}" --peer diffsynth --peer_variants bf16:compile ;;
     curves)  # 50 steps of the kept levers against the plain bf16 compiled loop, same seeds: the loss tolerance
       run_row curves 200 "${fast[@]}" --baseline --steps 45 --warmup 5 ;;
+    fast_accum)  # the fastest configuration with fast fp8 accumulation (train.fp8_fast_accum; perf_notes lever 29)
+      run_row fast_accum 130 "${fast[@]}" --fp8_fast_accum "${timing[@]}" ;;
+    curves_fast_accum)  # its 50-step loss curve against the plain bf16 loop, as the curves row
+      run_row curves_fast_accum 200 "${fast[@]}" --fp8_fast_accum --baseline --steps 45 --warmup 5 ;;
     microbatch2)  # two samples of one shape bucket per step
       run_row microbatch2 100 "${fast[@]}" --micro_batch 2 "${timing[@]}" ;;
     peer_more)  # the peer's other candidates: its compile_pipeline default (dynamic), fp8 and int8 weight-only.
@@ -83,7 +87,7 @@ for row in $rows; do
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
-            "curves microbatch2 autotune peer_more)" ;;
+            "curves fast_accum curves_fast_accum microbatch2 autotune peer_more)" ;;
   esac
 done
 
@@ -98,7 +102,8 @@ for path in sorted(out.glob("*.jsonl")):
         continue
     r = json.loads(lines[-1])
     opts = [f"refs {r['refs']}", f"mb {r['micro_batch']}"]
-    opts += [f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "")] if r["fp8_base"] else ["bf16"]
+    fp8 = f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "") + ("+F" if r.get("fp8_fast_accum") else "")
+    opts += [fp8] if r["fp8_base"] else ["bf16"]  # T: the stored transposed copy, F: fast accumulation
     opts += [(f"compiled {r['compile_mode']}" if r.get("compile_mode") else "compiled") if r["compile"] else "eager",
              f"ZeRO-{r['zero_stage']}"]
     print(f"{path.stem:18s} {'project: ' + ', '.join(opts):54s} {r['s_per_step']:8.4f} {100 * r['mfu']:5.1f}% "

@@ -340,6 +340,18 @@ def test_fp8_transposed_needs_fp8_base(setup):
     assert setup.set(q("train.fp8_base"), True).load().project.train.fp8_transposed
 
 
+def test_fp8_fast_accum_needs_an_fp8_base(setup):
+    """train.fp8_fast_accum applies to an fp8 base: alone it loads while the memory plan may still choose fp8 (auto,
+    the default), and is named with both fixes where nothing will (the plan off, or a full fine-tune)."""
+    assert setup.set(q("train.fp8_fast_accum"), True).load().project.train.fp8_fast_accum
+    for key, value, default in (("memory.plan", "off", "auto"), ("train.mode", "full", "lora")):
+        msg = setup.set(q(key), value).problem()
+        assert msg.startswith(q("train.fp8_fast_accum") + ": only applies to an fp8 base"), (key, msg)
+        assert "enable fp8_base or set fp8_fast_accum to false" in msg
+        setup.set(q(key), default)
+    assert setup.set(q("train.fp8_base"), True).set(q("memory.plan"), "off").load().project.train.fp8_fast_accum
+
+
 def test_empty_target_modules_in_lora_mode(setup):
     """LoRA mode with no target modules asks for at least one, with an example."""
     msg = setup.set(q("lora.target_modules"), []).problem()

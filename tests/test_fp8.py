@@ -126,3 +126,28 @@ def test_kept_transposed_weight_gives_the_same_gradient():
         grads.append((y.detach(), xi.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
     assert "weight_fp8_t" not in kept.state_dict()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fast_accumulation_reaches_both_matmuls(monkeypatch, fast):
+    """train.fp8_fast_accum, as prepare_for_training passes it: every token linear's forward and input-gradient
+    `_scaled_mm` gets use_fast_accum=fast; the modulation linears (no fp8 matmul) are left as they are."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum"))
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    torch.manual_seed(0)
+    model = build_transformer()
+    components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0), False, False, fp8_base=True,
+                                    real_rope=False, fp8_fast_accum=fast)
+    linears = [m for m in model.modules() if isinstance(m, fp8.Float8FrozenLinear)]
+    assert [m.fast_accum for m in linears] == [fast and m.kind == "token" for m in linears]
+    loss = model(**transformer_inputs(model))[0].square().mean()
+    forward = len(calls)
+    loss.backward()  # an input gradient wherever the input needs one (not block 0's text stream: 15 of 24 here)
+    assert forward == sum(m.kind == "token" for m in linears) and len(calls) > forward, (forward, len(calls))
+    assert set(calls) == {fast}

@@ -263,14 +263,17 @@ def plain_run(tiny_edit, tmp_path_factory):
     # lr 1e-2 the LoRA weights within 0.3 lr of the plain run's (a broken fp8 path misses both by far)
     ({"fp8_base": True}, 1e-2, 3e-3),
     ({"fp8_base": True, "fp8_transposed": True}, 1e-2, 3e-3),  # the same matmuls with a stored transpose
-], ids=["checkpointing", "checkpoint_blocks", "offload_blocks", "compile", "fp8_base", "fp8_transposed"])
+    ({"fp8_base": True, "fp8_fast_accum": True}, 1e-2, 3e-3),  # a CPU's fp8 matmul accumulates one way only
+], ids=["checkpointing", "checkpoint_blocks", "offload_blocks", "compile", "fp8_base", "fp8_transposed",
+        "fp8_fast_accum"])
 def test_speed_options_keep_the_numbers(tiny_edit, tmp_path, plain_run, changes, loss_tol, weight_tol):
     """train.gradient_checkpointing (+ checkpoint_blocks), train.compile and train.fp8_base train like the plain
     run: losses and exported LoRA weights agree within the stated tolerances (fp32, CPU)."""
     cfg = write_config(tmp_path / "cfg.json", **{f"qwen_edit.train.{k}": v for k, v in changes.items()},
                        **{"qwen_edit.output.log_every_steps": 1})
     out = tmp_path / "run"
-    check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3")))
+    proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3"))
+    check(proc)
     losses, weights = [r["loss"] for r in metrics(out)], load_file(out / "export" / LORA_FILE)
     plain_losses, plain_weights, _ = plain_run
     assert losses == pytest.approx(plain_losses, rel=loss_tol)
@@ -278,6 +281,8 @@ def test_speed_options_keep_the_numbers(tiny_edit, tmp_path, plain_run, changes,
     assert diff < weight_tol, diff
     if changes.get("fp8_base"):  # the option really ran: quantised weights cannot give bitwise the same losses
         assert losses != plain_losses
+    if changes.get("fp8_fast_accum"):  # and reached every converted linear (the tiny model's 2 blocks: 28)
+        assert "fp8 base: 28 frozen linears kept in float8 e4m3, 24 of them with fast accumulation" in proc.stdout
 
 
 def _continues(out: Path, losses: list, weights: dict, tol: float = 1e-6) -> None:

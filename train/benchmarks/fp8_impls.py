@@ -37,12 +37,13 @@ def frozen_linears(model: torch.nn.Module, kind: str) -> list[str]:
             and fp8._kind(name.removesuffix(".base_layer")) == kind]
 
 
-def convert(model: torch.nn.Module, impl: str, keep_transposed: bool = False) -> int:
+def convert(model: torch.nn.Module, impl: str, keep_transposed: bool = False, fast_accum: bool = False) -> int:
     """Put the frozen block linears of `model` (LoRA already added) in fp8 the `impl` way; returns how many."""
     if impl == "ours":
-        return fp8.convert_frozen_linears(model, keep_transposed=keep_transposed)
-    if keep_transposed:
-        raise ValueError(f"--fp8_transposed is train/model/fp8.py's stored transposed copy; --fp8_impl {impl} has none")
+        return fp8.convert_frozen_linears(model, keep_transposed=keep_transposed, fast_accum=fast_accum)
+    if keep_transposed or fast_accum:
+        raise ValueError(f"--fp8_transposed and --fp8_fast_accum are train/model/fp8.py's; --fp8_impl {impl} has "
+                         "neither")
     if impl == "torchao_training":
         return convert_torchao_training(model)
     if impl == "torchao_inference":

@@ -148,6 +148,8 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
                         "stays bf16, so --baseline compares the curves)")
     p.add_argument("--fp8_transposed", action="store_true",
                    help="with --fp8_base: keep the fp8 weights transposed for the backward too (train.fp8_transposed)")
+    p.add_argument("--fp8_fast_accum", action="store_true",
+                   help="with --fp8_base: the fp8 matmuls accumulate fast (train.fp8_fast_accum)")
     p.add_argument("--fp8_impl", choices=fp8_impls.IMPLS, default="ours",
                    help="with --fp8_base: train/model/fp8.py (ours, default) or torchao's float8 training linear "
                         "(torchao_training) or fp8 inference linears (torchao_inference); "
@@ -170,14 +172,16 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_base needs --mode lora (a frozen base)")
     if args.fp8_transposed and not args.fp8_base:
         parser.error("--fp8_transposed applies with --fp8_base")
+    if args.fp8_fast_accum and not args.fp8_base:
+        parser.error("--fp8_fast_accum applies with --fp8_base")
     if args.compile_mode and not args.compile:
         parser.error("--compile_mode applies with --compile")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
     if args.fp8_impl != "ours" and not args.fp8_base:
         parser.error("--fp8_impl applies with --fp8_base")
-    if args.fp8_transposed and args.fp8_impl != "ours":
-        parser.error("--fp8_transposed is train/model/fp8.py's stored transposed copy; use it with --fp8_impl ours")
+    if (args.fp8_transposed or args.fp8_fast_accum) and args.fp8_impl != "ours":
+        parser.error("--fp8_transposed and --fp8_fast_accum are train/model/fp8.py's; use them with --fp8_impl ours")
     if args.peer:
         if args.mode != "lora" or args.micro_batch != 1 or args.checkpoint_blocks:
             parser.error("--peer trains LoRA at micro-batch 1, every block checkpointed or none (as its trainer); "
@@ -664,6 +668,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "compile_mode": args.compile_mode,
         "zero_cond_t": args.zero_cond_t,
         "zero_stage": args.zero_stage, "fp8_base": args.fp8_base, "fp8_transposed": args.fp8_transposed,
+        "fp8_fast_accum": args.fp8_fast_accum,
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
@@ -707,7 +712,7 @@ def format_report(r: dict) -> str:
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}"
         f"{' (' + r['compile_mode'] + ')' if r.get('compile_mode') else ''}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} ({r['fp8_impl'] or '-'}, transposed copy "
-        f"{r['fp8_transposed']}), "
+        f"{r['fp8_transposed']}{', fast accumulation' if r.get('fp8_fast_accum') else ''}), "
         f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
@@ -773,7 +778,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
         rope.use_real_pairs(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base
         components.check_fp8_device()
-        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed)
+        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
     record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)

@@ -144,6 +144,9 @@ def _check_lora_and_savers(cfg: ProjectConfig, problems: list[str]) -> None:
     if cfg.train.fp8_transposed and not cfg.train.fp8_base:
         problems.append(f"{p}.train.fp8_transposed: only applies with train.fp8_base; enable fp8_base or set "
                         "fp8_transposed to false")
+    if cfg.train.fp8_fast_accum and not cfg.train.fp8_base and (cfg.memory.plan == "off" or cfg.train.mode != "lora"):
+        problems.append(f"{p}.train.fp8_fast_accum: only applies to an fp8 base (train.fp8_base, LoRA only, set in the "
+                        "config or chosen by memory.plan \"auto\"); enable fp8_base or set fp8_fast_accum to false")
     if cfg.train.fp8_base and cfg.train.mode != "lora":
         problems.append(f"{p}.train.fp8_base: needs a frozen base; set train.mode to \"lora\" or fp8_base to false")
 

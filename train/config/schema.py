@@ -169,6 +169,11 @@ class TrainConfig:
     fp8_transposed: bool = False
     """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
+    fp8_fast_accum: bool = False
+    """With fp8_base: the fp8 matmuls accumulate as Hopper's tensor cores do without cuBLAS's periodic promotion to
+    float32 (torch._scaled_mm's use_fast_accum): 5-7% faster matmuls in `python -m train.bench --gemm_probe`, an
+    accumulation error of 1-3e-3 beside the fp8 weights' own ~4e-2 (docs/perf_notes.md lever 29). Applies to an
+    fp8 base set in the config or chosen by the memory plan."""
     offload_blocks: int = 0
     """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
     of use on a side stream (train/model/offload.py); they must be checkpointed (gradient_checkpointing, and

@@ -287,7 +287,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
                          fp8_transposed: bool = False, real_rope: bool = True,
                          quantized: dict | None = None, offload: set[int] | None = None,
-                         compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0):
+                         compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0,
+                         fp8_fast_accum: bool = False):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
@@ -295,7 +296,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
     share: the node's shared host copy of the offloaded blocks (offload.NodeShare), or None for this process's own.
     kept_attention_blocks: how many of the checkpointed blocks (the first ones) keep their attention output for the
-    recomputation (train/model/kept_attention.py); -1 = all of them.
+    recomputation (train/model/kept_attention.py); -1 = all of them. fp8_fast_accum: the fp8 matmuls accumulate
+    fast (train.fp8_fast_accum).
     Returns the BlockOffloader, or None."""
     offload = offload or set()
     if mode == "lora":
@@ -304,7 +306,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
             check_fp8_device()
             # Offloaded blocks keep no transposed copy: it would double what crosses the bus every use.
             fp8.convert_frozen_linears(transformer, lambda name: fp8_transposed and _block_of(name) not in offload,
-                                       quantized)
+                                       quantized, fp8_fast_accum)
     else:
         transformer.requires_grad_(True)
     offloader = None
@@ -338,7 +340,7 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
                       lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
                       checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
-                      share=None, kept_attention_blocks: int = 0):
+                      share=None, kept_attention_blocks: int = 0, fp8_fast_accum: bool = False):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
     (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
@@ -354,7 +356,7 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
                                      offload=placement.offload, share=share,
-                                     kept_attention_blocks=kept_attention_blocks)
+                                     kept_attention_blocks=kept_attention_blocks, fp8_fast_accum=fp8_fast_accum)
     return transformer, offloader
 
 

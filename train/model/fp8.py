@@ -58,10 +58,11 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                weight_t: torch.Tensor | None = None) -> torch.Tensor:
+                weight_t: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
         ctx.save_for_backward(weight, scale, weight_t)
+        ctx.fast_accum = fast_accum
         x2 = x.reshape(-1, x.shape[-1])
-        return scaled_matmul(x2, weight, scale, x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return scaled_matmul(x2, weight, scale, x.dtype, fast_accum).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -71,15 +72,15 @@ class _Float8Matmul(torch.autograd.Function):
         # (kept from the conversion when asked, otherwise transposed here, a pass over the weight per call).
         ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
         w_t = weight.t().contiguous() if weight_t is None else weight_t
-        grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype)
-        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None, None
+        grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype, ctx.fast_accum)
+        return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None, None, None
 
 
 class Float8FrozenLinear(torch.nn.Module):
     """A frozen nn.Linear kept in e4m3 with per-output-row scales (see the module docstring for `kind`)."""
 
     def __init__(self, linear: torch.nn.Linear, kind: str, keep_transposed: bool = False,
-                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None, fast_accum: bool = False):
         super().__init__()
         if kind not in ("token", "vector"):
             raise ValueError(f"kind must be 'token' or 'vector', got {kind!r}")
@@ -93,6 +94,7 @@ class Float8FrozenLinear(torch.nn.Module):
         self.register_buffer("weight_fp8_t", transposed, persistent=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+        self.fast_accum = fast_accum and kind == "token"  # train.fp8_fast_accum: both directions' _scaled_mm
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight_fp8.float() * self.weight_scale[:, None]).to(dtype)
@@ -101,7 +103,7 @@ class Float8FrozenLinear(torch.nn.Module):
         if self.kind == "vector":
             y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
         else:
-            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t)
+            y = _Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_fp8_t, self.fast_accum)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -119,12 +121,14 @@ def _kind(name: str) -> str | None:
 
 
 def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool | Callable[[str], bool] = False,
-                           quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+                           quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                           fast_accum: bool = False) -> int:
     """Swap the blocks' frozen linears (peft's base_layer where LoRA wraps one) for Float8FrozenLinear in place;
     returns how many were converted. Call after LoRA is added. keep_transposed: also store each token linear's
     weight transposed for the backward (train.fp8_transposed: twice the fp8 weight memory, no transpose per step);
     a function of the linear's name decides per linear. quantized: {linear name: (e4m3 weight, scale)} already
-    made (by train.model.streaming), for linears whose weight is only a placeholder."""
+    made (by train.model.streaming), for linears whose weight is only a placeholder. fast_accum: the token linears'
+    matmuls accumulate as `torch._scaled_mm(use_fast_accum=True)` does (train.fp8_fast_accum)."""
     quantized = quantized or {}
     transposed = keep_transposed if callable(keep_transposed) else (lambda name: keep_transposed)
     targets = []
@@ -142,5 +146,6 @@ def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool |
     for name, parent, attr, linear, kind in targets:
         if linear.weight.requires_grad:
             raise ValueError("fp8 base weights need a frozen base (train.mode = 'lora')")
-        setattr(parent, attr, Float8FrozenLinear(linear, kind, transposed(name), quantized.pop(name, None)))
+        setattr(parent, attr, Float8FrozenLinear(linear, kind, transposed(name), quantized.pop(name, None),
+                                                 fast_accum))
     return len(targets)

@@ -801,11 +801,12 @@ def _median_difference(more: list[float], fewer: list[float]) -> float:
 
 
 def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, mode: str, lora,
-            fp8_base: bool, compile_blocks: bool, kept: bool = True) -> Measured:
+            fp8_base: bool, compile_blocks: bool, kept: bool = True, fp8_fast_accum: bool = False) -> Measured:
     """A, S, T and block times at workload `w` from a one- and a two-block transformer, each run plain and
     checkpointed (see the module docstring). With `kept` (and a kernel for it) the checkpointed blocks keep their
     attention output: X (kept_bytes) is counted, S is what the block holds besides it, and the difference of the
-    checkpointed and plain block times is a kept block's recomputation. Seconds, plus compilation."""
+    checkpointed and plain block times is a kept block's recomputation. fp8_fast_accum: the fp8 matmuls as
+    train.fp8_fast_accum runs them. Seconds, plus compilation."""
     from train.model import components, kept_attention
 
     model_dir = Path(model_dir)
@@ -816,7 +817,7 @@ def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torc
         for layers in (1, 2):
             model = _mini_transformer(model_dir, layers, dtype, device)
             components.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base,
-                                            kept_attention_blocks=-1 if keep else 0)
+                                            kept_attention_blocks=-1 if keep else 0, fp8_fast_accum=fp8_fast_accum)
             models.append(model.train())
         runs[checkpointed] = _run(models, _inputs(models[0], w, dtype, device), device)
         del models, model
@@ -1102,7 +1103,7 @@ def _measure_run(p, device: torch.device, work: Workload, render: Workload | Non
     render's transients when they apply."""
     measured = measure(p.model.path, work, dtype, device, p.train.mode, p.lora,
                        fixed.get("train.fp8_base", fp8_ok), fixed.get("train.compile", True),
-                       fixed.get("train.kept_attention_blocks", -1) != 0)
+                       fixed.get("train.kept_attention_blocks", -1) != 0, p.train.fp8_fast_accum)
     if online:
         measured = _with_encode_bytes(measured, p, device, work)
     if render is not None:

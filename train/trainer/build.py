@@ -64,7 +64,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
         transformer, offloader = components.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
-            share, t.kept_attention_blocks)
+            share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
     except torch.cuda.OutOfMemoryError as e:
         raise memory.out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
     if offloader is not None:
@@ -73,8 +73,11 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
                f"{offloader.device_bytes / 1e9:.2f} GB of device slots",
                rank=int(os.environ.get("RANK", "0")))
     if p.train.fp8_base:
-        count = sum(isinstance(m, fp8.Float8FrozenLinear) for m in transformer.modules())
-        print0(f"fp8 base: {count} frozen linears kept in float8 e4m3", rank=int(os.environ.get("RANK", "0")))
+        linears = [m for m in transformer.modules() if isinstance(m, fp8.Float8FrozenLinear)]
+        fast = sum(m.fast_accum for m in linears)
+        print0(f"fp8 base: {len(linears)} frozen linears kept in float8 e4m3"
+               f"{f', {fast} of them with fast accumulation (train.fp8_fast_accum)' if fast else ''}",
+               rank=int(os.environ.get("RANK", "0")))
     if p.train.mode == "lora" and p.lora.init_from:
         report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
         print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
