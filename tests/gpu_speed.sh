@@ -30,8 +30,10 @@ import torch
 print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 PY
 
-# The project's fastest configuration (docs/performance.md), LoRA r64 on the 8 attention projections.
-fast=(--compile --fp8_base --fp8_transposed --zero_stage 1 --lora_targets attn)
+# The project's fastest configuration (docs/performance.md), LoRA r64 on the 8 attention projections; `exact` is it
+# with the fp8 matmuls' exact accumulation (fast accumulation since 2026-12-04, docs/perf_notes.md lever 29).
+exact=(--compile --fp8_base --fp8_transposed --zero_stage 1 --lora_targets attn)
+fast=("${exact[@]}" --fp8_fast_accum)
 timing=(--steps "$steps" --warmup "$warmup")
 
 run_row() {  # NAME SECONDS_IT_NEEDS BENCH_ARGS...: run when the budget has that much left
@@ -76,10 +78,8 @@ for row in $rows; do
       run_row z2511 200 "${fast[@]}" --zero_cond_t "${timing[@]}" --peer diffsynth --peer_variants bf16:compile ;;
     curves)  # 50 steps of the kept levers against the plain bf16 compiled loop, same seeds: the loss tolerance
       run_row curves 200 "${fast[@]}" --baseline --steps 45 --warmup 5 ;;
-    fast_accum)  # the fastest configuration with fast fp8 accumulation (train.fp8_fast_accum; perf_notes lever 29)
-      run_row fast_accum 130 "${fast[@]}" --fp8_fast_accum "${timing[@]}" ;;
-    curves_fast_accum)  # its 50-step loss curve against the plain bf16 loop, as the curves row
-      run_row curves_fast_accum 200 "${fast[@]}" --fp8_fast_accum --baseline --steps 45 --warmup 5 ;;
+    exact_accum)  # the fastest configuration with the fp8 matmuls' exact accumulation: with `fast`, lever 29's A/B
+      run_row exact_accum 130 "${exact[@]}" "${timing[@]}" ;;
     microbatch2)  # two samples of one shape bucket per step
       run_row microbatch2 100 "${fast[@]}" --micro_batch 2 "${timing[@]}" ;;
     peer_more)  # the peer's other candidates: its compile_pipeline default (dynamic), fp8 and int8 weight-only.
@@ -87,7 +87,7 @@ for row in $rows; do
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
-            "curves fast_accum curves_fast_accum microbatch2 autotune peer_more)" ;;
+            "curves exact_accum microbatch2 autotune peer_more)" ;;
   esac
 done
 

@@ -576,6 +576,24 @@ def test_vae_tiling_is_planned_unless_the_config_sets_it():
         memory.Choice(True, True, 0, 0, True), 60)
 
 
+def test_fast_accumulation_comes_with_the_planned_fp8_base_unless_the_config_sets_it():
+    """apply() turns train.fp8_fast_accum on with an fp8 base (docs/perf_notes.md lever 29), leaves a bf16 base's
+    off, and keeps the key where the config sets it, either way."""
+    from train.config import Config, ProjectConfig
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    fp8, bf16 = memory.Choice(True, True, 0, 0, True), memory.Choice(False, False, 0, 0, True)
+    planned = Config(project=ProjectConfig(), deepspeed=ds)
+    memory.apply(planned, fp8, 60)
+    assert planned.project.train.fp8_base and planned.project.train.fp8_fast_accum
+    plain = Config(project=ProjectConfig(), deepspeed=ds)
+    memory.apply(plain, bf16, 60)
+    assert not plain.project.train.fp8_base and not plain.project.train.fp8_fast_accum
+    exact = Config(project=ProjectConfig(), deepspeed=ds, explicit=frozenset({"train.fp8_fast_accum"}))
+    memory.apply(exact, fp8, 60)
+    assert exact.project.train.fp8_base and not exact.project.train.fp8_fast_accum
+
+
 def test_block_times_alternate_the_models_and_take_the_median_of_paired_differences(monkeypatch):
     """memory._run alternates its models pass by pass, leaves out the warm-up rounds (the first compiles) and keeps
     every timed pass, so that measure takes a block's time as the median of the paired differences of one round:

@@ -171,9 +171,10 @@ class TrainConfig:
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
     fp8_fast_accum: bool = False
     """With fp8_base: the fp8 matmuls accumulate as Hopper's tensor cores do without cuBLAS's periodic promotion to
-    float32 (torch._scaled_mm's use_fast_accum): 5-7% faster matmuls in `python -m train.bench --gemm_probe`, an
-    accumulation error of 1-3e-3 beside the fp8 weights' own ~4e-2 (docs/perf_notes.md lever 29). Applies to an
-    fp8 base set in the config or chosen by the memory plan."""
+    float32 (torch._scaled_mm's use_fast_accum): 5-7% faster matmuls in `python -m train.bench --gemm_probe`, a 3%
+    faster step, an accumulation error of 1-3e-3 beside the fp8 weights' own ~4e-2 (docs/perf_notes.md lever 29).
+    memory.plan "auto" turns it on with the fp8 base it picks unless the config sets this key; set false for the
+    exact accumulation."""
     offload_blocks: int = 0
     """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
     of use on a side stream (train/model/offload.py); they must be checkpointed (gradient_checkpointing, and
@@ -259,9 +260,9 @@ class ValidationConfig:
 class MemoryConfig:
     plan: Literal["auto", "off"] = "auto"
     """auto: on a GPU, before loading, choose what the config leaves unset among train.fp8_base, fp8_transposed,
-    compile, gradient_checkpointing, checkpoint_blocks, offload_blocks, data.cache and (with validation.file, whose
-    renders must fit too) inference.vae_tiling, so that the run fits budget_gb and is as fast as it can be there
-    (printed with its predicted peak); off: run the keys as written."""
+    fp8_fast_accum, compile, gradient_checkpointing, checkpoint_blocks, offload_blocks, data.cache and (with
+    validation.file, whose renders must fit too) inference.vae_tiling, so that the run fits budget_gb and is as fast
+    as it can be there (printed with its predicted peak); off: run the keys as written."""
     budget_gb: float = 0.0
     """GPU memory this process may use, in GB; 0 = what the device has free at the start. A lower value caps the
     process there (torch's per-process memory fraction), e.g. to leave room or to simulate a smaller card."""

@@ -1001,6 +1001,8 @@ def apply(cfg, c: Choice, num_blocks: int) -> None:
         setattr(getattr(p, section), name, value)
     if "train.compile" not in cfg.explicit:
         p.train.compile = True
+    if p.train.fp8_base and "train.fp8_fast_accum" not in cfg.explicit:
+        p.train.fp8_fast_accum = True  # an fp8 base's matmuls with fast accumulation (docs/perf_notes.md lever 29)
 
 
 # ---------------------------------------------------------------- the run's plan
@@ -1035,7 +1037,8 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if render is not None:
         sizes = dataclasses.replace(sizes, vae_bytes=component_bytes(p.model.path, "vae"))
     fp8_ok = p.train.mode == "lora" and torch.cuda.get_device_capability(d.device) >= (8, 9)
-    measured = _measure_run(p, d.device, work, render, dtype, fixed, fp8_ok, online)
+    fast_accum = p.train.fp8_fast_accum or "train.fp8_fast_accum" not in cfg.explicit  # as apply() sets it
+    measured = _measure_run(p, d.device, work, render, dtype, fixed, fp8_ok, online, fast_accum)
     # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
     from train.runtime.engine import all_gather_objects
 
@@ -1098,12 +1101,12 @@ def bucket_sizes(ds: dict) -> dict:
 
 
 def _measure_run(p, device: torch.device, work: Workload, render: Workload | None, dtype: torch.dtype,
-                 fixed: dict, fp8_ok: bool, online: bool) -> Measured:
-    """This rank's measurement for the plan: the blocks at `work`, then online encoding's bytes and the validation
-    render's transients when they apply."""
+                 fixed: dict, fp8_ok: bool, online: bool, fast_accum: bool) -> Measured:
+    """This rank's measurement for the plan: the blocks at `work` (an fp8 base's matmuls with fast accumulation when
+    `fast_accum`), then online encoding's bytes and the validation render's transients when they apply."""
     measured = measure(p.model.path, work, dtype, device, p.train.mode, p.lora,
                        fixed.get("train.fp8_base", fp8_ok), fixed.get("train.compile", True),
-                       fixed.get("train.kept_attention_blocks", -1) != 0, p.train.fp8_fast_accum)
+                       fixed.get("train.kept_attention_blocks", -1) != 0, fast_accum)
     if online:
         measured = _with_encode_bytes(measured, p, device, work)
     if render is not None:
