@@ -4,14 +4,15 @@
 
 The token linears that train.fp8_base converts (train/model/fp8.py TOKEN_LINEARS) at the released width, for one
 micro-batch: each linear's forward matmul (x @ W8^T) and its input gradient (dy @ W8, with W8's transposed copy as
-train.fp8_transposed keeps it), as `torch._scaled_mm` runs them in training, timed with CUDA events (the median of
-`repeats` after warm-up; the row quantisation of the input is outside the timing, since fast accumulation does not
-change it) with torch's `use_fast_accum` off (the training path) and on. On Hopper the fp8 tensor cores accumulate
-in a narrower format; with fast accumulation off cuBLAS promotes the partial sums to fp32 every so often, which is
-exact but slower. Error: the bf16 output against a float32 matmul of the same e4m3 operands and scales, as
-||out - ref|| / ||ref||, so it is the accumulation and the output's rounding, not the quantisation. The inputs are
-random normal (the weights scaled as the released init, std 0.02): an order of magnitude, not the trained model's.
-The report sums a block's linears and multiplies by the model's 60 blocks, the time per step a step would save.
+train.fp8_transposed keeps it), through the call training makes (train/model/fp8.py scaled_mm), timed with CUDA
+events (the median of `repeats` after warm-up; the row quantisation of the input is outside the timing, since fast
+accumulation does not change it) with torch's `use_fast_accum` off and on (train.fp8_fast_accum). On Hopper the fp8
+tensor cores accumulate in a narrower format; with fast accumulation off cuBLAS promotes the partial sums to fp32
+every so often, which is exact but slower. Error: the bf16 output against a float32 matmul of the same e4m3 operands
+and scales, as ||out - ref|| / ||ref||, so it is the accumulation and the output's rounding, not the quantisation.
+The inputs are random normal (the weights scaled as the released init, std 0.02): an order of magnitude, not the
+trained model's. The report sums a block's linears and multiplies by the model's 60 blocks, the time per step a step
+would save.
 """
 
 from __future__ import annotations
@@ -78,12 +79,10 @@ def measure(m: int, k: int, n: int, device: torch.device, repeats: int) -> dict:
         tag = "fast" if fast else "exact"
 
         def fwd(fast=fast):
-            return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+            return fp8.scaled_mm(x8, x_scale, w8, w_scale, torch.bfloat16, fast)
 
         def bwd(fast=fast):
-            return torch._scaled_mm(g8, w8_t.t(), scale_a=g_scale, scale_b=ones.view(1, -1),
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+            return fp8.scaled_mm(g8, g_scale, w8_t, ones, torch.bfloat16, fast)
 
         row[f"fwd_ms_{tag}"] = _median_ms(fwd, repeats)
         row[f"bwd_ms_{tag}"] = _median_ms(bwd, repeats)

@@ -37,14 +37,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def scaled_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
-                  fast_accum: bool = False) -> torch.Tensor:
-    """a (M, K) high precision @ b_t^T where b_t (N, K) is e4m3 with per-row scales b_scale (N,). fast_accum:
-    torch's use_fast_accum (Hopper's fp8 tensor cores accumulate without the periodic fp32 promotion; faster, less
-    exact over a long K); the training path keeps it off, `python -m train.bench --gemm_probe` measures both."""
-    a8, a_scale = quantize_rows(a)
+def scaled_mm(a8: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """(a8 * a_scale) @ (b_t * b_scale[:, None])^T for e4m3 a8 (M, K) with row scales a_scale (M, 1) and e4m3 b_t
+    (N, K) with row scales b_scale (N,). fast_accum: torch's use_fast_accum (Hopper's fp8 tensor cores accumulate
+    without the periodic fp32 promotion; faster, less exact over a long K: train.fp8_fast_accum, measured by
+    `python -m train.bench --gemm_probe`)."""
     return torch._scaled_mm(a8, b_t.t(), scale_a=a_scale, scale_b=b_scale.view(1, -1), out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+def scaled_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+                  fast_accum: bool = False) -> torch.Tensor:
+    """a (M, K) high precision, quantised per row, @ b_t^T as scaled_mm computes it."""
+    return scaled_mm(*quantize_rows(a), b_t, b_scale, out_dtype, fast_accum)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1001,8 +1001,13 @@ def apply(cfg, c: Choice, num_blocks: int) -> None:
         setattr(getattr(p, section), name, value)
     if "train.compile" not in cfg.explicit:
         p.train.compile = True
-    if p.train.fp8_base and "train.fp8_fast_accum" not in cfg.explicit:
-        p.train.fp8_fast_accum = True  # an fp8 base's matmuls with fast accumulation (docs/perf_notes.md lever 29)
+    p.train.fp8_fast_accum = planned_fast_accum(cfg, p.train.fp8_base)
+
+
+def planned_fast_accum(cfg, fp8_base: bool) -> bool:
+    """train.fp8_fast_accum as the plan runs it: the config's value where it sets the key, otherwise on with an fp8
+    base (docs/perf_notes.md lever 29)."""
+    return cfg.project.train.fp8_fast_accum if "train.fp8_fast_accum" in cfg.explicit else fp8_base
 
 
 # ---------------------------------------------------------------- the run's plan
@@ -1037,8 +1042,8 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if render is not None:
         sizes = dataclasses.replace(sizes, vae_bytes=component_bytes(p.model.path, "vae"))
     fp8_ok = p.train.mode == "lora" and torch.cuda.get_device_capability(d.device) >= (8, 9)
-    fast_accum = p.train.fp8_fast_accum or "train.fp8_fast_accum" not in cfg.explicit  # as apply() sets it
-    measured = _measure_run(p, d.device, work, render, dtype, fixed, fp8_ok, online, fast_accum)
+    measured = _measure_run(p, d.device, work, render, dtype, fixed, fp8_ok, online,
+                            planned_fast_accum(cfg, fixed.get("train.fp8_base", fp8_ok)))
     # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
     from train.runtime.engine import all_gather_objects
 
