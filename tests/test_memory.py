@@ -1233,10 +1233,9 @@ def test_the_shipped_configs_buckets():
     assert fast.bucket_bytes(False) == 0 and fast.bucket_bytes(True) == 0.4e9
 
 
-def test_expandable_segments_where_the_plan_offloads(monkeypatch):
-    """Where the plan's choice offloads (a budget below the model's need) torch's allocator is switched to expandable
-    segments and its cache emptied; not where nothing is offloaded, nor when the user set torch's allocator
-    settings, nor off CUDA."""
+def test_expandable_segments_on_every_cuda_run_the_plan_makes(monkeypatch):
+    """The plan switches torch's allocator to expandable segments and empties its cache on CUDA, whether or not its
+    choice offloads; not off CUDA, nor when the user set torch's allocator settings (either variable)."""
     import torch
 
     calls = []
@@ -1245,14 +1244,13 @@ def test_expandable_segments_where_the_plan_offloads(monkeypatch):
     for env in memory.ALLOC_CONF_ENVS:
         monkeypatch.delenv(env, raising=False)
     cuda = torch.device("cuda", 0)
-    offloading = memory.Choice(True, False, 60, 60, True, True)
-    resident = memory.Choice(True, True, 0, 0, True, False)
-    assert memory.expandable_segments(resident, cuda) == "" and calls == []
-    assert memory.expandable_segments(offloading, torch.device("cpu")) == "" and calls == []
-    assert "expandable segments on" in memory.expandable_segments(offloading, cuda)
+    assert memory.expandable_segments(torch.device("cpu")) == "" and calls == []
+    assert "expandable segments on" in memory.expandable_segments(cuda)
     assert calls == ["expandable_segments:True", "emptied"]
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    assert memory.expandable_segments(dataclasses.replace(offloading, offload_optimizer=False), cuda) == ""
+    for env in memory.ALLOC_CONF_ENVS:
+        monkeypatch.setenv(env, "max_split_size_mb:512")
+        assert memory.expandable_segments(cuda) == ""
+        monkeypatch.delenv(env)
     assert len(calls) == 2
 
 

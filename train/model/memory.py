@@ -920,15 +920,15 @@ def budget_bytes(budget_gb: float, device: torch.device) -> float:
 ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's allocator settings; the user's win
 
 
-def expandable_segments(c: Choice, device: torch.device) -> str:
-    """Turn on torch's expandable segments for the rest of the run when the plan's choice offloads (blocks or the
-    optimizer: a budget below what the model needs), unless the user configured torch's allocator: "" when nothing
-    changed, else the plan line's note. Why: at 16 GB the 2509 step ran out of memory with 13.5 GB allocated and
-    2.5 GB cached but free in pieces too small for a 144 MiB request (docs/performance.md "Memory"); segments that
-    grow in place keep freed memory reusable for any size, torch's own remedy, which its error message names.
-    The segments cached so far (the plan's measurement) are released first."""
-    if device.type != "cuda" or not (c.offloaded or c.offload_optimizer) or any(os.environ.get(e) for e in
-                                                                                   ALLOC_CONF_ENVS):
+def expandable_segments(device: torch.device) -> str:
+    """Turn on torch's expandable segments for the rest of the run, unless the user configured torch's allocator: ""
+    when nothing changed, else the plan line's note. Why: at 16 GB the 2509 step ran out of memory with 13.5 GB
+    allocated and 2.5 GB cached but free in pieces too small for a 144 MiB request (docs/performance.md "Memory");
+    segments that grow in place keep freed memory reusable for any size, torch's own remedy, which its error message
+    names. Runs that offload nothing gain headroom too: at 141 GB from the cache the allocator's reserved peak fell
+    from 140.1 to 134.1 GB at the same step time (docs/perf_notes.md M15), room a dataset with several shape buckets
+    needs. The segments cached so far (the plan's measurement) are released first."""
+    if device.type != "cuda" or any(os.environ.get(e) for e in ALLOC_CONF_ENVS):
         return ""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:  # torch before 2.9
@@ -1054,7 +1054,7 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     choice, pred = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker, host)
     note = render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker, host)
     apply(cfg, choice, sizes.num_blocks)
-    segments = expandable_segments(choice, d.device)
+    segments = expandable_segments(d.device)
     reset_peak_memory(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
