@@ -1448,3 +1448,34 @@ def test_the_session_21_plans_the_docs_quote(tmp_path, full_model, full_sizes):
                              False)
         got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
         assert c.fp8_base and not c.offload_optimizer and got == want, (budget, got)
+
+
+# Session 23's records (one H200, 2026-12-04, zero2.json): plan_measured of the 2509 cached run at 141 GB with the
+# plan's fast fp8 accumulation (tree of 79f68ee) and of the v1 online run at 48 GB (tree of 4b8664a, its own call).
+S23_CACHED_141 = memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                                 fwd_s=0.007687925999988465, fwd_bwd_s=0.022287029999972674,
+                                 h2d_bytes_per_s=55167579394.10743, ckpt_transient_bytes=2708410368,
+                                 kept_bytes=81020160, kept_recompute_s=0.004013953000026049)
+S23_V1_ONLINE_48 = memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                                   fwd_s=0.005268243000003281, fwd_bwd_s=0.01431664199999716,
+                                   h2d_bytes_per_s=54390567927.475006, encode_bytes=2212153856.0,
+                                   ckpt_transient_bytes=1878763008, kept_bytes=61457760,
+                                   kept_recompute_s=0.003934255999993752)
+
+
+def test_the_session_23_plans_the_docs_quote(tmp_path, full_sizes):
+    """docs/performance.md "Memory", session 23, recomputed from each run's own measurement: 2509 from the cache at
+    141 GB with the transposed copy and no checkpointing (130.16 GB printed, 126.93 measured); v1 online at 48 GB
+    with the encoders on the GPU checkpoints 54 blocks (all keeping their attention) and offloads 53, without the
+    transposed copy (43.83 printed, 40.27 measured)."""
+    c, p = memory.choose(_zero2_sizes(full_sizes), S23_CACHED_141, 141 * GB, memory.margin_bytes(0, 141 * GB), {},
+                         True, False)
+    assert (c.fp8_base, c.fp8_transposed, c.checkpointed, round(p.peak_bytes / GB, 2)) == (True, True, 0, 130.16)
+    v1 = make_tiny(tmp_path / "v1", "edit", num_samples=2, size=64)
+    write_full_size_configs(v1 / "model")
+    s = _zero2_sizes(dataclasses.replace(memory.count_sizes(v1 / "model", LoraConfig().target_modules, 64),
+                                         encoder_bytes=memory.encoder_bytes(v1 / "model"), encode_ahead=True))
+    c, p = memory.choose(s, S23_V1_ONLINE_48, 48 * GB, memory.margin_bytes(0, 48 * GB), {"data.cache": "off"}, True,
+                         True)
+    got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+    assert c.fp8_base and not c.cached and not c.offload_optimizer and got == (54, 53, 54, False, 43.83), got
