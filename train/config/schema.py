@@ -171,10 +171,10 @@ class TrainConfig:
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
     fp8_fast_accum: bool = False
     """With fp8_base: the fp8 matmuls accumulate as Hopper's tensor cores do without cuBLAS's periodic promotion to
-    float32 (torch._scaled_mm's use_fast_accum): 5-7% faster matmuls in `python -m train.bench --gemm_probe`, a 3%
-    faster step, an accumulation error of 1-3e-3 beside the fp8 weights' own ~4e-2 (docs/perf_notes.md lever 29).
-    memory.plan "auto" turns it on with the fp8 base it picks unless the config sets this key; set false for the
-    exact accumulation."""
+    float32 (torch._scaled_mm's use_fast_accum): 5-7% faster matmuls in `python -m train.bench --gemm_probe`, a
+    1.7% faster 2509 step through train/main.py (3% in train.bench), an accumulation error of 1-3e-3 beside the fp8
+    weights' own ~4e-2 (docs/perf_notes.md lever 29). memory.plan "auto" turns it on with the fp8 base it picks
+    unless the config sets this key; set false for the exact accumulation."""
     offload_blocks: int = 0
     """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
     of use on a side stream (train/model/offload.py); they must be checkpointed (gradient_checkpointing, and
