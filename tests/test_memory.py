@@ -1479,3 +1479,74 @@ def test_the_session_23_plans_the_docs_quote(tmp_path, full_sizes):
                          True)
     got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
     assert c.fp8_base and not c.cached and not c.offload_optimizer and got == (54, 53, 54, False, 43.83), got
+
+
+# Session 24's records (one H200, 2026-12-04, the tree of 7456950, zero2.json, three calls on one machine held):
+# plan_measured of the v1 online runs at 141 and 48 GB (call 1, data.cache "off"; its 24 GB run stopped before
+# loading and recorded none), of the 2509 cached runs at 141, 80 and 48 GB (call 2) and at 24 and 141 GB (call 3).
+S24_V1_ONLINE = {
+    141: memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                         fwd_s=0.005043520000000967, fwd_bwd_s=0.014169309999999768,
+                         h2d_bytes_per_s=55114501679.150185, encode_bytes=2212153856.0,
+                         ckpt_transient_bytes=1878763008, kept_bytes=61457760, kept_recompute_s=0.003254850999979908),
+    48: memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, transient_bytes=844218368.0,
+                        fwd_s=0.004908198999942215, fwd_bwd_s=0.013834228999940024,
+                        h2d_bytes_per_s=54014918543.85737, encode_bytes=2212153856.0,
+                        ckpt_transient_bytes=1878305280, kept_bytes=61457760, kept_recompute_s=0.003950866000025144),
+}
+S24_CACHED = {
+    (2, 141): memory.Measured(act_bytes=1452693504, ckpt_bytes=80639744, transient_bytes=1339615232,
+                              fwd_s=0.0077525340000192955, fwd_bwd_s=0.021515326999974604,
+                              h2d_bytes_per_s=50843659540.624016, ckpt_transient_bytes=2708410368,
+                              kept_bytes=81020160, kept_recompute_s=0.004607176000035906),
+    (2, 80): memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                             fwd_s=0.007343388000094819, fwd_bwd_s=0.0212136489999466,
+                             h2d_bytes_per_s=54911586635.44657, ckpt_transient_bytes=2709882880,
+                             kept_bytes=81020160, kept_recompute_s=0.004303266999954758),
+    (2, 48): memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                             fwd_s=0.007879140000113694, fwd_bwd_s=0.02229810999995152,
+                             h2d_bytes_per_s=53787361599.46927, ckpt_transient_bytes=2709882880,
+                             kept_bytes=81020160, kept_recompute_s=0.0036492070000804233),
+    (3, 24): memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                             fwd_s=0.007317994999993971, fwd_bwd_s=0.02087673200003337,
+                             h2d_bytes_per_s=54454971646.69977, ckpt_transient_bytes=2709882880,
+                             kept_bytes=81020160, kept_recompute_s=0.005096646999845689),
+    (3, 141): memory.Measured(act_bytes=1453050368, ckpt_bytes=80100096, transient_bytes=1338926080,
+                              fwd_s=0.0075634839997746894, fwd_bwd_s=0.02170357799991507,
+                              h2d_bytes_per_s=53941045642.02069, ckpt_transient_bytes=2709882880,
+                              kept_bytes=81020160, kept_recompute_s=0.004018028000018603),
+}
+
+
+def test_the_session_24_plans_the_docs_quote(tmp_path, full_sizes):
+    """docs/performance.md "Memory", session 24, recomputed from each run's own measurement: 2509 from the cache
+    runs without checkpointing at 141 GB with the transposed copy (130.16 and 130.18 GB printed, 126.73 measured),
+    checkpoints and offloads 27 / 45 / 59 blocks at 80 / 48 / 24 GB, all keeping their attention, the transposed copy
+    only at 24 GB (73.22 / 43.85 / 21.23 printed; 70.63 / 41.78 / 20.22 measured); v1 online runs without
+    checkpointing at 141 GB (127.55, 122.40) and checkpoints 54 blocks, offloading 53, at 48 GB (43.83, 40.31); at 24
+    GB with data.cache "off" nothing fits (the smallest setting 27.0 GB), so the run stops before loading."""
+    quoted = {(2, 141): (0, 0, 0, True, 130.16), (2, 80): (27, 27, 27, False, 73.22),
+              (2, 48): (45, 45, 45, False, 43.85), (3, 24): (59, 59, 59, True, 21.23),
+              (3, 141): (0, 0, 0, True, 130.18)}
+    for key, want in quoted.items():
+        budget = key[1] * GB
+        c, p = memory.choose(_zero2_sizes(full_sizes), S24_CACHED[key], budget, memory.margin_bytes(0, budget), {},
+                             True, False)
+        got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+        assert c.fp8_base and c.cached and not c.offload_optimizer and got == want, (key, got)
+    v1 = make_tiny(tmp_path / "v1", "edit", num_samples=2, size=64)
+    write_full_size_configs(v1 / "model")
+    s = _zero2_sizes(dataclasses.replace(memory.count_sizes(v1 / "model", LoraConfig().target_modules, 64),
+                                         encoder_bytes=memory.encoder_bytes(v1 / "model"), encode_ahead=True))
+    for budget, want in {141: (0, 0, 0, True, 127.55), 48: (54, 53, 54, False, 43.83)}.items():
+        c, p = memory.choose(s, S24_V1_ONLINE[budget], budget * GB, memory.margin_bytes(0, budget * GB),
+                             {"data.cache": "off"}, True, True)
+        got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+        assert c.fp8_base and not c.cached and not c.offload_optimizer and got == want, (budget, got)
+    # The 24 GB run's own measurement was not recorded; the 48 GB run's of the same call gives the same refusal.
+    with pytest.raises(memory.PlanError, match=r"needs 27\.0 GB\. .*data\.cache off"):
+        memory.choose(s, S24_V1_ONLINE[48], 24 * GB, memory.margin_bytes(0, 24 * GB), {"data.cache": "off"}, True,
+                      True)
+    # Left to the plan (the shipped default, data.cache unset), the same run trains from the cache instead.
+    c, _ = memory.choose(s, S24_V1_ONLINE[48], 24 * GB, memory.margin_bytes(0, 24 * GB), {}, True, True)
+    assert c.cached, c
