@@ -4,9 +4,10 @@
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
 # reserved, what the caching allocator held, which the budget's margin must cover), the median step time after the
 # first two steps, and per step its time, the allocator's cache flushes so far (alloc_retries), torch.compile's
-# graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the GPU's lowest SM
-# clock and mean power sampled once a second during the step (sm_clock_mhz, power_w), the process's host RSS
-# (host_rss_gb) and the pinned host memory torch's allocator holds (host_pinned_gb), to check the plan's
+# graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the seconds spent in
+# Python's garbage collector (gc_s), the GPU's lowest SM clock and mean power sampled once a second during the step
+# (sm_clock_mhz, power_w), the process's host RSS (host_rss_gb) and the pinned host memory torch's allocator holds
+# (host_pinned_gb), to check the plan's
 # predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only), and over the whole
 # run the GPU's mean SM clock and power while busy beside its maximum clock (summary.json's gpus; its busy samples
 # include the plan's measurement and the first step's compile, so rows compare by median_step_sm_clock_mhz, the
@@ -93,6 +94,7 @@ if m.is_file():
     rec["alloc_retries"] = [r.get("alloc_retries") for r in rows]  # the allocator's cache flushes so far, per step
     rec["compiled_graphs"] = [r.get("compiled_graphs") for r in rows]  # torch.compile's graphs so far, per step
     rec["data_wait"] = [r.get("data_wait_fraction") for r in rows]  # the step's share spent waiting for its batch
+    rec["gc_s"] = [r.get("gc_s") for r in rows]  # seconds in Python's garbage collector during the step
     rec["sm_clock_mhz"] = [r.get("gpu0_sm_clock_mhz") for r in rows]  # the lowest SM clock sampled in the step
     rec["power_w"] = [r.get("gpu0_power_w") for r in rows]  # the mean board power sampled in the step
     rec["host_rss_gb"] = [r.get("host_rss_gb") for r in rows]  # the process's resident host memory, per step

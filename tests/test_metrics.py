@@ -177,6 +177,34 @@ def test_compiled_graphs_counts_what_torch_compile_builds():
     assert metrics.compiled_graphs() == first + 1
 
 
+def test_gc_seconds_adds_up_the_collectors_time(monkeypatch):
+    """metrics.jsonl's gc_s comes from gc_seconds: the time between each collection's start and stop callbacks,
+    summed, so a collection of much cyclic garbage raises it and nothing else does."""
+    import gc
+
+    from train.runtime import metrics
+
+    before = metrics.gc_seconds()
+    assert metrics.gc_seconds() == before  # reading it collects nothing
+    cycles = [[] for _ in range(200_000)]
+    for c in cycles:
+        c.append(c)  # each list holds itself: only the cyclic collector frees it
+    del cycles
+    gc.collect()
+    after = metrics.gc_seconds()
+    assert after > before
+    gc.disable()  # no real collection between the two callbacks below
+    try:
+        clock = iter([10.0, 10.25])
+        monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+        metrics._time_collections("start", {"generation": 2})
+        metrics._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+        assert metrics.gc_seconds() - after == 0.25
+    finally:
+        gc.enable()
+    assert gc.callbacks.count(metrics._time_collections) == 1  # installed once, however often it is read
+
+
 def test_host_memory_is_the_rss_and_torchs_pinned_pool(monkeypatch):
     """metrics.jsonl's host_rss_gb is this process's RSS: it grows by what a tensor it fills takes. host_pinned_gb is
     torch's pinned allocator's allocated_bytes.current (a key torch documents): its blocks in use and cached, as

@@ -164,6 +164,30 @@ def compiled_graphs() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
+_gc = {"s": 0.0, "start": None}  # seconds the collector has spent so far, and when the running collection began
+
+
+def _time_collections(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["start"] = time.perf_counter()
+    elif _gc["start"] is not None:
+        _gc["s"] += time.perf_counter() - _gc["start"]
+        _gc["start"] = None
+
+
+def gc_seconds() -> float:
+    """Seconds Python's cyclic garbage collector has spent collecting in this process since the first call
+    (gc.callbacks, which the interpreter calls as each collection starts and stops; metrics.jsonl's gc_s is the
+    difference over the log window). A full collection walks every tracked object, tens of thousands with a large
+    model's modules and DeepSpeed's state, while the GPU may have run out of queued work: a step slower than its
+    neighbours with gc_s up by the difference paused in the collector."""
+    import gc
+
+    if _time_collections not in gc.callbacks:
+        gc.callbacks.append(_time_collections)
+    return _gc["s"]
+
+
 def host_rss_gb() -> float:
     """This process's resident set size (psutil; metrics.jsonl's host_rss_gb): its host memory in RAM, pinned or not,
     for checking the memory plan's host accounting. Shared pages it has touched count too, so a /dev/shm buffer
