@@ -25,6 +25,14 @@ def full_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def v1_full_model(tmp_path_factory):
+    """A Qwen-Image-Edit (v1) model directory with the released architectures' configs (no weights)."""
+    out = make_tiny(tmp_path_factory.mktemp("v1"), "edit", num_samples=2, size=64)
+    write_full_size_configs(out / "model")
+    return out / "model"
+
+
+@pytest.fixture(scope="module")
 def full_sizes(full_model):
     """Sizes of the released transformer (counted on the meta device) with the default LoRA r64."""
     return memory.count_sizes(full_model, LoraConfig().target_modules, 64)
@@ -1419,7 +1427,7 @@ S21_V1_CACHED = {
 }
 
 
-def test_the_session_21_plans_the_docs_quote(tmp_path, full_model, full_sizes):
+def test_the_session_21_plans_the_docs_quote(full_model, v1_full_model, full_sizes):
     """docs/performance.md "Memory", session 21, recomputed from each run's own measurement: 2509 online at 141 GB
     checkpoints and offloads 3 blocks without the transposed copy (131.41 GB printed, 126.11 measured), at 80 GB 38
     (74.32, 70.03); 2509 from the cache at 141 GB with the transposed copy and no checkpointing (130.18, 126.93); v1
@@ -1436,9 +1444,7 @@ def test_the_session_21_plans_the_docs_quote(tmp_path, full_model, full_sizes):
     c, p = memory.choose(_zero2_sizes(full_sizes), S21_CACHED_141, 141 * GB, memory.margin_bytes(0, 141 * GB), {},
                          True, False)
     assert (c.fp8_transposed, c.checkpointed, round(p.peak_bytes / GB, 2)) == (True, 0, 130.18), (c, p)
-    v1 = make_tiny(tmp_path / "v1", "edit", num_samples=2, size=64)
-    write_full_size_configs(v1 / "model")
-    v1_sizes = memory.count_sizes(v1 / "model", LoraConfig().target_modules, 64)
+    v1_sizes = memory.count_sizes(v1_full_model, LoraConfig().target_modules, 64)
     assert v1_sizes == full_sizes
     s = _zero2_sizes(v1_sizes)
     quoted = {141: (0, 0, 0, True, 108.50), 80: (16, 16, 15, False, 74.44), 48: (39, 39, 37, False, 44.08),
@@ -1463,7 +1469,20 @@ S23_V1_ONLINE_48 = memory.Measured(act_bytes=1099880960, ckpt_bytes=60512416, tr
                                    kept_recompute_s=0.003934255999993752)
 
 
-def test_the_session_23_plans_the_docs_quote(tmp_path, full_sizes):
+def _v1_online_sizes(model_dir) -> memory.Sizes:
+    """The counted sizes of v1 encoding online (the encoders on the GPU, the next micro-batch encoding ahead)."""
+    return _zero2_sizes(dataclasses.replace(memory.count_sizes(model_dir, LoraConfig().target_modules, 64),
+                                            encoder_bytes=memory.encoder_bytes(model_dir), encode_ahead=True))
+
+
+def _plan_at(s: memory.Sizes, m: memory.Measured, budget_gb: float, fixed: dict, online: bool):
+    """The plan's choice at `budget_gb` with the default margin, and what the docs quote of it: (checkpointed,
+    offloaded, kept attention, transposed copy, predicted peak in GB to 0.01)."""
+    c, p = memory.choose(s, m, budget_gb * GB, memory.margin_bytes(0, budget_gb * GB), fixed, True, online)
+    return c, (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+
+
+def test_the_session_23_plans_the_docs_quote(v1_full_model, full_sizes):
     """docs/performance.md "Memory", session 23, recomputed from each run's own measurement: 2509 from the cache at
     141 GB with the transposed copy and no checkpointing (130.16 GB printed, 126.93 measured); v1 online at 48 GB
     with the encoders on the GPU checkpoints 54 blocks (all keeping their attention) and offloads 53, without the
@@ -1471,13 +1490,8 @@ def test_the_session_23_plans_the_docs_quote(tmp_path, full_sizes):
     c, p = memory.choose(_zero2_sizes(full_sizes), S23_CACHED_141, 141 * GB, memory.margin_bytes(0, 141 * GB), {},
                          True, False)
     assert (c.fp8_base, c.fp8_transposed, c.checkpointed, round(p.peak_bytes / GB, 2)) == (True, True, 0, 130.16)
-    v1 = make_tiny(tmp_path / "v1", "edit", num_samples=2, size=64)
-    write_full_size_configs(v1 / "model")
-    s = _zero2_sizes(dataclasses.replace(memory.count_sizes(v1 / "model", LoraConfig().target_modules, 64),
-                                         encoder_bytes=memory.encoder_bytes(v1 / "model"), encode_ahead=True))
-    c, p = memory.choose(s, S23_V1_ONLINE_48, 48 * GB, memory.margin_bytes(0, 48 * GB), {"data.cache": "off"}, True,
-                         True)
-    got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+    s = _v1_online_sizes(v1_full_model)
+    c, got = _plan_at(s, S23_V1_ONLINE_48, 48, {"data.cache": "off"}, True)
     assert c.fp8_base and not c.cached and not c.offload_optimizer and got == (54, 53, 54, False, 43.83), got
 
 
@@ -1518,7 +1532,7 @@ S24_CACHED = {
 }
 
 
-def test_the_session_24_plans_the_docs_quote(tmp_path, full_sizes):
+def test_the_session_24_plans_the_docs_quote(v1_full_model, full_sizes):
     """docs/performance.md "Memory", session 24, recomputed from each run's own measurement: 2509 from the cache
     runs without checkpointing at 141 GB with the transposed copy (130.16 and 130.18 GB printed, 126.73 measured),
     checkpoints and offloads 27 / 45 / 59 blocks at 80 / 48 / 24 GB, all keeping their attention, the transposed copy
@@ -1529,19 +1543,11 @@ def test_the_session_24_plans_the_docs_quote(tmp_path, full_sizes):
               (2, 48): (45, 45, 45, False, 43.85), (3, 24): (59, 59, 59, True, 21.23),
               (3, 141): (0, 0, 0, True, 130.18)}
     for key, want in quoted.items():
-        budget = key[1] * GB
-        c, p = memory.choose(_zero2_sizes(full_sizes), S24_CACHED[key], budget, memory.margin_bytes(0, budget), {},
-                             True, False)
-        got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+        c, got = _plan_at(_zero2_sizes(full_sizes), S24_CACHED[key], key[1], {}, False)
         assert c.fp8_base and c.cached and not c.offload_optimizer and got == want, (key, got)
-    v1 = make_tiny(tmp_path / "v1", "edit", num_samples=2, size=64)
-    write_full_size_configs(v1 / "model")
-    s = _zero2_sizes(dataclasses.replace(memory.count_sizes(v1 / "model", LoraConfig().target_modules, 64),
-                                         encoder_bytes=memory.encoder_bytes(v1 / "model"), encode_ahead=True))
+    s = _v1_online_sizes(v1_full_model)
     for budget, want in {141: (0, 0, 0, True, 127.55), 48: (54, 53, 54, False, 43.83)}.items():
-        c, p = memory.choose(s, S24_V1_ONLINE[budget], budget * GB, memory.margin_bytes(0, budget * GB),
-                             {"data.cache": "off"}, True, True)
-        got = (c.checkpointed, c.offloaded, c.kept_attention, c.fp8_transposed, round(p.peak_bytes / GB, 2))
+        c, got = _plan_at(s, S24_V1_ONLINE[budget], budget, {"data.cache": "off"}, True)
         assert c.fp8_base and not c.cached and not c.offload_optimizer and got == want, (budget, got)
     # The 24 GB run's own measurement was not recorded; the 48 GB run's of the same call gives the same refusal, and
     # at 16 GB (not run) too.
@@ -1550,5 +1556,5 @@ def test_the_session_24_plans_the_docs_quote(tmp_path, full_sizes):
             memory.choose(s, S24_V1_ONLINE[48], budget * GB, memory.margin_bytes(0, budget * GB),
                           {"data.cache": "off"}, True, True)
         # Left to the plan (the shipped default, data.cache unset), the same run trains from the cache instead.
-        c, _ = memory.choose(s, S24_V1_ONLINE[48], budget * GB, memory.margin_bytes(0, budget * GB), {}, True, True)
+        c, _ = _plan_at(s, S24_V1_ONLINE[48], budget, {}, True)
         assert c.cached, (budget, c)
