@@ -200,6 +200,14 @@ def test_gc_seconds_adds_up_the_collectors_time(monkeypatch):
         metrics._time_collections("start", {"generation": 2})
         metrics._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
         assert metrics.gc_seconds() - after == 0.25
+        window = metrics.GcWindow()  # a log window: the seconds since its start, then since its last take
+        clock = iter([20.0, 20.5, 30.0, 30.125])
+        metrics._time_collections("start", {"generation": 2})
+        metrics._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+        assert window.take() == 0.5 and window.take() == 0.0
+        metrics._time_collections("start", {"generation": 0})
+        metrics._time_collections("stop", {"generation": 0, "collected": 0, "uncollectable": 0})
+        assert window.take() == 0.125
     finally:
         gc.enable()
     assert gc.callbacks.count(metrics._time_collections) == 1  # installed once, however often it is read

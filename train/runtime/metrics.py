@@ -178,14 +178,26 @@ def _time_collections(phase: str, info: dict) -> None:
 def gc_seconds() -> float:
     """Seconds Python's cyclic garbage collector has spent collecting in this process since the first call
     (gc.callbacks, which the interpreter calls as each collection starts and stops; metrics.jsonl's gc_s is the
-    difference over the log window). A full collection walks every tracked object, tens of thousands with a large
-    model's modules and DeepSpeed's state, while the GPU may have run out of queued work: a step slower than its
-    neighbours with gc_s up by the difference paused in the collector."""
+    difference over the log window). A full collection walks every object the collector tracks (the libraries',
+    the model's modules and parameters, DeepSpeed's state, torch.compile's graphs) while the GPU may have run out
+    of queued work: a step slower than its neighbours with gc_s up by the difference paused in the collector."""
     import gc
 
     if _time_collections not in gc.callbacks:
         gc.callbacks.append(_time_collections)
     return _gc["s"]
+
+
+class GcWindow:
+    """The collector's seconds per log window: take() returns those since the previous take (or construction)."""
+
+    def __init__(self):
+        self.start = gc_seconds()
+
+    def take(self) -> float:
+        now = gc_seconds()
+        seconds, self.start = now - self.start, now
+        return seconds
 
 
 def host_rss_gb() -> float:

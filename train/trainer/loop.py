@@ -13,10 +13,10 @@ from train.model import conditioning, memory
 from train.runtime import checkpoint, faults, preempt
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.metrics import (
+    GcWindow,
     Throughput,
     alloc_retries,
     compiled_graphs,
-    gc_seconds,
     host_pinned_gb,
     host_rss_gb,
     peak_memory_gb,
@@ -150,7 +150,7 @@ class _Window:
         self.num_steps, self.skipped, self.last_logged = 0, 0, start_step
         self.gas, self.max_nonfinite_steps = gas, max_nonfinite_steps
         self.speed = Throughput()
-        self.gc_s = gc_seconds()  # the collector's seconds so far: the record reports the window's
+        self.gc = GcWindow()
 
     def add(self, loss: torch.Tensor, b: Batch, world_size: int) -> None:
         """One micro-batch of this rank (the world trains `world_size` of them at once)."""
@@ -185,10 +185,10 @@ class _Window:
                   "data_wait_fraction": source.take_wait_s() / elapsed,
                   **self.speed.read(step - self.last_logged), "peak_memory_gb": peak_memory_gb(d.device),
                   "peak_reserved_gb": peak_reserved_gb(d.device), "alloc_retries": alloc_retries(d.device),
-                  "compiled_graphs": compiled_graphs(), "gc_s": gc_seconds() - self.gc_s,
+                  "compiled_graphs": compiled_graphs(), "gc_s": self.gc.take(),
                   "host_rss_gb": host_rss_gb(), "host_pinned_gb": host_pinned_gb(d.device)}
         self.loss.zero_()
-        self.num_steps, self.last_logged, self.gc_s = 0, step, gc_seconds()
+        self.num_steps, self.last_logged = 0, step
         return record
 
 
