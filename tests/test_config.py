@@ -552,6 +552,18 @@ def test_all_problems_in_one_error(setup):
     assert str(info.value).startswith("invalid configuration:\n  - ")
 
 
+def test_deepspeeds_own_checks_join_the_other_problems(setup):
+    """DeepSpeed's config classes read its section even when other keys have problems, and every section they
+    refuse is listed, each unknown key with the known one it is closest to."""
+    (setup.set("gradient_clipping", "1.0").set("zero_optimization.overlap_com", False)
+     .set("bf16.immediate_grad_updat", True).set(q("train.max_stepz"), 3))
+    problems = setup.problems()
+    assert [p.split(":")[0] for p in problems] == [
+        q("train.max_stepz"), "gradient_clipping", "zero_optimization.overlap_com", "bf16.immediate_grad_updat"]
+    assert "rename it to 'overlap_comm' or remove it" in problems[2]
+    assert "rename it to 'immediate_grad_update' or remove it" in problems[3]
+
+
 # --- CLI overrides ------------------------------------------------------------------------------------------------
 
 
@@ -987,7 +999,8 @@ def test_negative_seed_and_huge_inference_sizes(setup):
 
 @pytest.mark.parametrize("key, value, want", [
     ("zero_optimization.overlap_comn", True,
-     "zero_optimization.overlap_comn: Extra inputs are not permitted (DeepSpeed's check); fix or remove the key"),
+     "zero_optimization.overlap_comn: Extra inputs are not permitted (DeepSpeed's check); rename it to "
+     "'overlap_comm' or remove it"),
     ("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memry": True},
      "zero_optimization.offload_optimizer.pin_memry: Extra inputs are not permitted (DeepSpeed's check)"),
     ("optimizer.type", "Adamm", 'optimizer.type: "Adamm" is neither a DeepSpeed optimizer'),

@@ -200,12 +200,15 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
                        fp16=bool(isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled")),
                        node_local_storage=bool(checkpoint.get("use_node_local_storage")
                                                or raw.get("use_node_local_storage")))
-    ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, problems)
-    ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, problems)
-    if problems:
-        raise ConfigError(problems)
-    resolved = ds_keys.resolve_deepspeed(raw, project.train.max_steps, has_gpu)
-    ds_keys.check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
+    ds_problems: list[str] = []
+    ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, ds_problems)
+    ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, ds_problems)
+    problems += ds_problems
+    # DeepSpeed's own classes read the rest of its section too, so that their problems join the same error: the keys
+    # reported above are left out (resolving them could fail, and DeepSpeed would only name them again)
+    sound = {k: v for k, v in raw.items() if k not in ds_keys.reported_keys(ds_problems)}
+    resolved = ds_keys.resolve_deepspeed(sound, project.train.max_steps, has_gpu)
+    ds_keys.check_with_deepspeed(resolved, problems)
     if problems:
         raise ConfigError(problems)
     # encoding ahead runs where the encoders and the step can overlap (a GPU), in the zero2 mode: the model-parallel
