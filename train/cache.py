@@ -19,6 +19,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import pairs
@@ -35,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = config.parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        engine.check_processes(rank)
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(), check_parallel=check_parallel)
-    except config.ConfigError as e:
+    except (engine.TooManyProcessesError, config.ConfigError) as e:
         return engine.refuse_early(e, rank)
     try:
         d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_VAE = "pooling"  # train.model.tiny's averaging autoencoder: the decoded images show what the model learnt
 DEMO_TRANSFORMER = "demo"  # train.model.tiny.TRANSFORMER_SIZES: wider heads whose RoPE tells positions apart
@@ -52,6 +54,7 @@ def launch_training(workdir: Path, max_steps: int, num_procs: int) -> None:
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
         "--master_port", os.environ.get("MASTER_PORT", "29511"),
+        "--log_level", "error",  # the launcher's own lines (its command, world info): its errors still show
         str(REPO / "train" / "main.py"), "--ds_config", str(demo_config(workdir)),
         "--model", str(workdir / "model"), "--data", str(workdir / "data"),
         "--output_dir", str(workdir / "run"), "--max_steps", str(max_steps),

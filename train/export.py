@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train.runtime import exports
 
 

@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train import config
 from train.config import files
 from train.model import components, lora_io, memory, pipelines
@@ -315,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     problems = check_args(args, world_size)
+    try:
+        engine.check_processes(rank)
+    except engine.TooManyProcessesError as e:
+        problems.append(str(e))
     try:
         settings = config.inference_settings(args.config)
     except config.ConfigError as e:

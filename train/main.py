@@ -17,6 +17,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
@@ -33,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
+        engine.check_processes(rank)
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(),
                                  num_gpus=torch.cuda.device_count(), check_parallel=check_parallel)
-    except config.ConfigError as e:
+    except (engine.TooManyProcessesError, config.ConfigError) as e:
         return engine.refuse_early(e, rank)
     try:
         components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train.model.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
 from train.trainer.pretrain import MIN_STEPS, Pretraining, final_loss, pretrain
 
