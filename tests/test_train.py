@@ -186,7 +186,8 @@ def test_text_to_image_rows_train(kind, request, tmp_path):
         request.getfixturevalue("tiny_edit"), tmp_path / "tiny")
     variant = "t2i" if kind == "t2i" else "edit"
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1})
+    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1,
+                                                 "qwen_edit.data.rows_without_reference": "text_to_image"})
     proc = run_trainer(tiny, out, config=cfg, extra=("--max_steps", "4"))
     check(proc)
     assert f"variant {variant} (" in proc.stdout

@@ -135,17 +135,16 @@ def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, co
 def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
               report_path: Path | None = None, processor: prompts.PromptProcessor | None = None,
               category_rules: dict[str, str] | None = None, area: int | None = None,
-              condition_area: int | None = None, tokens=None, steps: int = 0) -> list[Row]:
-    """Process the prompts (`processor`, whose `report` then holds the counts), assign categories from
+              condition_area: int | None = None, tokens=None, steps: int = 0, ignored: tuple = ()) -> list[Row]:
+    """Read the rows (columns other than the known and the `ignored` ones, data.ignore_columns, stop it: BadRowsError),
+    process the prompts (`processor`, whose `report` then holds the counts), assign categories from
     `category_rules`, then check every row (each rank a strided share; with `area`/`condition_area` also that
     the resized images, aspect ratios snapped by `steps` (`aspect_steps`), keep both sides, and with `tokens`,
     the model's Qwen2VLProcessor, that the prompt fits the transformer's text positions); stop or skip per
-    `policy`.
-
-    Same result on every rank: the good rows, with their image sizes.
+    `policy`. Same result on every rank: the good rows, with their image sizes.
     """
     data_dir = Path(data_dir)
-    rows, problems = read_rows(data_dir)
+    rows, problems = read_rows(data_dir, ignored)
     num_unparsed = len(problems)
     if processor is not None:
         num_read, rows = len(rows), processor.apply(rows)

@@ -14,6 +14,7 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
+from train.data.rows import check_references
 from train.model import components, fp8, lora_io, memory
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
@@ -37,17 +38,17 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
-                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path), steps=steps)
+                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path), steps=steps,
+                          ignored=tuple(p.data.ignore_columns))
+    unreferenced = check_references(rows, variant, p.data.rows_without_reference)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background, steps)
     loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
     print0(f"{processor.report.summary()}\n{pairs.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
-    without = sum(not r.references for r in rows)
-    if without and variant != "t2i":
-        print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
-               "reference; QwenImagePipeline's prompt template)", rank=d.rank)
+    if unreferenced:
+        print0(unreferenced, rank=d.rank)
     return rows, loader
 
 
