@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -181,11 +182,12 @@ def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype
 
 
 def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtype: str = "float32",
-           model: str | Path | None = None) -> Path:
-    """Write the export of `checkpoint` into `out`; returns the file or directory written."""
+           model: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write the export of `checkpoint` into `out`; returns the file or directory written. An export already there
+    is replaced only with `overwrite` (ValueError naming it otherwise, before anything is read)."""
     ckpt, out = Path(checkpoint), Path(out)
     try:
-        return _export(ckpt, out, fmt, dtype, model)
+        return _export(ckpt, out, fmt, dtype, model, overwrite)
     except CheckpointFileError as e:  # a damaged or refused file: name a complete checkpoint to export instead
         earlier = previous_complete(ckpt.parent, ckpt.name)
         hint = f"; export the previous complete checkpoint instead: --checkpoint {ckpt.parent / earlier}" if earlier \
@@ -193,12 +195,18 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtyp
         raise CheckpointFileError(f"{e}{hint}") from None
 
 
-def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None) -> Path:
+def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None, overwrite: bool) -> Path:
     cfg = read_config(ckpt)
     mode = cfg["qwen_edit"]["train"]["mode"]
     if mode == "full" and fmt != "diffusers":
         raise ValueError(f"--format {fmt}: a full fine-tune exports only as a diffusers transformer directory; "
                          "use --format diffusers")
+    target = out / ("transformer" if mode == "full" else COMFYUI_WEIGHT_NAME if fmt == "comfyui" else LORA_WEIGHT_NAME)
+    if target.exists() and not overwrite:
+        raise ValueError(f"--out {out} already holds an export ({target}); pass --overwrite to replace it, or "
+                         "choose another --out")
+    if target.is_dir():  # --overwrite of a full export: no shard of the old one may stay beside the new ones
+        shutil.rmtree(target)
     state = consolidate(ckpt, num_decoder_stages(cfg))
     torch_dtype = getattr(torch, dtype)
     metadata = export_metadata(cfg, checkpoint_variant(ckpt, cfg), step_of(ckpt))
