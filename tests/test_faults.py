@@ -215,6 +215,7 @@ def test_resume_errors(tiny_edit, fault_config, tmp_path):
     """--resume with no checkpoint, and with a tag that is not complete, exit 2 naming the fix."""
     proc = run_trainer(tiny_edit, tmp_path / "empty", config=fault_config, extra=("--resume",))
     assert proc.returncode == 2 and "has no 'latest' checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "empty").exists()  # nor its lock: a refused start leaves nothing it made
     (tmp_path / "partial" / "global_step4.partial").mkdir(parents=True)
     proc = run_trainer(tiny_edit, tmp_path / "partial", config=fault_config, extra=("--resume", "global_step4"))
     assert proc.returncode == 2 and "its save was interrupted" in proc.stderr, proc.stderr[-2000:]
