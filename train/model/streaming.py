@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from train.config import files
 from train.model import fp8
 from train.model.offload import moves, placeholder
 
@@ -70,12 +71,19 @@ def shard_files(transformer_dir: Path) -> list[Path]:
 
 def checkpoint_tensors(transformer_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, host tensor) for every tensor of the shards, one at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    for path in shard_files(transformer_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+    paths = shard_files(transformer_dir)
+    damaged = files.weights_file_problems(paths)  # the pre-flight's check: the files may have changed since
+    if damaged:
+        raise WeightsError("; ".join(damaged))
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:
+            raise WeightsError(f"{path} is damaged: it cannot be read ({e}); copy the file again") from None
 
 
 def random_tensors(model: torch.nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
