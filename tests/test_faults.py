@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, free_port, metrics, run_trainer, write_config
+from conftest import REPO, free_port, metrics, run_trainer, small_tmpfs, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -278,13 +278,8 @@ def test_bf16_resume_reproduces_losses(tiny_edit, fault_config, tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 16 MiB tmpfs (root only; skipped where mounting is not permitted), unmounted afterwards."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root and a mount permission")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        yield disk
 
 
 def test_real_full_disk_during_a_save(tiny_edit, fault_config, small_disk):

@@ -113,10 +113,10 @@ def _shard_problems(index: Path) -> list[str]:
     return weights_file_problems([index.parent / shard for shard in shards])
 
 
-def weights_file_problems(paths: list[Path]) -> list[str]:
+def weights_file_problems(paths: list[Path], fix: str = "copy the file again") -> list[str]:
     """The .safetensors files among `paths` that are damaged or truncated, found from their headers alone (a few KB
     read per file): a header that cannot be read, or tensors that reach past the end of the file (an interrupted
-    copy or download). Each names the file and the fix."""
+    copy or download). Each names the file and `fix`."""
     problems = []
     for path in paths:
         try:
@@ -129,11 +129,11 @@ def weights_file_problems(paths: list[Path]) -> list[str]:
             end = 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
                                    default=0)
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-            problems.append(f"{path} is damaged: its safetensors header cannot be read ({e}); copy the file again")
+            problems.append(f"{path} is damaged: its safetensors header cannot be read ({e}); {fix}")
             continue
         if end > size:
             problems.append(f"{path} is truncated: {size} bytes where its tensors need {end} (an interrupted copy or "
-                            "download?); copy the file again")
+                            f"download?); {fix}")
     return problems
 
 

@@ -171,17 +171,26 @@ _TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "Parent dire
 MIN_FREE_BYTES = 64 * 2**20
 
 
-def _save_failure(error: Exception, tag: str, out_dir: Path) -> SaveError:
-    """The documented message for a failed save, with the cause found from the error's errno or, for torch's
-    errno-less RuntimeError, from the file system (little free space, or no write permission)."""
+def write_cause(error: Exception, directory: Path) -> tuple[int, str]:
+    """(errno, what it says) of a write into `directory` that failed: the error's own errno; the 'os error N' that
+    safetensors puts in its message; or, for torch's errno-less RuntimeError, what the file system says (little
+    free space, or no write permission)."""
     code = getattr(error, "errno", None)
+    quoted = re.search(r"\(os error (\d+)\)", str(error))
+    if code is None and quoted:
+        code = int(quoted.group(1))
     if code is None:
         try:
-            full = shutil.disk_usage(out_dir).free < MIN_FREE_BYTES
+            full = shutil.disk_usage(directory).free < MIN_FREE_BYTES
         except OSError:
             full = False
-        code = errno.ENOSPC if full else errno.EACCES if not os.access(out_dir, os.W_OK) else errno.EIO
-    cause = os.strerror(code) if isinstance(error, RuntimeError) else (error.strerror or str(error))
+        code = errno.ENOSPC if full else errno.EACCES if not os.access(directory, os.W_OK) else errno.EIO
+    return code, (getattr(error, "strerror", None) or os.strerror(code))
+
+
+def _save_failure(error: Exception, tag: str, out_dir: Path) -> SaveError:
+    """The documented message for a failed save, with the cause found by write_cause."""
+    code, cause = write_cause(error, out_dir)
     hint = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space within your quota",
             errno.EROFS: "the file system is read-only; point --output_dir at a writable one",
             errno.EACCES: f"make {out_dir} writable for this user and resume", errno.EPERM: f"make {out_dir} "
