@@ -24,11 +24,12 @@ from train.data import latent_cache, pairs
 from train.model import components, lora_io, memory, streaming
 from train.runtime import checkpoint, engine, outdir, preempt
 from train.runtime.metrics import prefix_rank_output, print0
-from train.trainer import build
+from train.trainer import build, loop
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns the process exit code: 0 done, 2 bad configuration, data, cache or resume point."""
+    """Returns the process exit code: 0 done, 2 bad configuration, data, cache or resume point, 1 a stop the run
+    decided (too many non-finite steps) or a failed write."""
     prefix_rank_output()
     args = config.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
+    except loop.NonFiniteError as e:  # on all ranks at the same step
+        print0(f"error: {e}", rank=d.rank, file=sys.stderr)
+        code = 1
     except preempt.Preempted as e:  # on all ranks, after their save
         print0(str(e), rank=d.rank, file=sys.stderr)
         code = preempt.EXIT_CODE
