@@ -351,7 +351,28 @@ def test_a_plain_checkpoint_resumes_with_both_offloads(tiny_edit, tmp_path, plai
     proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3", "--resume", "global_step2"))
     check(proc)
     assert "optimizer offload:" in proc.stdout and "offloaded blocks: 1 blocks'" in proc.stdout
+    assert "the dataset changed" not in proc.stdout  # the same rows
     _continues(out, plain_losses, plain_weights)
     changes = json.loads((out / "config_changes.jsonl").read_text())["changes"]
     assert changes["zero_optimization.offload_optimizer.device"] == [None, "cpu"]
     assert changes["qwen_edit.train.offload_blocks"] == [0, 1]
+
+
+def test_a_resume_over_changed_rows_says_so_and_goes_on(tiny_edit, tmp_path, plain_run):
+    """A checkpoint records the rows it trained on; resumed over a dataset with a row removed, the run says so with
+    both counts, goes on at the checkpoint's step with the rows as they are, and records the change."""
+    import shutil
+
+    out, data = tmp_path / "run", tmp_path / "tiny"
+    shutil.copytree(plain_run[2], out)
+    shutil.copytree(tiny_edit / "data", data / "data")
+    (data / "model").symlink_to(tiny_edit / "model")
+    meta = data / "data" / "metadata.jsonl"
+    meta.write_text("".join(meta.read_text().splitlines(keepends=True)[:-1]))
+    proc = run_trainer(data, out, extra=("--max_steps", "3", "--resume", "global_step2"))
+    check(proc)
+    assert ("warning: the dataset changed since global_step2: 32 rows then, 31 now (rows added, removed or edited). "
+            "The run goes on at step 2 with the rows as they are now") in proc.stdout
+    changes = json.loads((out / "config_changes.jsonl").read_text())["changes"]
+    assert [counts["rows"] for counts in changes["data rows"]] == [32, 31]
+    assert json.loads((out / "global_step3" / "trainer_state.json").read_text())["data"]["rows"] == 31

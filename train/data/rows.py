@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -171,6 +172,13 @@ def check_references(rows: list[Row], variant: str, choice: str) -> str | None:
                            "text-to-image samples")
     return (f"data: {len(without)} of {len(rows)} rows have no edit_image: trained as text-to-image samples "
             "(data.rows_without_reference; no reference, QwenImagePipeline's prompt template)")
+
+
+def fingerprint(rows: list[Row]) -> dict:
+    """What a checkpoint records of the rows it trained on, for a resume to compare: their number and a digest of
+    each row's line, files, prompt, category and image sizes (after prompt processing, as the loader deals them)."""
+    listed = [[r.line, r.target, r.references, r.prompt, r.category, r.sizes] for r in rows]
+    return {"rows": len(rows), "digest": hashlib.sha256(json.dumps(listed).encode()).hexdigest()[:16]}
 
 
 def assign_categories(rows: list[Row], rules: dict[str, str]) -> list[Row]:

@@ -436,6 +436,19 @@ def config_changes(state: dict, config: dict, tag: str) -> dict[str, list]:
     return changed
 
 
+def data_change(state: dict, data: dict, tag: str, step: int) -> str | None:
+    """The warning for a resume over rows that changed since the checkpoint (`data`: rows.fingerprint of this run's
+    rows; the checkpoint's in its trainer_state), or None (the same rows, or a checkpoint that did not record
+    them). The run goes on at the checkpoint's step with the rows as they are now."""
+    saved = state.get("data")
+    if not isinstance(saved, dict) or saved == data:
+        return None
+    return (f"warning: the dataset changed since {tag}: {saved.get('rows')} rows then, {data['rows']} now (rows "
+            f"added, removed or edited). The run goes on at step {step} with the rows as they are now, at the same "
+            "place in its epoch counted in the new rows, so the rest of this epoch is not the one the checkpoint's "
+            "rows would have given; to continue exactly, restore the data it was trained on")
+
+
 def load(engine, out_dir: str | Path, tag: str) -> None:
     """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state; every file is read
     through safe_load (DeepSpeed's checkpoint engine is wrapped for the load)."""

@@ -14,7 +14,7 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
-from train.data.rows import check_references
+from train.data.rows import check_references, fingerprint
 from train.model import components, fp8, lora_io, memory
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
@@ -163,6 +163,11 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
     changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
+    data = fingerprint(rows)
+    changed_data = checkpoint.data_change(saved, data, tag, start_step) if tag else None
+    if changed_data:
+        print0(changed_data, rank=d.rank)
+        changes["data rows"] = [saved["data"], data]
     source = build_source(cfg, d, variant, rows, loader)
     conditioning = validation.record_before_training(cfg, d)  # from the cache: encoders leave before the model
     transformer = build_transformer(cfg, d.device)
@@ -173,7 +178,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                     exports.export_bytes(eng.module, p.train.mode), overwrite)  # before the directory is written
     start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
-                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
+                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved,
+                     "data": data}
     monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
                else NullMetrics())
