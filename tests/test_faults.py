@@ -429,3 +429,29 @@ def test_a_leftover_partial_that_cannot_be_removed_is_a_named_save_error(tmp_pat
     assert str(e.value) == (f"saving checkpoint global_step5 into {tmp_path} failed (Permission denied); make "
                             f"{tmp_path} writable for this user and resume. 'latest' still names the previous "
                             "complete checkpoint")
+
+
+def test_a_write_that_a_full_disk_stops_anywhere_is_named(tmp_path):
+    """Beyond checkpoints and the cache, any write of the run's own files that a real full file system stops (a
+    plain file, a safetensors export) becomes one line naming the file or the output directory, the cause and the
+    fix (train/main.py prints it on the rank that met it); an error that is no such write is left alone."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from train.runtime import checkpoint
+
+    with small_tmpfs(tmp_path / "disk", "8k") as disk:
+        with pytest.raises(OSError) as e:
+            (disk / "metrics.jsonl").write_text("x" * 100_000)
+        assert checkpoint.disk_failure(e.value, disk) == (
+            f"writing into {disk} failed (No space left on device); free disk space there. --resume continues from "
+            "the last complete checkpoint")
+        with pytest.raises(SafetensorError) as e:
+            save_file({"w": torch.zeros(100_000)}, str(disk / "export.safetensors"))
+        assert checkpoint.disk_failure(e.value, disk).startswith(f"writing into {disk} failed (No space left")
+    denied = PermissionError(13, "Permission denied", str(tmp_path / "out" / "export"))
+    assert checkpoint.disk_failure(denied, tmp_path / "out").startswith(
+        f"writing {tmp_path / 'out' / 'export'} failed (Permission denied); make {tmp_path / 'out'} writable")
+    assert checkpoint.disk_failure(PermissionError(13, "Permission denied", "/data/a.png"), tmp_path) is None
+    assert checkpoint.disk_failure(ValueError("not a write"), tmp_path) is None

@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Exception as e:  # any other write that a full or unwritable disk stopped: the same, on this rank
+        failure = checkpoint.disk_failure(e, cfg.project.output.dir)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr, flush=True)
+        return 1
     engine.teardown()
     return code
 

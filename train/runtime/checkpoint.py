@@ -205,6 +205,29 @@ def _is_write_failure(error: Exception) -> bool:
                                           any(s in str(error) for s in _TORCH_WRITE_FAILURES))
 
 
+# What a full or unwritable disk raises: these errnos, and safetensors' error quoting one of them ('os error 28').
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def disk_failure(error: BaseException, out_dir: str | Path) -> str | None:
+    """For a write anywhere in the run (an export, metrics, validation images, ...) that a full or unwritable disk
+    stopped: the line naming the file (or, where the error does not say, `out_dir`), the cause and the fix; None for
+    any other error."""
+    quoted = re.search(r"\(os error (\d+)\)", str(error))
+    code = getattr(error, "errno", None) or (int(quoted.group(1)) if quoted else None)
+    torch_write = isinstance(error, RuntimeError) and any(s in str(error) for s in _TORCH_WRITE_FAILURES)
+    named = getattr(error, "filename", None)
+    outside = named is not None and not Path(os.path.abspath(named)).is_relative_to(os.path.abspath(out_dir))
+    if (code not in DISK_ERRNOS and not torch_write) or outside:  # not a write of the run's own files
+        return None
+    code, cause = write_cause(error, Path(out_dir))
+    fix = ("free disk space there" if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+           "point --output_dir at a writable file system" if code == errno.EROFS else
+           f"make {out_dir} writable for this user")
+    return (f"writing {named or f'into {out_dir}'} failed ({cause}); {fix}. --resume continues from the last "
+            "complete checkpoint")
+
+
 def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last: int = 0) -> Path:
     """Every rank calls this (ZeRO-2: each writes its optimizer shard). Frozen weights are left out.
 
