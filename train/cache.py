@@ -33,7 +33,9 @@ from train.trainer import build
 def main(argv: list[str] | None = None) -> int:
     """Build (or rebuild, when stale) the cache for a training config; 0 done, 2 bad configuration or data."""
     prefix_rank_output()
-    args = config.parse_args(argv)
+    args = config.parse_args(argv, description="Build the latent and prompt-embedding cache of a training run "
+                                                "(the arguments of train/main.py), so that training loads only the "
+                                                "transformer")
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         engine.check_processes(rank)

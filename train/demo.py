@@ -76,15 +76,17 @@ def read_rows(data_dir: Path, num_rows: int) -> tuple[list[dict], list[list], li
 
 
 def edit_all(pipe, rows: list[dict], references: list[list], targets: list, area: int, condition_area: int,
-             steps: int = 20) -> list:
+             steps: int = 20, desc: str = "rendering") -> list:
     """Each row edited by `pipe` (seed 0, no classifier-free guidance) at the training areas; a text-to-image row
     (QwenImagePipeline) is generated at its target's size."""
     import torch
 
     from train.model.conditioning import pipeline_areas
+    from train.runtime.metrics import progress
 
     outs = []
-    for row, images, target in zip(rows, references, targets, strict=True):
+    for row, images, target in progress(list(zip(rows, references, targets, strict=True)), desc=desc, unit="image",
+                                        file=sys.stdout):
         common = dict(prompt=row["prompt"], num_inference_steps=steps, true_cfg_scale=1.0,
                       generator=torch.Generator().manual_seed(0))
         if not images:
@@ -167,9 +169,11 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     pipe = DiffusionPipeline.from_pretrained(workdir / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     areas = (data["area"], data["condition_area"])
-    columns = {"target": targets, "base model": edit_all(pipe, rows, references, targets, *areas, steps)}
+    columns = {"target": targets, "base model": edit_all(pipe, rows, references, targets, *areas, steps,
+                                                          "rendering the base model's edits")}
     pipe.load_lora_weights(workdir / "run" / "export", weight_name="pytorch_lora_weights.safetensors")
-    columns["base + exported LoRA"] = edit_all(pipe, rows, references, targets, *areas, steps)
+    columns["base + exported LoRA"] = edit_all(pipe, rows, references, targets, *areas, steps,
+                                               "rendering the edits with the exported LoRA")
     out = workdir / "before_after.png"
     marks = ["[trained]"] * num_trained + ["[new scene]"] * (num_rows - num_trained)
     make_grid(references, columns, [f"{m} {row['prompt']}" for m, row in zip(marks, rows, strict=True)]).save(out)
@@ -260,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
+    from train.runtime.metrics import prefix_rank_output
+
+    prefix_rank_output()  # off a terminal, the libraries' own bars stay out of the log
     workdir = Path(args.workdir).resolve()
     try:
         prepare_workdir(workdir, args.variant)

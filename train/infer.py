@@ -39,8 +39,10 @@ from train.runtime.metrics import prefix_rank_output, print0, progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Qwen-Image-Edit batch inference (diffusers pipelines)")
-    parser.add_argument("--model", required=True, help="local diffusers-format Qwen-Image-Edit / -2509 directory")
+    parser = argparse.ArgumentParser(description="Batch inference of Qwen-Image-Edit (v1, 2509, 2511) and Qwen-Image "
+                                                 "(2512) with LoRAs, through the diffusers pipelines")
+    parser.add_argument("--model", required=True, help="local diffusers-format directory of Qwen-Image-Edit, -2509, "
+                                                       "-2511 or Qwen-Image (model_index.json inside)")
     parser.add_argument("--input", required=True, help="jsonl of edits (paths relative to its folder)")
     parser.add_argument("--out", required=True, help="output directory: OUT/<name>.png per row")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",

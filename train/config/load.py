@@ -141,8 +141,13 @@ def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
     return project
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Fine-tune Qwen-Image-Edit / -2509 with DeepSpeed")
+TRAIN_DESCRIPTION = ("Fine-tune Qwen-Image-Edit (v1, 2509, 2511) or Qwen-Image (2512) with DeepSpeed: LoRA or "
+                     "full, ZeRO data parallel or the model-parallel split")
+
+
+def parse_args(argv: list[str] | None = None, description: str = TRAIN_DESCRIPTION) -> argparse.Namespace:
+    """The arguments of training (train/main.py) and of train.cache, which reads the same run."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--ds_config", required=True, help="JSON: DeepSpeed keys + the qwen_edit section")
     parser.add_argument("--model", help=f"overrides {PROJECT_KEY}.model.path")
     parser.add_argument("--data", help=f"overrides {PROJECT_KEY}.data.path")
