@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ def zero2_run(tiny_edit, tmp_path_factory) -> Path:
     check(proc)
     (out / "master_port").write_text(str(port))
     (out / "stdout.txt").write_text(proc.stdout)
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -84,6 +86,26 @@ def test_zero2_outputs(zero2_run):
     assert "\r" not in stdout and "step 60/60 | epoch " in stdout and " | ETA 0s" in stdout, stdout[-2000:]
     assert f"loss curve: {zero2_run / 'loss.png'}" in stdout
     assert Image.open(zero2_run / "loss.png").size == (640, 360)
+
+
+# A plain CPU run's console: the run's own lines (rank 0's), and the deepspeed launcher's, which run_trainer starts
+# directly (launch.sh keeps its info lines out). Any other line is a library's noise to filter in
+# train/runtime/quiet.py, or a line of the run's own to add here.
+CONSOLE_LINES = re.compile("|".join([
+    r"prompts: ", r"sampling: ", r"data: ", r"\d+ rows, variant ", r"disk: ", r"step \d+/\d+ \| ", r"loss curve: ",
+    r"exported ", r"warning: \d+ processes on this node share its \d+ CPU core",  # a machine of one core
+    r"\[[\d-]+ [\d:,]+\] \[INFO\] \[(runner|launch)\.py:",
+    r"\[[\d-]+ [\d:,]+\] \[WARNING\] \[runner\.py:\d+:fetch_hostfile\] Unable to find hostfile",
+]))
+
+
+def test_zero2_console_shows_only_the_runs_own_lines(zero2_run):
+    """Neither rank prints library noise (torch's _pytree registrations, diffusers' torchao import, DeepSpeed's
+    learning-rate and accelerator lines, the all_gather_into_tensor FutureWarning): this fails when a plain CPU run's
+    console gains a line."""
+    lines = [*(zero2_run / "stdout.txt").read_text().splitlines(), *(zero2_run / "stderr.txt").read_text().splitlines()]
+    assert [line for line in lines if line.strip() and not CONSOLE_LINES.match(line)] == []
+    assert any(line.startswith("step 60/60 | ") for line in lines)
 
 
 def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_edit):

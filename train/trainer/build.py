@@ -158,7 +158,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     variant = components.detect_variant(p.model.path, p.model.variant)
     tag, start_step, saved = resume_point(p.output.dir, d, resume)
     rows, loader = build_data(cfg, d, variant)
-    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
+    where = "CPU processes: torch sees no GPU" if d.device.type == "cpu" else "one GPU per process"
+    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size} ({where}), "
            f"precision {cfg.precision}", rank=d.rank)
     planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
