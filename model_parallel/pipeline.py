@@ -20,7 +20,7 @@ from model_parallel import transport
 from model_parallel.split import Activations, DecoderStage
 from train.config import Config
 from train.data import sources
-from train.model import conditioning
+from train.model.qwen_image import conditioning
 from train.runtime import checkpoint
 from train.runtime.engine import Dist
 from train.trainer import loop

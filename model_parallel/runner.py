@@ -19,7 +19,8 @@ from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
-from train.model import components, lora_io
+from train.model import lora_io
+from train.model.qwen_image import components
 from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import build, loop

@@ -14,7 +14,7 @@ from collections import deque
 import torch
 
 from train.data.sources import Batch
-from train.model import conditioning
+from train.model.qwen_image import conditioning
 
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool,
                               torch.uint8)}

@@ -17,7 +17,7 @@ import torch
 
 from model_parallel import transport
 from train.config import Config, ValidationConfig
-from train.model import components
+from train.model.qwen_image import components
 from train.runtime.engine import Dist
 from train.trainer import validation
 

@@ -18,7 +18,7 @@ TINY_CONFIG = REPO / "ds_configs" / "tiny_cpu.json"
 @pytest.fixture(scope="session")
 def tiny_edit(tmp_path_factory) -> Path:
     """Tiny Qwen-Image-Edit (v1) checkpoint + synthetic dataset: DIR/model, DIR/data."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_edit"), "edit", num_samples=32)
 
@@ -26,7 +26,7 @@ def tiny_edit(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_plus(tmp_path_factory) -> Path:
     """Tiny Qwen-Image-Edit-2509 checkpoint; its dataset has two references per row."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_plus"), "edit_plus", num_samples=16)
 
@@ -34,7 +34,7 @@ def tiny_plus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_2511(tmp_path_factory) -> Path:
     """Tiny Qwen-Image-Edit-2511: the 2509 checkpoint (same seed, so the same weights) with zero_cond_t set."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_2511"), "edit_plus_2511", num_samples=16)
 
@@ -42,7 +42,7 @@ def tiny_2511(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_t2i(tmp_path_factory) -> Path:
     """Tiny Qwen-Image (text-to-image, QwenImagePipeline, no processor/); its rows have no edit_image."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), "t2i", num_samples=16)
 

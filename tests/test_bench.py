@@ -110,7 +110,7 @@ def _tokens_seen(name: str, image: int, text: int) -> int:
 
 def test_tiny_flops_follow_the_module():
     """The counter walks the module: the tiny model's count matches its own shapes, not the full model's."""
-    from train.model.tiny import build_transformer
+    from train.model.qwen_image.tiny import build_transformer
 
     tiny = build_transformer()  # 2 blocks, inner_dim 4 heads x 16 = 64
     image, text = 128, 32
@@ -122,7 +122,7 @@ def test_tiny_flops_follow_the_module():
 
 def test_compile_mode_reaches_every_block(monkeypatch):
     """--compile_mode is torch.compile's mode for each block (reduce-overhead: CUDA graphs); none: torch's default."""
-    from train.model.tiny import build_transformer
+    from train.model.qwen_image.tiny import build_transformer
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
@@ -165,7 +165,7 @@ def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypat
     import shutil
 
     from train.config import ModelConfig
-    from train.model import components
+    from train.model.qwen_image import components
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model_dir)
@@ -199,7 +199,7 @@ def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_pa
     import json
     import shutil
 
-    from train.model.tiny import write_full_size_configs
+    from train.model.qwen_image.tiny import write_full_size_configs
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model_dir)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from train import config
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning
+from train.model.qwen_image import components, conditioning
 from train.runtime import engine
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -250,11 +250,11 @@ def test_snapped_sizes_are_a_dependency_and_older_caches_count_as_unsnapped(buil
 
 
 def test_changed_template_is_refused(built, monkeypatch):
-    """A different prompt template in train/model/conditioning.py: the cache is refused, naming the template."""
+    """A different prompt template in qwen_image/conditioning.py: the cache is refused, naming the template."""
     cfg, variant, rows, dataset, _ = built
     monkeypatch.setitem(conditioning.PROMPT_TEMPLATES, variant, conditioning.PROMPT_TEMPLATES[variant] + " ")
     message = refusal(cfg, variant, rows, dataset)
-    assert "prompt template (train/model/conditioning.py)" in message
+    assert "prompt template (train/model/qwen_image/conditioning.py)" in message
     assert "data.area" not in message  # only what changed is named
 
 

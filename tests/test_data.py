@@ -27,7 +27,7 @@ from train.data.pairs import (
     preflight,
     read_rows,
 )
-from train.model import conditioning
+from train.model.qwen_image import conditioning
 
 AREA = 64 * 64
 CONDITION_AREA = 32 * 32

@@ -73,7 +73,7 @@ def test_readme_quotes_make_tiny_with_its_own_choices(capsys):
     import pytest
 
     from train import make_tiny
-    from train.model.tiny import VARIANTS
+    from train.model.qwen_image.tiny import VARIANTS
 
     assert f"python -m train.make_tiny --out DIR [--variant {'|'.join(VARIANTS)}]" in README
     with pytest.raises(SystemExit):

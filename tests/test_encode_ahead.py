@@ -17,7 +17,8 @@ from conftest import metrics, run_trainer, write_config
 from train import config
 from train.data import sources
 from train.data.ahead import EncodeAhead
-from train.model import components, memory
+from train.model import memory
+from train.model.qwen_image import components
 from train.runtime import engine
 from train.trainer import build, validation
 

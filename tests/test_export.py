@@ -19,7 +19,8 @@ from test_train import check
 
 from train import export
 from train.config import LoraConfig, ModelConfig
-from train.model import components, lora_io
+from train.model import lora_io
+from train.model.qwen_image import components
 from train.runtime import exports
 from train.runtime.exports import LORA_WEIGHT_NAME
 

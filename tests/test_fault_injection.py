@@ -13,7 +13,8 @@ import torch
 
 from train.config import Config, ProjectConfig
 from train.data.sources import Batch
-from train.model import conditioning, memory
+from train.model import memory
+from train.model.qwen_image import conditioning
 from train.runtime import faults
 from train.runtime.engine import Dist
 from train.trainer import loop

@@ -8,8 +8,9 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.model import components, fp8
-from train.model.tiny import build_transformer
+from train.model import fp8
+from train.model.qwen_image import components
+from train.model.qwen_image.tiny import build_transformer
 
 
 def _linear(n_in: int, n_out: int, seed: int = 0) -> torch.nn.Linear:

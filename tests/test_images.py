@@ -14,7 +14,8 @@ from PIL import Image
 
 from train.data.pairs import EditDataset, preflight
 from train.data.rows import BadRowsError
-from train.model import images, pipelines
+from train.model import images
+from train.model.qwen_image import pipelines
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 

@@ -1,4 +1,4 @@
-"""Batch inference (train/infer.py, train/model/pipelines.py) on the tiny model: process-count independence, resume,
+"""Batch inference (train/infer.py, qwen_image/pipelines.py) on the tiny model: process-count independence, resume,
 bad rows, LoRAs, the device/dtype bridge, argument errors."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import REPO, free_port
 
 from train import config, infer
 from train import main as trainer
-from train.model import components, pipelines
+from train.model.qwen_image import components, pipelines
 from train.runtime import engine
 
 SETTINGS = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}

@@ -11,8 +11,9 @@ from conftest import transformer_inputs
 from test_memory import GB, measured
 
 from train.config import LoraConfig
-from train.model import components, kept_attention, memory
-from train.model.tiny import build_transformer
+from train.model import kept_attention, memory
+from train.model.qwen_image import components
+from train.model.qwen_image.tiny import build_transformer
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k", "attn.add_v_proj", "img_mlp.net.2"])
 
@@ -264,7 +265,7 @@ def test_the_gemm_probe_covers_the_converted_linears():
 
     from train.benchmarks import gemms
     from train.model import fp8
-    from train.model.archs import FULL_ARCH
+    from train.model.qwen_image.archs import FULL_ARCH
 
     with torch.device("meta"):
         model = QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": 1})

@@ -11,7 +11,7 @@ import pytest
 
 from train.config import Config, DataConfig, LoraConfig, ModelConfig, ProjectConfig, TrainConfig
 from train.model import memory, offload
-from train.model.tiny import make_tiny, write_full_size_configs
+from train.model.qwen_image.tiny import make_tiny, write_full_size_configs
 
 GB = memory.GB
 
@@ -373,7 +373,8 @@ def test_pinned_host_bytes_are_what_the_offloader_pins(tiny_plus):
     the offloader's 256-byte alignment of each tensor."""
     import torch
 
-    from train.model import components, offload
+    from train.model import offload
+    from train.model.qwen_image import components
 
     lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"])
     s = memory.count_sizes(tiny_plus / "model", lora.target_modules, lora.rank)
@@ -685,7 +686,7 @@ def test_the_vae_measurements_take_the_configured_path(tiny_plus, monkeypatch):
     diffusers' own path (its chunk cache is larger), so a plan never counts the smaller transient for it."""
     import torch
 
-    from train.model import components, vae_frames
+    from train.model.qwen_image import components, vae_frames
 
     seen = []
     load = components.load_vae

@@ -67,7 +67,7 @@ def test_cut_transformer_matches_the_whole(tiny_name, request):
 
     from model_parallel.split import DecoderStage
     from train.config import LoraConfig
-    from train.model import components, conditioning
+    from train.model.qwen_image import components, conditioning
 
     tiny_edit = request.getfixturevalue(tiny_name)
 

@@ -16,7 +16,7 @@ from test_validation import TINY_INFERENCE, check_validated_run
 from model_parallel import plan
 from train import config
 from train.config import Config, ProjectConfig
-from train.model import components
+from train.model.qwen_image import components
 from train.runtime.engine import Dist
 from train.runtime.metrics import NullMetrics
 from train.trainer import validation

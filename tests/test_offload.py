@@ -8,8 +8,9 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig, ModelConfig
-from train.model import components, fp8, streaming
-from train.model.tiny import build_transformer
+from train.model import fp8, streaming
+from train.model.qwen_image import components
+from train.model.qwen_image.tiny import build_transformer
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0", "img_mlp.net.2"])
 

@@ -11,7 +11,7 @@ from test_data import good, png, write_jsonl
 
 from train.config import textfile
 from train.data.pairs import BadRowsError, preflight, read_rows
-from train.model import pipelines
+from train.model.qwen_image import pipelines
 
 
 def test_line_numbers_are_an_editors(tmp_path):
@@ -116,7 +116,7 @@ def test_prompt_length_is_what_the_processor_encodes(tiny_edit, variant):
     expansion of the template with real images, minus the dropped prefix."""
     from transformers import Qwen2VLProcessor
 
-    from train.model import conditioning
+    from train.model.qwen_image import conditioning
 
     processor = Qwen2VLProcessor.from_pretrained(tiny_edit / "model" / "processor", local_files_only=True)
     images = [Image.new("RGB", size) for size in ((320, 192), (224, 224))][: 1 if variant == "edit" else 2]

@@ -18,8 +18,8 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.model import components, pipelines, vae_frames
-from train.model.tiny import build_transformer
+from train.model.qwen_image import components, pipelines, vae_frames
+from train.model.qwen_image.tiny import build_transformer
 
 
 def model_dir(tmp: Path, pipeline: str, **transformer_config) -> Path:
@@ -194,7 +194,7 @@ def _plain_pipeline_images(model: Path, edits: list[dict], inf) -> list[np.ndarr
     """diffusers' QwenImageEditPlusPipeline straight from the directory, called as the pipeline's docs show."""
     from PIL import Image
 
-    from train.model import conditioning
+    from train.model.qwen_image import conditioning
 
     pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)

@@ -23,7 +23,7 @@ from model_parallel.plan import check_parallel
 from train import config
 from train.data import pairs
 from train.data.latent_cache import CacheError, cache_dir, ensure, read_index
-from train.model import components
+from train.model.qwen_image import components
 from train.runtime import engine
 from train.runtime.metrics import prefix_rank_output, print0
 from train.trainer import build

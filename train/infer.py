@@ -32,7 +32,8 @@ import torch
 
 from train import config
 from train.config import files
-from train.model import components, lora_io, memory, pipelines
+from train.model import lora_io, memory
+from train.model.qwen_image import components, pipelines
 from train.runtime import engine, gpumon
 from train.runtime.metrics import prefix_rank_output, print0, progress
 

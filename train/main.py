@@ -20,7 +20,8 @@ import torch
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
-from train.model import components, lora_io, memory, streaming
+from train.model import lora_io, memory, streaming
+from train.model.qwen_image import components
 from train.runtime import checkpoint, engine, outdir, preempt
 from train.runtime.metrics import prefix_rank_output, print0
 from train.trainer import build

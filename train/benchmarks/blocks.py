@@ -2,7 +2,7 @@
 
     python -m train.bench --block_probe [--image_tokens 12288 --target 64x64 --text_tokens 696] [--json J]
 
-One- and two-block transformers of the released width (train/model/archs.py), prepared as training prepares them
+One- and two-block transformers of the released width (qwen_image/archs.py), prepared as training prepares them
 (LoRA r64 on the default targets, fp8 base, compiled), run forward and backward at one micro-batch's tokens, plain
 and checkpointed, as the plan measures them at the start of a run: first with checkpointed blocks that keep their
 attention output (train.kept_attention_blocks, train/model/kept_attention.py), then with blocks that recompute it.
@@ -39,7 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     from diffusers import QwenImageTransformer2DModel
 
-    from train.model.archs import FULL_ARCH
+    from train.model.qwen_image.archs import FULL_ARCH
 
     if not torch.cuda.is_available():
         raise SystemExit("--block_probe needs a CUDA GPU (the plan measures nothing on the CPU)")

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from train.model import fp8
-from train.model.archs import FULL_ARCH
+from train.model.qwen_image.archs import FULL_ARCH
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -16,7 +16,7 @@ raise (goal: cached >= 1.2x online on the 1024^2 Edit v1 workload). The encoders
 a GPU the allocated memory they give back when freed) is reported too.
 
 Default models: Qwen2.5-VL-7B (8.3 B; the released text and vision sizes), the released VAE architecture and,
-with --train_step, the full Qwen-Image transformer (train/model/archs.py), all at random init, built directly
+with --train_step, the full Qwen-Image transformer (train/model/qwen_image/archs.py), all at random init, built directly
 on the device in bf16; nothing is downloaded. The processor is the released one's settings with a small BPE
 tokenizer trained here (prompts tokenise into more, shorter tokens than with Qwen's vocabulary).
 """
@@ -33,8 +33,9 @@ import torch
 
 from train.benchmarks import step as bench
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning, memory, tiny, vae_frames
-from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+from train.model import memory
+from train.model.qwen_image import components, conditioning, tiny, vae_frames
+from train.model.qwen_image.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
 from train.runtime import engine
 from train.trainer import loop
 
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype, vae_2d_frames: bool) -> components.Encoders:
     """Qwen2.5-VL-7B and the released VAE architecture at random init, created on `device` in `dtype` (the VAE
-    with train/model/vae_frames.py's 2D path when vae_2d_frames, as components.load_vae gives it)."""
+    with train/model/qwen_image/vae_frames.py's 2D path when vae_2d_frames, as components.load_vae gives it)."""
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 

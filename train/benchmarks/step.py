@@ -2,7 +2,7 @@
 train/bench.py; its arguments are parse_args's).
 
 What is timed is exactly what `train.trainer.loop.train` runs per micro-step: `train.trainer.loop.forward_loss` on a
-`train.data.sources.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and
+`train.data.sources.Batch` (a `train.model.qwen_image.conditioning.Conditioning` inside), `engine.backward(loss)` and
 `engine.step()` on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is
 built from synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
@@ -58,9 +58,9 @@ import torch.distributed as dist
 from train.benchmarks import fp8_impls, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
-from train.model import components, conditioning, rope
-from train.model.archs import FULL_ARCH
-from train.model.tiny import SCHEDULER_CONFIG
+from train.model.qwen_image import components, conditioning, rope
+from train.model.qwen_image.archs import FULL_ARCH
+from train.model.qwen_image.tiny import SCHEDULER_CONFIG
 from train.runtime import engine
 from train.trainer import loop
 
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"compile or compile_dynamic (default {','.join(peer.DEFAULT_VARIANTS)})")
     p.add_argument("--complex_rope", action="store_true",
                    help="the project's step with diffusers' complex rotary embedding instead of real pairs "
-                        "(train/model/rope.py), to measure that lever")
+                        "(train/model/qwen_image/rope.py), to measure that lever")
     p.add_argument("--text_mask", action="store_true",
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
@@ -260,7 +260,7 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     """Tiny (fp32) or full-architecture transformer on `device`, seeded alike on every rank."""
     torch.manual_seed(SEED)
     if args.tiny:
-        from train.model.tiny import build_transformer
+        from train.model.qwen_image.tiny import build_transformer
 
         return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
     return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)
@@ -278,7 +278,7 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
                      compile_blocks: bool, checkpoint_blocks: int = 0, compile_mode: str | None = None) -> None:
-    """The trainer's own preparation (train.model.components.prepare_for_training, as train/main.py calls it), but with
+    """The trainer's own preparation (qwen_image.components.prepare_for_training, as train/main.py calls it), but with
     diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
     components.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
                                 checkpoint_blocks=checkpoint_blocks, real_rope=False, compile_mode=compile_mode)
@@ -773,7 +773,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
     baseline = run_baseline(model, b, cfg, d, dtype, args, w) if args.baseline else None
-    # the trainer's rotary embedding (train.model.components.prepare_for_training's real_rope)
+    # the trainer's rotary embedding (train.model.qwen_image.components.prepare_for_training's real_rope)
     if not args.complex_rope:
         rope.use_real_pairs(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base

@@ -54,7 +54,7 @@ RANDOM_INIT_ENV = "QWEN_EDIT_RANDOM_INIT"
 def random_init() -> bool:
     """QWEN_EDIT_RANDOM_INIT=1: build every model from its config.json at random init, directly on the device
     (measurements on full-size shapes without the weights: `python -m train.make_tiny --full_size_configs`);
-    train.model.components builds them, and the model directory then needs no weights (model_dir_problems)."""
+    the model family's components build them, and the model directory then needs no weights (model_dir_problems)."""
     return os.environ.get(RANDOM_INIT_ENV) == "1"
 
 

@@ -44,7 +44,7 @@ class ModelConfig:
     vae_2d_frames: bool = True
     """The VAE runs an image (a video of one frame) as 2D convolutions: each causal 3x3x3 convolution's two taps on
     zero padding are skipped (a third of the FLOPs) and the video chunk cache is not kept. The same function
-    (equal within 1e-5 in float32; train/model/vae_frames.py), for online encoding, the cache build, validation
+    (equal within 1e-5 in float32; qwen_image/vae_frames.py), for online encoding, the cache build, validation
     and train.infer; its speed is predicted (docs/perf_notes.md lever 26), not yet measured. false = diffusers'
     own path."""
 

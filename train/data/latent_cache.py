@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 
 from train import config
 from train.data import pairs, sources
-from train.model import components, conditioning, memory
+from train.model import memory
+from train.model.qwen_image import components, conditioning
 from train.runtime import engine
 from train.runtime.exports import apply_umask
 from train.runtime.metrics import print0, progress
@@ -124,7 +125,7 @@ def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype:
         "data.condition_area": str(d.condition_area),
         SNAP_KEY: str(pairs.aspect_steps(d.bucket_aspect_steps, cfg.micro_batch_size, d.buckets)),
         "data.alpha_background": d.alpha_background,
-        "prompt template (train/model/conditioning.py)": _sha(templates),
+        "prompt template (train/model/qwen_image/conditioning.py)": _sha(templates),
         "prompt processing (data.normalize_prompts, prompt_mapping, blocked_terms, blocked_policy)": _sha(processing),
         "data rows and image files": rows_digest(d.path, rows),
         "library versions": f"diffusers {diffusers.__version__}, transformers {transformers.__version__}",

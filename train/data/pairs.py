@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 
 from train.data import prompts, sampling
 from train.data.rows import BadRowsError, Row, assign_categories, read_rows
-from train.model import conditioning, images
+from train.model import images
+from train.model.qwen_image import conditioning
 from train.runtime import engine
 from train.runtime.metrics import print0
 

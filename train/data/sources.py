@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from train.data.ahead import EncodeAhead
-from train.model import conditioning, memory
-from train.model.components import Encoders
+from train.model import memory
+from train.model.qwen_image import conditioning
+from train.model.qwen_image.components import Encoders
 
 
 @dataclass

@@ -707,7 +707,7 @@ def render_workload(reference_sizes: list[list[tuple[int, int]]], variant: str, 
     the (width, height) of its reference images; [] is a text-to-image sample (square)."""
     from types import SimpleNamespace
 
-    from train.model import conditioning
+    from train.model.qwen_image import conditioning
 
     def dims(width: int, height: int) -> tuple[int, int]:
         return conditioning.dimensions(area, SimpleNamespace(width=width, height=height))
@@ -807,7 +807,8 @@ def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torc
     attention output: X (kept_bytes) is counted, S is what the block holds besides it, and the difference of the
     checkpointed and plain block times is a kept block's recomputation. fp8_fast_accum: the fp8 matmuls as
     train.fp8_fast_accum runs them. Seconds, plus compilation."""
-    from train.model import components, kept_attention
+    from train.model import kept_attention
+    from train.model.qwen_image import components
 
     model_dir = Path(model_dir)
     keep = kept and kept_attention.available(device, dtype)
@@ -874,7 +875,7 @@ def measure_render(m: Measured, model_dir: str | Path, w: Workload, dtype: torch
     decoding a latent of the render's target size, untiled and tiled (online also encoding an image of that size,
     as the render encodes its references; the larger counts), on the path model.vae_2d_frames chooses. A second
     or two."""
-    from train.model import components
+    from train.model.qwen_image import components
 
     forward = _render_forward_bytes(model_dir, w, dtype, device, mode, lora, fp8_base)  # its model freed here
     vae = components.load_vae(model_dir, vae_dtype, device, vae_2d_frames)
@@ -883,7 +884,7 @@ def measure_render(m: Measured, model_dir: str | Path, w: Workload, dtype: torch
 
 
 def _render_forward_bytes(model_dir, w: Workload, dtype, device, mode: str, lora, fp8_base: bool) -> float:
-    from train.model import components
+    from train.model.qwen_image import components
 
     model = _mini_transformer(Path(model_dir), 1, dtype, device)
     components.prepare_for_training(model, mode, lora, False, False, fp8_base)
@@ -1115,7 +1116,7 @@ def _measure_run(p, device: torch.device, work: Workload, render: Workload | Non
     if online:
         measured = _with_encode_bytes(measured, p, device, work)
     if render is not None:
-        from train.model import components
+        from train.model.qwen_image import components
 
         measured = measure_render(measured, p.model.path, render, dtype,
                                   components.encoder_dtype(p.model.encoder_dtype, device), device, p.train.mode,
@@ -1136,7 +1137,8 @@ def _plan_record(choice: Choice, pred: Prediction, sizes: Sizes, measured: Measu
 
 def validation_workload(p, variant: str) -> Workload:
     """render_workload of validation.file's edits at the inference section's areas (the images' headers read)."""
-    from train.model import images, pipelines
+    from train.model import images
+    from train.model.qwen_image import pipelines
 
     requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
     sizes = [[images.shown_size(path) for path in q.references] for q in requests]
@@ -1205,7 +1207,7 @@ def encode_transient(model_dir: str | Path, device: torch.device, work: Workload
     size, measured (the peak of the two), plus VL_ACTIVATION_BYTES for the VL model's activations (a few thousand
     tokens without gradients: far smaller). vae_2d_frames: the VAE's path (model.vae_2d_frames); diffusers' own
     keeps a copy of every layer's input for a next chunk, ~1.5 GB more at 1 MP."""
-    from train.model import components
+    from train.model.qwen_image import components
 
     vae = components.load_vae(model_dir, torch.bfloat16, device, vae_2d_frames)
     h, w = work.target_hw

@@ -14,8 +14,9 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
-from train.model import components, fp8, lora_io, memory
-from train.model.conditioning import MODEL_NAMES
+from train.model import fp8, lora_io, memory
+from train.model.qwen_image import components
+from train.model.qwen_image.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import loop, validation

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from train.config import Config, OutputConfig, TrainConfig
 from train.data.sources import Batch
-from train.model import conditioning, memory
+from train.model import memory
+from train.model.qwen_image import conditioning
 from train.runtime import checkpoint, faults, preempt
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.metrics import (

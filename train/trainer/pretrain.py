@@ -22,7 +22,7 @@ from train.config import TrainConfig
 from train.data import pairs
 from train.data.rows import read_rows
 from train.data.sources import Batch
-from train.model import components, conditioning, tiny
+from train.model.qwen_image import components, conditioning, tiny
 from train.trainer import loop
 
 MIN_STEPS = 10

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from train.config import Config, ModelConfig, ValidationConfig
-from train.model import components, images, memory, pipelines
+from train.model import images, memory
+from train.model.qwen_image import components, pipelines
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.metrics import PeakMeter
 

@@ -18,7 +18,8 @@ import torch
 from PIL import Image
 
 from train.config import InferenceConfig, textfile
-from train.model import components, conditioning, images, vae_frames
+from train.model import images
+from train.model.qwen_image import components, conditioning, vae_frames
 
 # --- requests: the jsonl rows of train.infer and of validation.file ----------------------------------------------
 
@@ -152,7 +153,7 @@ def load_pipeline(model_dir: str | Path, dtype: torch.dtype, variant: str = "aut
     """The variant's pipeline from a local diffusers directory (on the CPU; see `place`). models: modules already
     built ({"transformer": ..., ...}, e.g. components.random_pipeline_models'), which diffusers' from_pretrained
     takes in place of loading them; the other components (scheduler, tokenizer, processor) load from the files.
-    vae_2d_frames (model.vae_2d_frames): the VAE's images take train/model/vae_frames.py's 2D path, or not."""
+    vae_2d_frames (model.vae_2d_frames): the VAE's images take vae_frames.py's 2D path, or not."""
     variant = components.detect_variant(model_dir, variant)
     pipe = _pipeline_class(variant).from_pretrained(model_dir, dtype=dtype, local_files_only=True, **(models or {}))
     # before `place`: its offloading hooks wrap the layers' forwards

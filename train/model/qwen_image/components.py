@@ -15,7 +15,8 @@ import torch
 
 from train.config import LoraConfig, ModelConfig
 from train.config.files import RANDOM_INIT_ENV, random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
-from train.model import conditioning, fp8, kept_attention, rope, vae_frames
+from train.model import fp8, kept_attention
+from train.model.qwen_image import conditioning, rope, vae_frames
 
 
 class ModelError(ValueError):
@@ -238,7 +239,7 @@ def stream_from_host(text_encoder: torch.nn.Module, device: torch.device) -> Non
 
 def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, vae_2d_frames: bool = True):
     """The frozen VAE alone (also what a model-parallel decoder stage loads to render validation images);
-    vae_2d_frames (model.vae_2d_frames): images take the 2D path of train/model/vae_frames.py, the same function."""
+    vae_2d_frames (model.vae_2d_frames): images take the 2D path of vae_frames.py, the same function."""
     from diffusers import AutoencoderKLQwenImage
 
     if random_init():
@@ -290,7 +291,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0,
                          fp8_fast_accum: bool = False):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
-    activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (train/model/rope.py; the
+    activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (rope.py; the
     same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
     offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
     among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).

@@ -283,7 +283,7 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from train.model.conditioning import PIPELINE_CLASSES
+    from train.model.qwen_image.conditioning import PIPELINE_CLASSES
 
     if variant not in VARIANTS:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -320,15 +320,15 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
 
 def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None) -> None:
     """Turn a tiny model directory into a weightless one with the released architectures' configs: the Qwen-Image
-    transformer and Qwen2.5-VL-7B (train/model/archs.py, with the tiny tokenizer's token ids) and the default VAE; the
-    processor gets the released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (train.model.components builds
+    transformer and Qwen2.5-VL-7B (archs.py, with the tiny tokenizer's token ids) and the default VAE; the
+    processor gets the released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (components.py builds
     each model at random init on the device): for measuring the real trainer on full-size shapes without 58 GB of
     weights. `num_layers` (None = the released 60) keeps the released width with that many blocks, for the deepest
     full fine-tune a budget fits (docs/performance.md "Memory")."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2Tokenizer
 
-    from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+    from train.model.qwen_image.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
 
     model_dir = Path(model_dir)
     for sub in ("transformer", "text_encoder", "vae"):
