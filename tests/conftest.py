@@ -136,3 +136,14 @@ class FakeCudaCounter:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": self.retries})
 
+
+
+def patch_family(monkeypatch, **changes) -> None:
+    """Replace fields of the registered Qwen-Image family's record for one test (the record is frozen; the generic
+    code finds it in train.model.family.FAMILIES), e.g. patch_family(monkeypatch, load_encoders=stub)."""
+    import dataclasses
+
+    from train.model import family
+
+    monkeypatch.setattr(family, "FAMILIES", tuple(dataclasses.replace(f, **changes) if f.name == "qwen_image" else f
+                                                  for f in family.FAMILIES))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, metrics, run_trainer, write_config
+from conftest import REPO, free_port, metrics, patch_family, run_trainer, write_config
 from safetensors.torch import load_file
 
 from train import config
@@ -142,7 +142,7 @@ def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
     loads = []
     real = components.load_encoders
     monkeypatch.setattr(memory, "stream_vl_for_cache", lambda c, d, keys: True)
-    monkeypatch.setattr(components, "load_encoders", lambda *a, **k: loads.append(k) or real(*a, **k))
+    patch_family(monkeypatch, load_encoders=lambda *a, **k: loads.append(k) or real(*a, **k))
     latent_cache.build(streamed_cfg, WORLD_OF_ONE, variant, rows, dataset, index["depends_on"])
     assert loads == [{"stream_text_encoder": True, "vae_2d_frames": True}]  # model.vae_2d_frames passed on
     a = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
@@ -254,7 +254,7 @@ def test_changed_template_is_refused(built, monkeypatch):
     cfg, variant, rows, dataset, _ = built
     monkeypatch.setitem(conditioning.PROMPT_TEMPLATES, variant, conditioning.PROMPT_TEMPLATES[variant] + " ")
     message = refusal(cfg, variant, rows, dataset)
-    assert "prompt template (train/model/qwen_image/conditioning.py)" in message
+    assert "prompt template (train/model/conditioning.py)" in message
     assert "data.area" not in message  # only what changed is named
 
 

@@ -21,6 +21,7 @@ from diffusers import DiffusionPipeline, QwenImageEditPipeline, QwenImageEditPlu
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
+from train.model.qwen_image import batches
 from train.model.qwen_image import conditioning as C
 from train.model.qwen_image.tiny import make_tiny
 
@@ -193,6 +194,7 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
     references; img_shapes from qwen_image.conditioning) returns the pipeline's own prediction. The 2509 weights (the
     same tiny weights without zero_cond_t) predict something else for the same inputs, so the test sees the key."""
     from train.data import sources
+    from train.model import family, loading
     from train.model.qwen_image import components
     from train.trainer import loop
 
@@ -208,13 +210,14 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
 
     num_target = (hw[0] // 2) * (hw[1] // 2)
     noisy = recorded["hidden_states"][:, :num_target]  # the pipeline's own noise: loop draws its own
-    cond = C.Conditioning(ours["encoder_hidden_states"], ours["encoder_hidden_states_mask"], ours["reference_tokens"],
-                          ours["img_shapes"][0][1:])
+    cond = batches.Conditioning(ours["encoder_hidden_states"], ours["encoder_hidden_states_mask"],
+                                ours["reference_tokens"], ours["img_shapes"][0][1:])
     kwargs = {"hidden_states": torch.cat([noisy, cond.reference_tokens], dim=1), "timestep": recorded["timestep"],
               "encoder_hidden_states": cond.prompt_embeds, "encoder_hidden_states_mask": cond.prompt_mask,
               "img_shapes": C.img_shapes(hw, cond.reference_shapes, 1), "return_dict": False}
     layout, _, _ = loop.noisy_inputs(sources.Batch(noisy.float(), hw, cond), _tiny_train_config(), torch.Generator(),
-                                     components.scheduler_config(tiny_edit_plus_2511 / "model"), torch.float32)
+                                     loading.scheduler_config(tiny_edit_plus_2511 / "model"), torch.float32,
+                                     family.family_named("qwen_image"))
     assert layout.keys() == kwargs.keys() and layout["img_shapes"] == kwargs["img_shapes"]
     assert torch.equal(layout["hidden_states"][:, num_target:], kwargs["hidden_states"][:, num_target:])
     with torch.no_grad():

@@ -8,8 +8,7 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.model import fp8
-from train.model.qwen_image import components
+from train.model import fp8, prepare
 from train.model.qwen_image.tiny import build_transformer
 
 
@@ -53,7 +52,7 @@ def test_convert_swaps_frozen_block_linears_and_keeps_lora():
     """Under LoRA the blocks' 12 token linears (peft's base_layer where wrapped) and 2 modulation linears become
     e4m3; embeddings/output stay; only LoRA trains; checkpoints (state_dict) hold no fp8 buffers."""
     model = build_transformer()
-    components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
+    prepare.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
     before = {n for n, p in model.named_parameters() if p.requires_grad}
     assert fp8.convert_frozen_linears(model) == len(model.transformer_blocks) * 14
     block = model.transformer_blocks[0]
@@ -73,7 +72,7 @@ def test_lora_learns_through_fp8_base(zero_cond_t):
 
     torch.manual_seed(0)
     model = build_transformer(zero_cond_t)
-    components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
+    prepare.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -103,7 +102,7 @@ def test_checkpoint_first_recomputes_only_the_first_blocks(monkeypatch, count, e
     real = ckpt.checkpoint
     monkeypatch.setattr(ckpt, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
     model = build_transformer()
-    components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
+    prepare.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
                                 gradient_checkpointing=True, compile_blocks=False, checkpoint_blocks=count)
     model.train()
     out = model(**transformer_inputs(model))[0]
@@ -143,7 +142,7 @@ def test_fast_accumulation_reaches_both_matmuls(monkeypatch, fast):
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     torch.manual_seed(0)
     model = build_transformer()
-    components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0), False, False, fp8_base=True,
+    prepare.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0), False, False, fp8_base=True,
                                     real_rope=False, fp8_fast_accum=fast)
     linears = [m for m in model.modules() if isinstance(m, fp8.Float8FrozenLinear)]
     assert [m.fast_accum for m in linears] == [fast and m.kind == "token" for m in linears]

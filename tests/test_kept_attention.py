@@ -11,8 +11,7 @@ from conftest import transformer_inputs
 from test_memory import GB, measured
 
 from train.config import LoraConfig
-from train.model import kept_attention, memory
-from train.model.qwen_image import components
+from train.model import kept_attention, memory, prepare
 from train.model.qwen_image.tiny import build_transformer
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k", "attn.add_v_proj", "img_mlp.net.2"])
@@ -35,7 +34,7 @@ def kernel_calls(monkeypatch):
 def _prepared(kept: int, checkpoint_blocks: int = 0, offload: set[int] | None = None):
     torch.manual_seed(0)
     model = build_transformer(num_layers=3)
-    components.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+    prepare.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
                                     offload=offload, kept_attention_blocks=kept)
     return model.train()
 
@@ -245,7 +244,7 @@ def test_compiled_blocks_keep_and_skip_like_eager_ones(kernel_calls):
     def prepared(compile_blocks: bool):
         torch.manual_seed(0)
         model = build_transformer(num_layers=2)
-        components.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
+        prepare.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
         return model.train()
 
     eager_loss, eager_grads = _loss_and_grads(prepared(False))

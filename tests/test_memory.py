@@ -373,13 +373,12 @@ def test_pinned_host_bytes_are_what_the_offloader_pins(tiny_plus):
     the offloader's 256-byte alignment of each tensor."""
     import torch
 
-    from train.model import offload
-    from train.model.qwen_image import components
+    from train.model import offload, prepare
 
     lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"])
     s = memory.count_sizes(tiny_plus / "model", lora.target_modules, lora.rank)
     for fp8_base in (False, True):
-        _, offloader = components.load_for_training(tiny_plus / "model", torch.float32, torch.device("cpu"), "lora",
+        _, offloader = prepare.load_for_training(tiny_plus / "model", torch.float32, torch.device("cpu"), "lora",
                                                     lora, True, False, fp8_base, 0, False, offload_blocks=2)
         tensors = sum(len(layout.entries) for layout in offloader.layouts.values())
         expected = 2 * memory.moved_bytes(s, fp8_base, dtype_bytes=4)

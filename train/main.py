@@ -20,8 +20,7 @@ import torch
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
-from train.model import lora_io, memory, streaming
-from train.model.qwen_image import components
+from train.model import family, lora_io, memory, streaming
 from train.runtime import checkpoint, engine, outdir, preempt
 from train.runtime.metrics import prefix_rank_output, print0
 from train.trainer import build
@@ -39,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as e:
         return engine.refuse_early(e, rank)
     try:
-        components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
-    except components.ModelError as e:
+        family.detect(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
+    except family.ModelError as e:
         return engine.refuse_early(e, rank)
     try:
         if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/

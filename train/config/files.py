@@ -64,6 +64,23 @@ MODEL_WEIGHTS = {"transformer": "diffusion_pytorch_model.safetensors", "vae": "d
                  "text_encoder": "model.safetensors"}
 
 
+def transformer_class(transformer_dir: str | Path) -> type:
+    """The diffusers model class that `transformer_dir/config.json` names (`_class_name`, which save_pretrained
+    writes), so that the loader and the exports serve every model family; ValueError naming the fix."""
+    import diffusers
+
+    path = Path(transformer_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; point the model path at a diffusers-format directory")
+    name = json.loads(path.read_text()).get("_class_name", "")
+    cls = getattr(diffusers, name, None) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+        raise ValueError(f"{path} names the model class {name!r}, which the installed diffusers "
+                         f"{diffusers.__version__} does not have; write the transformer's diffusers class there (as "
+                         "save_pretrained does) or upgrade diffusers")
+    return cls
+
+
 def model_dir_problems(path: str, key: str) -> list[str]:
     """Problems of the model directory that `key` (a config key or flag) names, found before anything loads: it
     must hold model_index.json, and every model that lists (MODEL_WEIGHTS) its weights, unless

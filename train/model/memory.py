@@ -807,8 +807,7 @@ def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torc
     attention output: X (kept_bytes) is counted, S is what the block holds besides it, and the difference of the
     checkpointed and plain block times is a kept block's recomputation. fp8_fast_accum: the fp8 matmuls as
     train.fp8_fast_accum runs them. Seconds, plus compilation."""
-    from train.model import kept_attention
-    from train.model.qwen_image import components
+    from train.model import kept_attention, prepare
 
     model_dir = Path(model_dir)
     keep = kept and kept_attention.available(device, dtype)
@@ -817,8 +816,8 @@ def measure(model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torc
         models = []
         for layers in (1, 2):
             model = _mini_transformer(model_dir, layers, dtype, device)
-            components.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base,
-                                            kept_attention_blocks=-1 if keep else 0, fp8_fast_accum=fp8_fast_accum)
+            prepare.prepare_for_training(model, mode, lora, checkpointed, compile_blocks, fp8_base,
+                                         kept_attention_blocks=-1 if keep else 0, fp8_fast_accum=fp8_fast_accum)
             models.append(model.train())
         runs[checkpointed] = _run(models, _inputs(models[0], w, dtype, device), device)
         del models, model
@@ -884,10 +883,10 @@ def measure_render(m: Measured, model_dir: str | Path, w: Workload, dtype: torch
 
 
 def _render_forward_bytes(model_dir, w: Workload, dtype, device, mode: str, lora, fp8_base: bool) -> float:
-    from train.model.qwen_image import components
+    from train.model import prepare
 
     model = _mini_transformer(Path(model_dir), 1, dtype, device)
-    components.prepare_for_training(model, mode, lora, False, False, fp8_base)
+    prepare.prepare_for_training(model, mode, lora, False, False, fp8_base)
     model.eval()
     inputs = _inputs(model, w, dtype, device)
     return peak_above(device, lambda: model(**inputs)[0])
@@ -1116,10 +1115,10 @@ def _measure_run(p, device: torch.device, work: Workload, render: Workload | Non
     if online:
         measured = _with_encode_bytes(measured, p, device, work)
     if render is not None:
-        from train.model.qwen_image import components
+        from train.model import loading
 
         measured = measure_render(measured, p.model.path, render, dtype,
-                                  components.encoder_dtype(p.model.encoder_dtype, device), device, p.train.mode,
+                                  loading.encoder_dtype(p.model.encoder_dtype, device), device, p.train.mode,
                                   p.lora, fixed.get("train.fp8_base", fp8_ok), online, p.model.vae_2d_frames)
     return measured
 
@@ -1138,9 +1137,9 @@ def _plan_record(choice: Choice, pred: Prediction, sizes: Sizes, measured: Measu
 def validation_workload(p, variant: str) -> Workload:
     """render_workload of validation.file's edits at the inference section's areas (the images' headers read)."""
     from train.model import images
-    from train.model.qwen_image import pipelines
+    from train.model.renders import read_requests
 
-    requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
+    requests, _ = read_requests(p.validation.file, p.train.seed)
     sizes = [[images.shown_size(path) for path in q.references] for q in requests]
     return render_workload(sizes, variant, p.inference.area, p.inference.condition_area)
 

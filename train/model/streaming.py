@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from train.config.files import transformer_class
 from train.model import fp8
 from train.model.offload import moves, placeholder
 
@@ -97,11 +98,11 @@ def empty_transformer(transformer_dir: Path):
     """The diffusers transformer of `transformer_dir/config.json` with parameters on the meta device (no memory);
     its non-parameter state (rotary tables) is real, as diffusers computes it in __init__."""
     from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
 
-    config = QwenImageTransformer2DModel.load_config(transformer_dir)
+    cls = transformer_class(transformer_dir)
+    config = cls.load_config(transformer_dir)
     with init_empty_weights(include_buffers=False):
-        return QwenImageTransformer2DModel.from_config(config)
+        return cls.from_config(config)
 
 
 def _fp8_target(name: str, placement: Placement) -> bool:

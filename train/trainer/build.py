@@ -14,20 +14,10 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
-from train.model import fp8, lora_io, memory
-from train.model.qwen_image import components
-from train.model.qwen_image.conditioning import MODEL_NAMES
+from train.model import family, fp8, loading, lora_io, memory, prepare
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
 from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
 from train.trainer import loop, validation
-
-
-def vl_processor(model_dir: str):
-    """The model's Qwen2VLProcessor (for the pre-flight's prompt lengths), None for text-to-image models."""
-    from transformers import Qwen2VLProcessor
-
-    path = Path(model_dir) / "processor"
-    return Qwen2VLProcessor.from_pretrained(path, local_files_only=True) if path.is_dir() else None
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
@@ -38,7 +28,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
-                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path), steps=steps)
+                          condition_area=p.data.condition_area,
+                          tokens=family.variant_family(variant).prompt_tokenizer(p.model.path), steps=steps)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background, steps)
     loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
@@ -48,7 +39,7 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     without = sum(not r.references for r in rows)
     if without and variant != "t2i":
         print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
-               "reference; QwenImagePipeline's prompt template)", rank=d.rank)
+               "reference; the text-to-image pipeline's prompt template)", rank=d.rank)
     return rows, loader
 
 
@@ -62,7 +53,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     share = memory.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
     try:
-        transformer, offloader = components.load_for_training(
+        transformer, offloader = prepare.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
             share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
@@ -92,8 +83,9 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
     if cfg.project.data.cache != "off":
         return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
-    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
+    dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = family.variant_family(variant).load_encoders(p.model.path, dtype, d.device,
+                                                            vae_2d_frames=p.model.vae_2d_frames)
     if p.data.encode_ahead:  # resolved by load_config: never in the model-parallel mode
         print0("online encoding: one micro-batch ahead of the step, in a thread (data.encode_ahead)", rank=d.rank)
     return sources.online_source(loader, encoders, variant, p.data.encode_ahead)
@@ -104,7 +96,8 @@ def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step
     p = cfg.project
     metadata = exports.export_metadata(config.to_dict(cfg), variant, step)
     if p.train.mode == "lora":
-        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
+        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata,
+                                   keys=family.variant_family(variant).lora)
     return exports.export_full(module, out_dir, metadata)
 
 
@@ -155,10 +148,10 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
 
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
-    variant = components.detect_variant(p.model.path, p.model.variant)
+    fam, variant = family.detect(p.model.path, p.model.variant)
     tag, start_step, saved = resume_point(p.output.dir, d, resume)
     rows, loader = build_data(cfg, d, variant)
-    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
+    print0(f"{len(rows)} rows, variant {variant} ({fam.variant(variant).title}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
     planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
@@ -192,7 +185,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                 metrics.message(f"exported {path}")
 
         watch = preempt.Watch()
-        steps = loop.train(cfg, d, eng, source, components.scheduler_config(p.model.path), metrics, trainer_state,
+        steps = loop.train(cfg, d, eng, source, loading.scheduler_config(p.model.path), metrics, trainer_state,
                            start_step, after_step=after_step, watch=watch)
     finally:
         metrics.close()

@@ -1,4 +1,5 @@
-"""Load the components of a local diffusers-format Qwen-Image-Edit directory; LoRA or full training.
+"""The components of a local diffusers-format Qwen-Image directory: its variant, Qwen2.5-VL with its processor, the
+VAE, and QWEN_EDIT_RANDOM_INIT=1's models built from their configs at random init.
 
 Everything loads with `local_files_only=True` from the directory given; nothing is fetched from a hub.
 """
@@ -7,20 +8,15 @@ from __future__ import annotations
 
 import json
 import zlib
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from train.config import LoraConfig, ModelConfig
-from train.config.files import RANDOM_INIT_ENV, random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
-from train.model import fp8, kept_attention
-from train.model.qwen_image import conditioning, rope, vae_frames
-
-
-class ModelError(ValueError):
-    """The model directory does not fit the configuration or the installed diffusers; the message says why."""
+from train.config.files import random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
+from train.model import streaming
+from train.model.interface import Encoders, ModelError
+from train.model.loading import random_init_scope, streamed_transformer
+from train.model.qwen_image import conditioning, vae_frames
 
 
 def detect_variant(model_dir: str | Path, override: str = "auto") -> str:
@@ -35,19 +31,19 @@ def detect_variant(model_dir: str | Path, override: str = "auto") -> str:
     transformer_config = check_diffusers_supports(model_dir)
     zero_cond_t = bool(transformer_config.get("zero_cond_t", False))
     name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", "")
-    family = conditioning.PIPELINE_CLASS_NAMES.get(name)
-    if family is None and override == "auto":
+    base = conditioning.PIPELINE_CLASS_NAMES.get(name)
+    if base is None and override == "auto":
         raise ModelError(
             f"{model_dir}/model_index.json names pipeline {name!r}, not one of "
             f"{', '.join(conditioning.PIPELINE_CLASS_NAMES)}; set qwen_edit.model.variant to one of "
             f"{', '.join(conditioning.VARIANTS)}"
         )
-    if family is None:  # an unknown pipeline class: trained as the variant asked for, if the transformer agrees
-        family = "edit_plus" if override == "edit_plus_2511" else override
-    if zero_cond_t and family != "edit_plus":
+    if base is None:  # an unknown pipeline class: trained as the variant asked for, if the transformer agrees
+        base = "edit_plus" if override == "edit_plus_2511" else override
+    if zero_cond_t and base != "edit_plus":
         raise ModelError(f"{model_dir}: transformer/config.json sets zero_cond_t, which only Qwen-Image-Edit-2511 "
                          f"(QwenImageEditPlusPipeline) uses, but the pipeline is {name!r}; fix the config")
-    detected = "edit_plus_2511" if zero_cond_t else family
+    detected = "edit_plus_2511" if zero_cond_t else base
     if override not in ("auto", detected):
         raise ModelError(
             f"qwen_edit.model.variant is {override!r} but {model_dir} is {detected!r} (model_index.json: {name!r}, "
@@ -85,53 +81,6 @@ def check_diffusers_supports(model_dir: str | Path) -> dict:
     return config
 
 
-def scheduler_config(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
-
-
-@dataclass
-class Encoders:
-    """The frozen conditioning models; they stay outside the DeepSpeed engine."""
-
-    text_encoder: torch.nn.Module
-    processor: object  # Qwen2VLProcessor; the tokenizer alone for a text-to-image model (which ships no processor)
-    vae: torch.nn.Module
-
-
-def encoder_dtype(name: str, device: torch.device) -> torch.dtype:
-    """qwen_edit.model.encoder_dtype resolved for `device`: auto = bfloat16 on GPU, float32 on CPU."""
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" else "float32"
-    return getattr(torch, name)
-
-
-def _init_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-@contextmanager
-def _random_init_scope(what: str, dtype: torch.dtype, device: torch.device | None = None):
-    """Create modules on `device` (default: the current device) in `dtype` (no fp32 copy first), and say so loudly.
-    The weights are drawn from a seed fixed per model (`what`), so every process and every run builds the same ones
-    (two runs to compare, or a model-parallel decoder's VAE and its encoder's); the caller's RNG state is left as it
-    was."""
-    device = device or _init_device()
-    _random_init_notice(what, device)
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    devices = [device.index] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.device(device):
-            torch.manual_seed(zlib.crc32(what.encode()))
-            yield
-    finally:
-        torch.set_default_dtype(saved)
-
-
-def _random_init_notice(what: str, device: torch.device) -> None:
-    print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
-
-
 def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                   stream_text_encoder: bool = False, vae_2d_frames: bool = True) -> Encoders:
     """Qwen2.5-VL, its processor and the VAE, frozen, on `device`; with stream_text_encoder Qwen2.5-VL stays in
@@ -160,7 +109,7 @@ def _random_text_encoder(model_dir: Path, dtype: torch.dtype, device: torch.devi
     """Qwen2.5-VL from its config at random init on `device`; on_host: kept in host memory, drawn on `device`."""
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    with _random_init_scope("text encoder", dtype, torch.device("cpu") if on_host else device):
+    with random_init_scope("text encoder", dtype, torch.device("cpu") if on_host else device):
         vl_config = AutoConfig.from_pretrained(Path(model_dir) / "text_encoder")
         if on_host:
             return _random_vl_in_host_memory(vl_config, device)
@@ -177,8 +126,6 @@ def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: to
     not hold a whole model, which is what offload is for."""
     from diffusers import QwenImageTransformer2DModel
 
-    from train.model import streaming
-
     host = torch.device("cpu")
     text_encoder = _random_text_encoder(model_dir, dtype, device, on_host).requires_grad_(False).eval()
     vae = load_vae(model_dir, dtype, host if on_host else device)
@@ -188,16 +135,6 @@ def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: to
     kept = host if on_host else placement.device
     transformer, _ = streamed_transformer(model_dir, placement, frozen=True, kept=kept)
     return {"text_encoder": text_encoder, "vae": vae, "transformer": transformer.to(kept).requires_grad_(False).eval()}
-
-
-def streamed_transformer(model_dir: str | Path, placement, frozen: bool, kept: torch.device | None = None):
-    """streaming.load from the checkpoint, or at random init under QWEN_EDIT_RANDOM_INIT=1, said so with where the
-    model is `kept` (default: the placement's device)."""
-    from train.model import streaming
-
-    if random_init():
-        _random_init_notice("transformer", kept or placement.device)
-    return streaming.load(model_dir, placement, frozen=frozen, random=random_init())
 
 
 def _random_vl_in_host_memory(vl_config, device: torch.device):
@@ -243,7 +180,7 @@ def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, va
     from diffusers import AutoencoderKLQwenImage
 
     if random_init():
-        with _random_init_scope("VAE", dtype):
+        with random_init_scope("VAE", dtype):
             vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(Path(model_dir) / "vae"))
     else:
         vae = AutoencoderKLQwenImage.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
@@ -253,144 +190,3 @@ def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, va
     return vae.requires_grad_(False).eval().to(device)
 
 
-def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype):
-    from diffusers import QwenImageTransformer2DModel
-
-    if random_init():
-        with _random_init_scope("transformer", dtype):
-            config = QwenImageTransformer2DModel.load_config(Path(model_cfg.path) / "transformer")
-            return QwenImageTransformer2DModel.from_config(config)
-    return QwenImageTransformer2DModel.from_pretrained(
-        model_cfg.path, subfolder="transformer", torch_dtype=dtype, local_files_only=True
-    )
-
-
-def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> None:
-    """Freeze the transformer and add a peft LoRA adapter on `lora.target_modules` of every block."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    names = [n for n, _ in transformer.named_modules()]
-    unmatched = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if unmatched:
-        raise ValueError(
-            f"qwen_edit.lora.target_modules: {unmatched} match no module of the transformer; names look like "
-            "'attn.to_q', 'img_mlp.net.0.proj' (suffixes of transformer_blocks.N.*)"
-        )
-    transformer.requires_grad_(False)
-    transformer.add_adapter(
-        PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                       target_modules=list(lora.target_modules)),
-        adapter_name=adapter_name,
-    )
-
-
-def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
-                         compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
-                         fp8_transposed: bool = False, real_rope: bool = True,
-                         quantized: dict | None = None, offload: set[int] | None = None,
-                         compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0,
-                         fp8_fast_accum: bool = False):
-    """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
-    activation checkpointing and compiled blocks. real_rope: rotary embedding as real pairs (rope.py; the
-    same rotation, which compiled blocks fuse). quantized: fp8 weights already made by the streaming loader.
-    offload: indices of blocks whose frozen weights live in pinned host memory (train/model/offload.py); they must be
-    among the checkpointed ones. compile_mode: torch.compile's mode for the blocks (None: its default).
-    share: the node's shared host copy of the offloaded blocks (offload.NodeShare), or None for this process's own.
-    kept_attention_blocks: how many of the checkpointed blocks (the first ones) keep their attention output for the
-    recomputation (train/model/kept_attention.py); -1 = all of them. fp8_fast_accum: the fp8 matmuls accumulate
-    fast (train.fp8_fast_accum).
-    Returns the BlockOffloader, or None."""
-    offload = offload or set()
-    if mode == "lora":
-        add_lora(transformer, lora)
-        if fp8_base:
-            check_fp8_device()
-            # Offloaded blocks keep no transposed copy: it would double what crosses the bus every use.
-            fp8.convert_frozen_linears(transformer, lambda name: fp8_transposed and _block_of(name) not in offload,
-                                       quantized, fp8_fast_accum)
-    else:
-        transformer.requires_grad_(True)
-    offloader = None
-    if offload:
-        from train.model.offload import BlockOffloader
-
-        blocks = transformer.transformer_blocks
-        offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer), share=share)
-    if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing(checkpoint_first(transformer.transformer_blocks, checkpoint_blocks,
-                                                                   kept_attention_blocks))
-    if real_rope:
-        rope.use_real_pairs(transformer)
-    if compile_blocks:
-        for block in transformer.transformer_blocks:
-            # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
-            block.compile(**({"mode": compile_mode} if compile_mode else {}))
-    return offloader
-
-
-def _block_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[0] == "transformer_blocks" else None
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    """The training device: where the non-block weights are (they are never offloaded)."""
-    return module.proj_out.weight.device
-
-
-def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
-                      lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
-                      checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
-                      share=None, kept_attention_blocks: int = 0, fp8_fast_accum: bool = False):
-    """(transformer, offloader or None) streamed from `model_dir` straight into its training form
-    (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
-    host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
-    node's shared host copy of them (memory.offload_share), or None; a process that is not its writer does not read
-    the offloaded weights."""
-    from train.model import streaming
-
-    placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)),
-                                    skip_offloaded=share is not None and not share.writer)
-    if fp8_base:
-        check_fp8_device()
-    transformer, quantized = streamed_transformer(model_dir, placement, frozen=mode == "lora")
-    offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
-                                     checkpoint_blocks, fp8_transposed, quantized=quantized,
-                                     offload=placement.offload, share=share,
-                                     kept_attention_blocks=kept_attention_blocks, fp8_fast_accum=fp8_fast_accum)
-    return transformer, offloader
-
-
-def checkpoint_first(blocks, count: int, kept: int = 0):
-    """diffusers' gradient_checkpointing_func that recomputes the first `count` blocks (0 = all) and runs the
-    others plainly (diffusers hands every block to this function while checkpointing is on). The first `kept` of
-    the recomputed blocks (-1 = all) keep their attention output, so their recomputation skips the attention kernel
-    (train/model/kept_attention.py: their attention processors are marked for it)."""
-    from torch.utils.checkpoint import checkpoint
-
-    selected = list(blocks) if count == 0 else list(blocks)[:count]
-    keeping = selected if kept < 0 else selected[:kept]
-    for block in keeping:
-        kept_attention.keep(block)
-    keeping, selected = {id(b) for b in keeping}, {id(b) for b in selected}
-
-    def call(block, *args):
-        if id(block) in keeping:
-            return checkpoint(kept_attention.Stash().run, block.__call__, *args, use_reentrant=False)
-        if id(block) in selected:
-            return checkpoint(block.__call__, *args, use_reentrant=False)
-        return block(*args)
-
-    return call
-
-
-def check_fp8_device() -> None:
-    """fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer on CUDA; CPUs run them (slowly)."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        name = torch.cuda.get_device_name()
-        raise ValueError(f"qwen_edit.train.fp8_base: {name} has no fp8 matmuls (needs compute capability >= 8.9); "
-                         "set fp8_base to false")
-
-
-def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from train.model.interface import TINY_INFO
+
 # Qwen2 special tokens the edit pipelines' templates use; they must be single tokens.
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -113,9 +115,6 @@ def build_text_encoder(tokenizer):
 
 
 VAE_KINDS = ("random", "pooling")
-# OUT/model/tiny.json: what make_tiny built ({"variant", "vae", "transformer"}, and "pretrained" once
-# train/trainer/pretrain.py trained the transformer); the pipelines ignore it
-TINY_INFO = "tiny.json"
 
 
 def build_vae(kind: str = "random"):
