@@ -2,7 +2,7 @@
 
     python -m train.bench --block_probe [--image_tokens 12288 --target 64x64 --text_tokens 696] [--json J]
 
-One- and two-block transformers of the released width (qwen_image/archs.py), prepared as training prepares them
+One- and two-block transformers of the released width (Qwen-Image-Edit's), prepared as training prepares them
 (LoRA r64 on the default targets, fp8 base, compiled), run forward and backward at one micro-batch's tokens, plain
 and checkpointed, as the plan measures them at the start of a run: first with checkpointed blocks that keep their
 attention output (train.kept_attention_blocks, train/model/kept_attention.py), then with blocks that recompute it.
@@ -37,9 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from diffusers import QwenImageTransformer2DModel
-
-    from train.model.qwen_image.archs import FULL_ARCH
+    from train.benchmarks.step import build_full_transformer
 
     if not torch.cuda.is_available():
         raise SystemExit("--block_probe needs a CUDA GPU (the plan measures nothing on the CPU)")
@@ -51,8 +49,7 @@ def run(args: argparse.Namespace) -> dict:
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "tokens": work.image_tokens + work.text_tokens, "rank": args.rank}
     with tempfile.TemporaryDirectory(prefix="block_probe_") as model_dir:
-        with torch.device("meta"):
-            QwenImageTransformer2DModel(**FULL_ARCH).save_config(Path(model_dir) / "transformer")
+        build_full_transformer(None, "meta", torch.bfloat16).save_config(Path(model_dir) / "transformer")
         for kept in (True, False):
             m = memory.measure(model_dir, work, torch.bfloat16, device, "lora", lora, True, True, kept=kept)
             record["kept" if kept else "recomputed"] = dataclasses.asdict(m)

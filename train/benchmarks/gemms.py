@@ -23,8 +23,10 @@ import statistics
 
 import torch
 
-from train.model import fp8
-from train.model.qwen_image.archs import FULL_ARCH
+from train.model import family, fp8
+
+# Qwen-Image-Edit's released transformer: its blocks' widths and depth
+FULL_ARCH = family.family_named("qwen_image").bench.released_config("edit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -130,6 +130,7 @@ class ModelFamily:
     make_dataset: Callable[..., list]  # (out, variant, num_samples, size, seed) -> the images of a tiny dataset
     synthetic_batch: Callable[..., Batch]  # random tensors shaped as encode_batch returns them
     text_tokens_bound: Callable[[str, int, int, int], int]  # (variant, references, area, condition_area)
+    bench: Any  # what the benchmarks build (released sizes, random-init encoders, timed encoding parts)
     block_list: str = "transformer_blocks"  # the transformer's attribute holding its blocks
 
     def variant(self, name: str) -> Variant:

@@ -11,7 +11,17 @@ from types import SimpleNamespace
 from PIL import Image
 
 from train.model.interface import LoraKeys, ModelFamily, Variant
-from train.model.qwen_image import batches, components, conditioning, cut, lora_keys, pipelines, rope, tiny
+from train.model.qwen_image import (
+    batches,
+    bench_models,
+    components,
+    conditioning,
+    cut,
+    lora_keys,
+    pipelines,
+    rope,
+    tiny,
+)
 
 
 def image_size(area: int, width: int, height: int, aspect_steps: int = 0) -> tuple[int, int]:
@@ -87,4 +97,5 @@ FAMILY = ModelFamily(
     make_dataset=tiny.make_dataset,
     synthetic_batch=batches.synthetic_batch,
     text_tokens_bound=batches.text_tokens_bound,
+    bench=bench_models,
 )
