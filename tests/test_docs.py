@@ -38,7 +38,7 @@ def test_launch_sh_help_prints_usage_not_script_lines():
 
 
 def test_readme_tells_a_newcomer_the_basics():
-    """Issue 19's first hour: how the commands find Python, make_tiny's required --out, how relative paths in
+    """A newcomer's first hour: how the commands find Python, make_tiny's required --out, how relative paths in
     the JSON resolve, --master_port, F2P in words, and why no CPU torch build is installed by default."""
     assert "source .venv/bin/activate" in README and "python -m train.make_tiny --out DIR" in README
     assert "relative to the directory you start the command" in README and "--master_port" in README

@@ -316,12 +316,16 @@ class CachedDataset(torch.utils.data.Dataset):
         return self._files[name]
 
     def __getitem__(self, i: int) -> dict:
+        """The sample's tensors (x0 and the conditioning's, by name) and SAMPLE_KEYS."""
         s = self.samples[i]
         f, names = self._opened(s["file"])
-        cond = {k: f.get_tensor(f"{s['line']}.{k}") for k in names[s["line"]]}
-        return {"x0": f.get_tensor(f"{s['line']}.x0"), "cond": (_conditioning_meta(s), cond),
-                "target_hw": tuple(s["target_hw"]), "line": s["line"], "bucket": self._bucket(s),
-                "variant": self.variant}
+        return {**{k: f.get_tensor(f"{s['line']}.{k}") for k in ("x0", *names[s["line"]])},
+                "meta": _conditioning_meta(s), "target_hw": tuple(s["target_hw"]), "line": s["line"],
+                "bucket": self._bucket(s), "variant": self.variant}
+
+
+# what a cached item holds besides the conditioning's tensors (which must not take these names)
+SAMPLE_KEYS = ("x0", "meta", "target_hw", "line", "bucket", "variant")
 
 
 def _conditioning_meta(sample: dict) -> dict:
@@ -337,7 +341,8 @@ def collate(samples: list[dict]) -> dict:
     if len(grids) > 1:
         raise ValueError(f"micro-batch of rows {lines} mixes latent sizes (target, references) {sorted(grids)}; "
                          "use train_micro_batch_size_per_gpu = 1 or data.buckets = true")
-    cond = family.variant_family(samples[0]["variant"]).join_conditioning([s["cond"] for s in samples])
+    parts = [(s["meta"], {k: v for k, v in s.items() if k not in SAMPLE_KEYS}) for s in samples]
+    cond = family.variant_family(samples[0]["variant"]).join_conditioning(parts)
     return {"x0": torch.stack([s["x0"] for s in samples]), "cond": cond, "target_hw": samples[0]["target_hw"],
             "lines": lines}
 
