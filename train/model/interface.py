@@ -95,6 +95,7 @@ class ModelFamily:
     """One architecture behind the seam; every callable is a plain function of the family's folder."""
 
     name: str
+    title: str  # the family's name in messages
     variants: tuple[Variant, ...]
     transformer_class: str  # the diffusers transformer, as transformer/config.json names it (`_class_name`)
     pixels_per_latent: int  # the VAE's spatial factor

@@ -66,6 +66,7 @@ def fingerprint() -> str:
 
 FAMILY = ModelFamily(
     name="qwen_image",
+    title="Qwen-Image",
     variants=tuple(Variant(v, conditioning.MODEL_NAMES[v], conditioning.PIPELINE_CLASSES[v],
                            conditioning.MAX_REFERENCES[v]) for v in conditioning.VARIANTS),
     transformer_class="QwenImageTransformer2DModel",
