@@ -87,7 +87,7 @@ class LoraKeys:
 
     targets: tuple[str, ...]  # module-name suffixes inside a block that get LoRA by default
     pipeline_class: str  # the diffusers pipeline whose lora_state_dict reads and save_lora_weights writes its files
-    comfyui: Callable[[dict[str, torch.Tensor], float], dict[str, torch.Tensor]]  # adapter layers, alpha -> ComfyUI
+    comfyui: Callable[[dict[str, torch.Tensor], float, int], dict[str, torch.Tensor]]  # (layers, alpha, rank)
 
 
 @dataclass(frozen=True)

@@ -147,10 +147,11 @@ def lora_scale(cfg: dict) -> tuple[float, int]:
 def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype,
                       metadata: dict[str, str] | None = None, *, keys) -> Path:
     """DIR/lora_comfyui.safetensors in the family's ComfyUI layout (`keys.comfyui`: the matrices and their alpha,
-    which ComfyUI's LoRA loader scales by alpha / rank)."""
+    which ComfyUI's LoRA loader scales by alpha / rank; the rank is the lora_A matrices' rows)."""
     from safetensors.torch import save_file
 
-    sd = keys.comfyui({k: v.to(dtype).contiguous() for k, v in layers.items()}, alpha)
+    rank = next(v.shape[0] for k, v in layers.items() if k.endswith(".lora_A.weight"))
+    sd = keys.comfyui({k: v.to(dtype).contiguous() for k, v in layers.items()}, alpha, rank)
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, out / COMFYUI_WEIGHT_NAME, metadata={"format": "pt", **(metadata or {})})
     apply_umask(out / COMFYUI_WEIGHT_NAME)

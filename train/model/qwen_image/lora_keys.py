@@ -13,9 +13,10 @@ TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 PIPELINE_CLASS = "QwenImageEditPipeline"
 
 
-def comfyui(layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+def comfyui(layers: dict[str, torch.Tensor], alpha: float, rank: int) -> dict[str, torch.Tensor]:
     """`diffusion_model.X.lora_A.weight`, `.lora_B.weight` and `X.alpha` for peft's `X.lora_A.weight` layers:
-    ComfyUI's LoRA loader and diffusers' Qwen-Image converter both read this layout (and scale by alpha / rank)."""
+    ComfyUI's LoRA loader and diffusers' Qwen-Image converter both read this layout (and scale by alpha / rank,
+    the rank being lora_A's rows: nothing to change for `rank` here)."""
     sd = {f"diffusion_model.{k}": v for k, v in layers.items()}
     for key in layers:
         if key.endswith(".lora_A.weight"):
