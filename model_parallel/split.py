@@ -24,8 +24,10 @@ class DecoderStage(torch.nn.Module):
         super().__init__()
         cut = cut or family.transformer_family(transformer).cut
         if cut is None:
-            raise ValueError(f"{type(transformer).__name__} cannot be cut over decoder stages yet; set "
-                             "qwen_edit.parallel.decoder_cuts to []")
+            raise ValueError(
+                f"{type(transformer).__name__} cannot be cut over decoder stages yet; set "
+                "qwen_edit.parallel.decoder_cuts to []"
+            )
         cut.prune(transformer, blocks, is_first, is_last)
         # parameters named transformer.X, the whole model's names under a prefix that the export strips
         # (train.runtime.exports.STAGE_PREFIX)

@@ -26,11 +26,17 @@ def family_packages() -> set[str]:
 
 def named_families(graph: dict[str, set[str]], packages: set[str]) -> list[str]:
     """'module imports family module' for every generic module that imports a module of a family folder."""
+
     def inside(module: str) -> bool:
         return any(module == p or module.startswith(p + ".") for p in packages)
 
-    return [f"{src} imports {dst}" for src in sorted(graph) if not inside(src) and src not in MAY_NAME_A_FAMILY
-            for dst in sorted(graph[src]) if inside(dst)]
+    return [
+        f"{src} imports {dst}"
+        for src in sorted(graph)
+        if not inside(src) and src not in MAY_NAME_A_FAMILY
+        for dst in sorted(graph[src])
+        if inside(dst)
+    ]
 
 
 def test_generic_modules_import_no_family_folder():
@@ -40,8 +46,7 @@ def test_generic_modules_import_no_family_folder():
     assert named_families(graph, packages) == []
     planted = {k: set(v) for k, v in graph.items()}
     planted["train.trainer.loop"].add("train.model.qwen_image.conditioning")
-    assert named_families(planted, packages) == [
-        "train.trainer.loop imports train.model.qwen_image.conditioning"]
+    assert named_families(planted, packages) == ["train.trainer.loop imports train.model.qwen_image.conditioning"]
 
 
 def test_every_family_folder_is_registered_and_variants_are_unique():

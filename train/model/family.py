@@ -13,8 +13,16 @@ import torch
 
 from train.model.interface import ModelError, ModelFamily
 
-__all__ = ["FAMILIES", "ModelError", "detect", "family_for", "family_named", "family_of", "transformer_family",
-           "variant_family"]
+__all__ = [
+    "FAMILIES",
+    "ModelError",
+    "detect",
+    "family_for",
+    "family_named",
+    "family_of",
+    "transformer_family",
+    "variant_family",
+]
 from train.model.qwen_image.family import FAMILY as QWEN_IMAGE
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN_IMAGE,)
@@ -32,8 +40,10 @@ def variant_family(variant: str) -> ModelFamily:
     for fam in FAMILIES:
         if any(v.name == variant for v in fam.variants):
             return fam
-    raise ModelError(f"no model family has the variant {variant!r}; the variants are "
-                     f"{', '.join(v.name for f in FAMILIES for v in f.variants)}")
+    raise ModelError(
+        f"no model family has the variant {variant!r}; the variants are "
+        f"{', '.join(v.name for f in FAMILIES for v in f.variants)}"
+    )
 
 
 def transformer_family(transformer: torch.nn.Module) -> ModelFamily:
@@ -42,8 +52,10 @@ def transformer_family(transformer: torch.nn.Module) -> ModelFamily:
     for fam in FAMILIES:
         if fam.transformer_class in names:
             return fam
-    raise ModelError(f"{type(transformer).__name__} is the transformer of no model family; the families' are "
-                     f"{', '.join(f.transformer_class for f in FAMILIES)}")
+    raise ModelError(
+        f"{type(transformer).__name__} is the transformer of no model family; the families' are "
+        f"{', '.join(f.transformer_class for f in FAMILIES)}"
+    )
 
 
 def family_for(variant: str, model_dir: str | Path) -> ModelFamily:
@@ -69,8 +81,10 @@ def family_of(model_dir: str | Path, variant: str = "auto") -> ModelFamily:
     if variant != "auto":
         return variant_family(variant)
     known = list(dict.fromkeys(v.pipeline_class for f in FAMILIES for v in f.variants))
-    raise ModelError(f"{model_dir}/model_index.json names pipeline {name!r}, not one of {', '.join(known)}; set "
-                     f"qwen_edit.model.variant to one of {', '.join(v.name for f in FAMILIES for v in f.variants)}")
+    raise ModelError(
+        f"{model_dir}/model_index.json names pipeline {name!r}, not one of {', '.join(known)}; set "
+        f"qwen_edit.model.variant to one of {', '.join(v.name for f in FAMILIES for v in f.variants)}"
+    )
 
 
 def detect(model_dir: str | Path, variant: str = "auto") -> tuple[ModelFamily, str]:

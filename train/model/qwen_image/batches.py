@@ -35,20 +35,31 @@ class Conditioning:
 
     def samples(self) -> list[tuple[dict, dict[str, torch.Tensor]]]:
         """Per sample ({prompt_tokens, reference_shapes}, {"embeds": T D unpadded, "ref": Lr C})."""
-        lengths = ([self.prompt_embeds.shape[1]] * self.prompt_embeds.shape[0] if self.prompt_mask is None
-                   else self.prompt_mask.sum(dim=1).tolist())
+        lengths = (
+            [self.prompt_embeds.shape[1]] * self.prompt_embeds.shape[0]
+            if self.prompt_mask is None
+            else self.prompt_mask.sum(dim=1).tolist()
+        )
         shapes = [list(s) for s in self.reference_shapes]
-        return [({"prompt_tokens": int(n), "reference_shapes": shapes},
-                 {"embeds": self.prompt_embeds[i, :n], "ref": self.reference_tokens[i]})
-                for i, n in enumerate(lengths)]
+        return [
+            (
+                {"prompt_tokens": int(n), "reference_shapes": shapes},
+                {"embeds": self.prompt_embeds[i, :n], "ref": self.reference_tokens[i]},
+            )
+            for i, n in enumerate(lengths)
+        ]
 
     def select(self, index: torch.Tensor) -> Conditioning:
         mask = None if self.prompt_mask is None else self.prompt_mask[index]
         return Conditioning(self.prompt_embeds[index], mask, self.reference_tokens[index], self.reference_shapes)
 
     def _map(self, fn) -> Conditioning:
-        return Conditioning(fn(self.prompt_embeds), None if self.prompt_mask is None else fn(self.prompt_mask),
-                            fn(self.reference_tokens), list(self.reference_shapes))
+        return Conditioning(
+            fn(self.prompt_embeds),
+            None if self.prompt_mask is None else fn(self.prompt_mask),
+            fn(self.reference_tokens),
+            list(self.reference_shapes),
+        )
 
     def to(self, device: torch.device) -> Conditioning:
         return self._map(lambda t: t.to(device, non_blocking=True))
@@ -63,8 +74,9 @@ def join_conditioning(samples: list[tuple[dict, dict[str, torch.Tensor]]]) -> Co
     embeds = [tensors["embeds"] for _, tensors in samples]
     lengths = [e.shape[0] for e in embeds]
     longest = max(lengths)
-    padded = torch.stack([torch.cat([e, e.new_zeros(longest - n, e.shape[1])])
-                          for e, n in zip(embeds, lengths, strict=True)])
+    padded = torch.stack(
+        [torch.cat([e, e.new_zeros(longest - n, e.shape[1])]) for e, n in zip(embeds, lengths, strict=True)]
+    )
     mask = None if len(set(lengths)) == 1 else torch.stack([torch.arange(longest) < n for n in lengths]).long()
     # tuples again: JSON and pinned memory turn them into lists
     shapes = [tuple(s) for s in samples[0][0]["reference_shapes"]]
@@ -82,8 +94,9 @@ def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
         encoders.text_encoder, encoders.processor, batch["prompts"], batch["vl_images"], variant
     )
     target = conditioning.encode_latents(encoders.vae, batch["target"])
-    ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"],
-                                                            len(batch["prompts"]))
+    ref_tokens, ref_shapes = conditioning.encode_references(
+        encoders.vae, batch["reference_pixels"], len(batch["prompts"])
+    )
     cond = Conditioning(embeds, mask, ref_tokens, ref_shapes)
     return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
 
@@ -106,9 +119,17 @@ def target_prediction(output, b: Batch) -> torch.Tensor:
     return output[0][:, : b.x0.shape[1]]
 
 
-def synthetic_batch(model: torch.nn.Module, batch_size: int, latent_hw: tuple[int, int], num_references: int,
-                    text_tokens: int, device: torch.device, cond_dtype: torch.dtype, text_mask: bool = False,
-                    seed: int = 0) -> Batch:
+def synthetic_batch(
+    model: torch.nn.Module,
+    batch_size: int,
+    latent_hw: tuple[int, int],
+    num_references: int,
+    text_tokens: int,
+    device: torch.device,
+    cond_dtype: torch.dtype,
+    text_mask: bool = False,
+    seed: int = 0,
+) -> Batch:
     """A Batch of random tensors shaped as encode_batch returns them (conditioning in `cond_dtype`): a target of
     latent size `latent_hw`, `num_references` references of the same size, `text_tokens` prompt embeddings (with
     an all-ones mask when `text_mask`)."""

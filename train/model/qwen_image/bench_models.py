@@ -19,8 +19,11 @@ SCHEDULER = tiny.SCHEDULER_CONFIG  # the released family's dynamic shift (about 
 def released_config(variant: str, num_layers: int | None = None) -> dict:
     """The released transformer's config (Qwen-Image-Edit's; 2511's sets zero_cond_t), `num_layers` deep (None:
     the released 60)."""
-    return {**FULL_ARCH, "num_layers": num_layers or FULL_ARCH["num_layers"],
-            "zero_cond_t": variant == "edit_plus_2511"}
+    return {
+        **FULL_ARCH,
+        "num_layers": num_layers or FULL_ARCH["num_layers"],
+        "zero_cond_t": variant == "edit_plus_2511",
+    }
 
 
 def tiny_transformer(variant: str) -> torch.nn.Module:
@@ -40,8 +43,11 @@ def full_encoders(data_dir: Path, device: torch.device, dtype: torch.dtype, vae_
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     vl_config = Qwen2_5_VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
-        vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=VL_VISION,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
     )
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # no fp32 copy of 8 B weights first
@@ -65,10 +71,12 @@ def encode_parts(raw: dict, encoders: Encoders, variant: str) -> dict:
     texts = conditioning.prompt_texts(raw["prompts"], len(raw["vl_images"][0]), variant)
     flat = [im for sample in raw["vl_images"] for im in sample]
     return {
-        "encode_vl_s": lambda: conditioning.encode_prompts(encoders.text_encoder, encoders.processor, raw["prompts"],
-                                                           raw["vl_images"], variant),
-        "encode_vl_processor_s": lambda: encoders.processor(text=texts, images=flat, padding=True,
-                                                            return_tensors="pt").to(encoders.text_encoder.device),
+        "encode_vl_s": lambda: conditioning.encode_prompts(
+            encoders.text_encoder, encoders.processor, raw["prompts"], raw["vl_images"], variant
+        ),
+        "encode_vl_processor_s": lambda: encoders.processor(
+            text=texts, images=flat, padding=True, return_tensors="pt"
+        ).to(encoders.text_encoder.device),
         "encode_vae_target_s": lambda: conditioning.encode_latents(encoders.vae, raw["target"]),
         "encode_vae_references_s": lambda: conditioning.encode_references(encoders.vae, raw["reference_pixels"]),
         "encode_batch_s": lambda: batches.encode_batch(raw, encoders, variant),

@@ -30,8 +30,9 @@ def image_size(area: int, width: int, height: int, aspect_steps: int = 0) -> tup
     return conditioning.dimensions(area, SimpleNamespace(width=width, height=height), aspect_steps)
 
 
-def condition_size(variant: str, condition_area: int, width: int, height: int,
-                   aspect_steps: int = 0) -> tuple[int, int] | None:
+def condition_size(
+    variant: str, condition_area: int, width: int, height: int, aspect_steps: int = 0
+) -> tuple[int, int] | None:
     """(width, height) of the copy of a reference that the VL encoder sees at `condition_area` (2509, 2511: from
     the reference's crop); None for v1, whose VL encoder sees the VAE's copy."""
     if variant == "edit":
@@ -40,13 +41,21 @@ def condition_size(variant: str, condition_area: int, width: int, height: int,
     return image_size(condition_area, crop_w, crop_h)
 
 
-def sample_images(target: Image.Image, references: list[Image.Image], variant: str, area: int, condition_area: int,
-                  aspect_steps: int = 0) -> dict:
+def sample_images(
+    target: Image.Image,
+    references: list[Image.Image],
+    variant: str,
+    area: int,
+    condition_area: int,
+    aspect_steps: int = 0,
+) -> dict:
     """A row's images as the pipelines feed them: the target's and the references' VAE pixels, the VL images."""
-    vl_images, reference_pixels = conditioning.reference_inputs(references, variant, area, condition_area,
-                                                                aspect_steps)
-    return {"target": conditioning.to_pixels(target, area, aspect_steps), "reference_pixels": reference_pixels,
-            "vl_images": vl_images}
+    vl_images, reference_pixels = conditioning.reference_inputs(references, variant, area, condition_area, aspect_steps)
+    return {
+        "target": conditioning.to_pixels(target, area, aspect_steps),
+        "reference_pixels": reference_pixels,
+        "vl_images": vl_images,
+    }
 
 
 def prompt_tokenizer(model_dir: str | Path):
@@ -61,14 +70,25 @@ def prompt_tokenizer(model_dir: str | Path):
 def fingerprint() -> str:
     """What the cached prompt embeddings depend on besides the model files: the templates, dropped prefixes and
     lengths."""
-    return json.dumps([conditioning.PROMPT_TEMPLATES, conditioning.DROP_IDX, conditioning.T2I_TEMPLATE,
-                       conditioning.T2I_DROP_IDX, conditioning.T2I_MAX_SEQUENCE_LENGTH], sort_keys=True)
+    return json.dumps(
+        [
+            conditioning.PROMPT_TEMPLATES,
+            conditioning.DROP_IDX,
+            conditioning.T2I_TEMPLATE,
+            conditioning.T2I_DROP_IDX,
+            conditioning.T2I_MAX_SEQUENCE_LENGTH,
+        ],
+        sort_keys=True,
+    )
+
 
 FAMILY = ModelFamily(
     name="qwen_image",
     title="Qwen-Image",
-    variants=tuple(Variant(v, conditioning.MODEL_NAMES[v], conditioning.PIPELINE_CLASSES[v],
-                           conditioning.MAX_REFERENCES[v]) for v in conditioning.VARIANTS),
+    variants=tuple(
+        Variant(v, conditioning.MODEL_NAMES[v], conditioning.PIPELINE_CLASSES[v], conditioning.MAX_REFERENCES[v])
+        for v in conditioning.VARIANTS
+    ),
     transformer_class="QwenImageTransformer2DModel",
     pixels_per_latent=conditioning.PIXELS_PER_LATENT,
     lora=LoraKeys(lora_keys.TARGETS, lora_keys.PIPELINE_CLASS, lora_keys.comfyui),

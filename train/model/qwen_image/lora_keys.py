@@ -6,9 +6,20 @@ from __future__ import annotations
 import torch
 
 # attention (image and text streams) and MLP projections of every block
-TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-           "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-           "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
 # reads and writes this family's LoRA files (lora_state_dict converts the other trainers' layouts)
 PIPELINE_CLASS = "QwenImageEditPipeline"
 
