@@ -55,9 +55,8 @@ def random_init_notice(what: str, device: torch.device) -> None:
     print(f"{RANDOM_INIT_ENV}=1: {what} at RANDOM INIT on {device} (for measurements only)", flush=True)
 
 
-def streamed_transformer(
-    model_dir: str | Path, placement: streaming.Placement, frozen: bool, kept: torch.device | None = None
-):
+def streamed_transformer(model_dir: str | Path, placement: streaming.Placement, frozen: bool,
+                         kept: torch.device | None = None):
     """streaming.load from the checkpoint, or at random init under QWEN_EDIT_RANDOM_INIT=1, said so with where the
     model is `kept` (default: the placement's device)."""
     if random_init():

@@ -26,18 +26,14 @@ def load_loras(pipe, loras: list[tuple[Path, float]]) -> None:
     names = []
     for i, (path, _) in enumerate(loras):
         names.append(f"lora{i}")
-        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=names[-1], local_files_only=True)
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=names[-1],
+                               local_files_only=True)
     if names:
         pipe.set_adapters(names, adapter_weights=[weight for _, weight in loras])
 
 
-def place(
-    pipe,
-    inference: InferenceConfig,
-    device: torch.device,
-    placement: str = "single",
-    decoder_device: torch.device | None = None,
-) -> None:
+def place(pipe, inference: InferenceConfig, device: torch.device, placement: str = "single",
+          decoder_device: torch.device | None = None) -> None:
     """Put the pipeline's modules on devices and apply the memory options of `inference`.
 
     single: everything on `device`, or CPU offload onto it (inference.cpu_offload). split: the text encoder and VAE
@@ -87,7 +83,5 @@ def bridge(module: torch.nn.Module, device, dtype, out_device, out_dtype) -> lis
     def after(_module, _args, _kwargs, output):
         return _move(output, out_device, out_dtype)
 
-    return [
-        module.register_forward_pre_hook(before, with_kwargs=True),
-        module.register_forward_hook(after, with_kwargs=True),
-    ]
+    return [module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, with_kwargs=True)]

@@ -28,30 +28,18 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
         )
     transformer.requires_grad_(False)
     transformer.add_adapter(
-        PeftLoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
-        ),
+        PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                       target_modules=list(lora.target_modules)),
         adapter_name=adapter_name,
     )
 
 
-def prepare_for_training(
-    transformer,
-    mode: str,
-    lora: LoraConfig,
-    gradient_checkpointing: bool,
-    compile_blocks: bool,
-    fp8_base: bool = False,
-    checkpoint_blocks: int = 0,
-    fp8_transposed: bool = False,
-    real_rope: bool = True,
-    quantized: dict | None = None,
-    offload: set[int] | None = None,
-    compile_mode: str | None = None,
-    share=None,
-    kept_attention_blocks: int = 0,
-    fp8_fast_accum: bool = False,
-):
+def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_checkpointing: bool,
+                         compile_blocks: bool, fp8_base: bool = False, checkpoint_blocks: int = 0,
+                         fp8_transposed: bool = False, real_rope: bool = True,
+                         quantized: dict | None = None, offload: set[int] | None = None,
+                         compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0,
+                         fp8_fast_accum: bool = False):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: the family's rotary embedding that compiled blocks fuse
     (the same rotation; Qwen-Image: real pairs). quantized: fp8 weights already made by the streaming loader.
@@ -71,20 +59,16 @@ def prepare_for_training(
             check_fp8_device()
             # Offloaded blocks keep no transposed copy: it would double what crosses the bus every use.
             fp8.convert_frozen_linears(
-                transformer,
-                lambda name: fp8_transposed and _block_of(name, fam.block_list) not in offload,
-                quantized,
-                fp8_fast_accum,
-            )
+                transformer, lambda name: fp8_transposed and _block_of(name, fam.block_list) not in offload,
+                quantized, fp8_fast_accum)
     else:
         transformer.requires_grad_(True)
     offloader = None
     if offload:
         from train.model.offload import BlockOffloader
 
-        offloader = BlockOffloader(
-            {i: blocks[i] for i in sorted(offload)}, _device_of(transformer, fam.block_list), share=share
-        )
+        offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer, fam.block_list),
+                                     share=share)
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing(checkpoint_first(blocks, checkpoint_blocks, kept_attention_blocks))
     if real_rope and fam.real_rope is not None:
@@ -106,52 +90,24 @@ def _device_of(module: torch.nn.Module, block_list: str) -> torch.device:
     return next(p.device for name, p in module.named_parameters() if not name.startswith(f"{block_list}."))
 
 
-def load_for_training(
-    model_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    mode: str,
-    lora: LoraConfig,
-    gradient_checkpointing: bool,
-    compile_blocks: bool,
-    fp8_base: bool = False,
-    checkpoint_blocks: int = 0,
-    fp8_transposed: bool = False,
-    offload_blocks: int = 0,
-    share=None,
-    kept_attention_blocks: int = 0,
-    fp8_fast_accum: bool = False,
-):
+def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
+                      lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
+                      checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
+                      share=None, kept_attention_blocks: int = 0, fp8_fast_accum: bool = False):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
     (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
     node's shared host copy of them (memory.offload_share), or None; a process that is not its writer does not read
     the offloaded weights."""
-    placement = streaming.Placement(
-        device,
-        dtype,
-        fp8=fp8_base and mode == "lora",
-        offload=set(range(offload_blocks)),
-        skip_offloaded=share is not None and not share.writer,
-    )
+    placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)),
+                                    skip_offloaded=share is not None and not share.writer)
     if fp8_base:
         check_fp8_device()
     transformer, quantized = streamed_transformer(model_dir, placement, frozen=mode == "lora")
-    offloader = prepare_for_training(
-        transformer,
-        mode,
-        lora,
-        gradient_checkpointing,
-        compile_blocks,
-        fp8_base,
-        checkpoint_blocks,
-        fp8_transposed,
-        quantized=quantized,
-        offload=placement.offload,
-        share=share,
-        kept_attention_blocks=kept_attention_blocks,
-        fp8_fast_accum=fp8_fast_accum,
-    )
+    offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
+                                     checkpoint_blocks, fp8_transposed, quantized=quantized,
+                                     offload=placement.offload, share=share,
+                                     kept_attention_blocks=kept_attention_blocks, fp8_fast_accum=fp8_fast_accum)
     return transformer, offloader
 
 
@@ -182,10 +138,8 @@ def check_fp8_device() -> None:
     """fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer on CUDA; CPUs run them (slowly)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         name = torch.cuda.get_device_name()
-        raise ValueError(
-            f"qwen_edit.train.fp8_base: {name} has no fp8 matmuls (needs compute capability >= 8.9); "
-            "set fp8_base to false"
-        )
+        raise ValueError(f"qwen_edit.train.fp8_base: {name} has no fp8 matmuls (needs compute capability >= 8.9); "
+                         "set fp8_base to false")
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

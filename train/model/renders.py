@@ -46,14 +46,8 @@ def read_requests(path: str | Path, base_seed: int = 0) -> tuple[list[EditReques
             problems.append((index, line, str(e)))
             continue
         if request.name in names:
-            problems.append(
-                (
-                    index,
-                    line,
-                    f"output name {request.name!r} is already used by line "
-                    f"{names[request.name]}; give the row its own 'output'",
-                )
-            )
+            problems.append((index, line, f"output name {request.name!r} is already used by line "
+                                          f"{names[request.name]}; give the row its own 'output'"))
             continue
         names[request.name] = line
         requests.append(request)
@@ -66,10 +60,8 @@ def _parse_row(row, index: int, line: int, folder: Path, base_seed: int) -> Edit
     refs = row.get("edit_image", [])  # none: a text-to-image row
     refs = [refs] if isinstance(refs, str) else refs
     if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
-        raise ValueError(
-            "'edit_image' must be a path or a list of paths (relative to the jsonl's folder); leave it "
-            "out for text-to-image"
-        )
+        raise ValueError("'edit_image' must be a path or a list of paths (relative to the jsonl's folder); leave it "
+                         "out for text-to-image")
     prompt = row.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("empty or missing 'prompt'; write the edit instruction")
@@ -96,16 +88,13 @@ def output_name(name: str) -> str:
         raise ValueError(f"'output' {name!r} is not a file name; write e.g. \"edits/cat\"")
     long = [part for part in path.parts if len(part.encode()) > MAX_NAME_BYTES]
     if long:
-        raise ValueError(
-            f"'output' {name!r}: the part {long[0][:40]!r}... is longer than {MAX_NAME_BYTES} bytes, "
-            "the file system's limit; shorten it"
-        )
+        raise ValueError(f"'output' {name!r}: the part {long[0][:40]!r}... is longer than {MAX_NAME_BYTES} bytes, "
+                         "the file system's limit; shorten it")
     return str(path)
 
 
-def check_request(
-    request: EditRequest, variant: str, area: int = 1024 * 1024, condition_area: int = 384 * 384, processor=None
-) -> str | None:
+def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024, condition_area: int = 384 * 384,
+                  processor=None) -> str | None:
     """Why the request cannot be rendered (a missing, undecodable or decompression-bomb image, one whose resize to
     `area` rounds a side to nothing, too many references, with the pipeline's `processor` a prompt longer than the
     transformer's text positions), or None."""
@@ -124,21 +113,14 @@ def check_request(
         except images.ImageProblem as e:
             return f"{ref}: {e}"
         if min(fam.image_size(area, size[0], size[1], 0)) < 32:
-            return (
-                f"{ref}: {size[0]}x{size[1]} px resizes to a side below 32 px at the pipeline's area; crop it "
-                "to a less extreme aspect ratio"
-            )
+            return (f"{ref}: {size[0]}x{size[1]} px resizes to a side below 32 px at the pipeline's area; crop it "
+                    "to a less extreme aspect ratio")
         sizes.append(size)
-    over = (
-        sizes
-        and processor is not None
-        and fam.prompt_overflow(processor, request.prompt, variant, sizes, area, condition_area, with_target=False)
-    )
+    over = sizes and processor is not None and fam.prompt_overflow(
+        processor, request.prompt, variant, sizes, area, condition_area, with_target=False)
     if over:
-        return (
-            f"the prompt takes {over[0]} text positions with its reference image(s), but next to images of this "
-            f"size the transformer has {over[1]}; shorten the prompt by {over[0] - over[1]} tokens or more"
-        )
+        return (f"the prompt takes {over[0]} text positions with its reference image(s), but next to images of this "
+                f"size the transformer has {over[1]}; shorten the prompt by {over[0] - over[1]} tokens or more")
     return None
 
 
