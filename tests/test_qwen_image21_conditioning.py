@@ -226,3 +226,15 @@ def test_templates_sizes_and_packing_are_the_pipelines(pipe):
     tokens = C.pack(latents)
     assert torch.equal(tokens, QwenImage21Pipeline._pack_latents(latents, 2, 16, 4, 6))
     assert torch.equal(C.unpack(tokens, 4, 6), QwenImage21Pipeline._unpack_latents(tokens, 64, 96, 16))
+
+
+def test_slot_mismatch_names_sizes_the_vl_processor_would_resize(pipe):
+    """Sizes within the processor's pixel limits make one slot per 32x32 pixels; below its floor it upscales (more
+    slots than latents), and the row cannot be built."""
+    assert C.slot_mismatch(pipe.processor, (96, 64)) is None
+    floor = pipe.processor.image_processor.size["shortest_edge"]
+    try:
+        pipe.processor.image_processor.size["shortest_edge"] = 128 * 128
+        assert C.slot_mismatch(pipe.processor, (64, 64)) == (16, 4)
+    finally:
+        pipe.processor.image_processor.size["shortest_edge"] = floor

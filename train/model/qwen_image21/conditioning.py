@@ -81,6 +81,17 @@ def prepare_image(image: Image.Image, area: int = DEFAULT_AREA) -> tuple[Image.I
     return vl_copy, _image_processor.preprocess(rgba, height=height, width=width)[0]
 
 
+def slot_mismatch(processor, size: tuple[int, int]) -> tuple[int, int] | None:
+    """(image slots the VL processor makes, slots the latents need) for an image at the pipeline's size (width,
+    height), when they differ, else None. The processor resizes an image outside its pixel limits; the transformer
+    then refuses the row (img_shapes and the slots disagree), so the pre-flight names such rows."""
+    width, height = size
+    image = processor.image_processor
+    made = image.get_number_of_image_patches(height, width) // image.merge_size**2
+    needed = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN) // TOKENS_PER_SLOT
+    return None if made == needed else (made, needed)
+
+
 @torch.no_grad()
 def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[list[Image.Image]]):
     """Qwen3-VL hidden states of each row's prompt with its references' VL copies (all rows hold as many).
