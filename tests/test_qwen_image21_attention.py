@@ -125,3 +125,30 @@ def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21):
     expected = sample()
     attention.use_segmented_attention(pipe.transformer)
     torch.testing.assert_close(sample(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_probe_times_each_processor_on_one_layout():
+    """The GPU probe of train/benchmarks/attention21.py at a tiny width on the CPU (flex left to the GPU run)."""
+    from train.benchmarks import attention21
+
+    args = attention21.parse_args(
+        [
+            "--references",
+            "2",
+            "--target",
+            "4x4",
+            "--prompt_tokens",
+            "5",
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--steps",
+            "1",
+        ]
+    )
+    record = attention21.run(args)
+    assert set(record["seconds"]) == {"diffusers", "segmented"} and min(record["seconds"].values()) > 0
+    assert "segmented" in attention21.format_report(record)
+    with pytest.raises(ValueError, match="--kinds"):
+        attention21.run(attention21.parse_args(["--kinds", "dense"]))
