@@ -82,6 +82,16 @@ def test_forward_and_gradients_equal_diffusers_processor(model, layout):
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_log_sum_exp_over_many_key_chunks(model, monkeypatch):
+    """The merge's log-sum-exp and its gradient taken over chunks of a few keys (as long sequences are) are exact."""
+    monkeypatch.setattr(attention, "_CHUNK_SCORES", 256)
+    inputs = layout_inputs(model, *LAYOUTS["batch_of_two_padded"])
+    expected = forward_backward(model, QwenImage21AttnProcessor, inputs)
+    ours = forward_backward(model, attention.SegmentedSDPAProcessor, inputs)
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_sdpa_calls_take_no_mask_without_padding(model, monkeypatch):
     """Three references: per block one call per reference, two per text run after the first (the split), one for
     the first text run and one for the target; none with a mask. A padded batch passes the key mask."""

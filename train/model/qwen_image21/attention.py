@@ -112,7 +112,7 @@ def merge_by_lse(q: torch.Tensor, before: tuple, own: tuple) -> torch.Tensor:
     """Attention of text queries `q` over the keys `before` them (all; (k, v, key mask or None)) and their `own`
     keys (causally; (k, v, mask holding the triangle or None)), from one SDPA call each, merged exactly."""
     k_before, v_before, before_mask = before
-    k_own, v_own, own_mask = own
+    k_own, _, own_mask = own
     outs = [F.scaled_dot_product_attention(q, k_before, v_before, attn_mask=before_mask), _causal(q, *own)]
     own_lse_mask = own_mask if own_mask is not None else _triangle(q.shape[2], q.device)
     lses = [_LogSumExp.apply(q, k_before, before_mask), _LogSumExp.apply(q, k_own, own_lse_mask)]
@@ -158,9 +158,9 @@ def _chunk_bounds(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
 
 def _score_chunks(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None):
     """Scaled float32 scores q k^T over each chunk of keys, disallowed ones -inf."""
-    scale = q.shape[-1] ** -0.5
+    q_scaled = q.float() * q.shape[-1] ** -0.5
     for first, last in _chunk_bounds(q, k):
-        scores = (q.float() @ k[:, :, first:last].float().transpose(-1, -2)) * scale
+        scores = q_scaled @ k[:, :, first:last].float().transpose(-1, -2)
         if mask is not None:
             scores = scores.masked_fill(~mask[..., first:last], -torch.inf)
         yield scores
