@@ -99,6 +99,7 @@ def encode_prompts(text_encoder, processor, prompts: list[str], vl_images: list[
     Returns (embeds_BTD, mask_BT or None, slots_BT): right-padded embeddings, the padding mask (None when no row is
     padded, as the pipeline passes it) and the image-pad positions (bool).
     """
+    assert len({len(images) for images in vl_images}) == 1, "rows with different numbers of references"
     texts = [prompt_text(p, len(images)) for p, images in zip(prompts, vl_images, strict=True)]
     kwargs = {"images": [im for images in vl_images for im in images]} if vl_images[0] else {}
     inputs = processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs)
