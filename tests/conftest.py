@@ -47,6 +47,14 @@ def tiny_t2i(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), "t2i", num_samples=16)
 
 
+@pytest.fixture(scope="session")
+def tiny_21(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-2.1 checkpoint (QwenImage21Pipeline layout; no dataset): DIR is the model directory."""
+    from train.model.qwen_image21.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_21"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
