@@ -51,7 +51,8 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
     saved, now = state.get("parallel"), parallel_layout(cfg.project.parallel, world_size)
     if saved != now:
         raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
-                                     "the same qwen_edit.parallel settings, or export and start anew (see README)")
+                                     "the same qwen_edit.parallel settings, or export and start anew "
+                                     "(see docs/checkpoints.md)")
     return tag, state, checkpoint.config_changes(state, config.to_dict(cfg), tag)
 
 

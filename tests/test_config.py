@@ -126,7 +126,7 @@ def test_minimal_setup_is_valid(setup):
 
 
 def test_relative_paths_are_relative_to_the_working_directory(setup, monkeypatch):
-    """README "Training your model": a relative path in the JSON is read from the directory the command starts
+    """docs/configuration.md: a relative path in the JSON is read from the directory the command starts
     in, not from the JSON file's folder."""
     setup.set(q("model.path"), "model").set(q("data.path"), "data").set(q("output.dir"), "out")
     (setup.root / "configs").mkdir()

@@ -1,5 +1,5 @@
-"""The import graph of train/ and model_parallel/ (README "Layout"), read from the source with ast: no import circle,
-and every import runs down the layers. Lazy imports inside functions and `if TYPE_CHECKING:` imports count too:
+"""The import graph of train/ and model_parallel/ (docs/architecture.md), read from the source with ast: no import
+circle, and every import runs down the layers. Lazy imports inside functions and `if TYPE_CHECKING:` imports count too:
 they are dependencies all the same, and a lazy import is how a circle hides.
 """
 

@@ -364,12 +364,12 @@ def test_library_bars_turned_off_only_off_a_terminal(monkeypatch):
     assert library_bars_off_terminal(io.StringIO()) and calls == ["transformers", "diffusers"]
 
 
-def test_readme_shows_the_plain_progress_line():
-    """README's Console paragraph quotes the line progress_line prints for RECORD."""
+def test_the_console_docs_show_the_plain_progress_line():
+    """docs/checkpoints.md's console paragraph quotes the line progress_line prints for RECORD."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert f"`{progress_line(RECORD, 200)}`" in readme
+    page = (Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md").read_text()
+    assert f"`{progress_line(RECORD, 200)}`" in page
 
 
 def test_write_loss_curve_prints_its_path_and_never_raises(tmp_path, capsys, monkeypatch):

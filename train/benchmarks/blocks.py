@@ -7,7 +7,7 @@ One- and two-block transformers of the released width (train/model/archs.py), pr
 and checkpointed, as the plan measures them at the start of a run: first with checkpointed blocks that keep their
 attention output (train.kept_attention_blocks, train/model/kept_attention.py), then with blocks that recompute it.
 The report gives the plan's figures for both, so the lever's memory (X) and the recomputation it saves come from one
-process on one GPU. The default workload is the 2509 one of docs/performance.md "Memory" (a 1024^2 target, two 1 MP
+process on one GPU. The default workload is the 2509 one of docs/performance.md (a 1024^2 target, two 1 MP
 references, the text bound: 12,984 tokens).
 """
 

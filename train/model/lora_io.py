@@ -4,7 +4,7 @@ The key layouts are read as the Qwen-Image pipelines read them: `QwenImageEditPi
 Qwen-Image pipeline inherits it from diffusers' QwenImageLoraLoaderMixin; it calls lora_conversion_utils'
 `_convert_non_diffusers_qwen_lora_to_diffusers`) turns the file into diffusers keys, and peft's
 `set_peft_model_state_dict` puts them into the adapter, as `load_lora_weights` does. So a file means the same here
-as in `train.infer --lora`. README "Exporting a checkpoint" lists the layouts this covers.
+as in `train.infer --lora`. docs/export.md lists the layouts this covers.
 
 What stays here is what diffusers does not do before it loads: refuse damaged values, name keys that land
 nowhere (diffusers warns, or drops them) and ranks that differ from the config (diffusers would make a new adapter
@@ -185,7 +185,7 @@ def converted_by_diffusers(tensors: dict[str, torch.Tensor], path: Path) -> dict
     except ValueError as e:
         raise LoraFileError(f"qwen_edit.lora.init_from: diffusers' Qwen-Image LoRA converter cannot read {path} "
                             f"({e}); a file holds one layout (lora_A/lora_B or lora_down/lora_up keys) of "
-                            "README's 'Exporting a checkpoint'") from None
+                            "docs/export.md") from None
 
 
 def trace(tensors: dict[str, torch.Tensor], unpaired_keys: list[str], path: Path) -> dict[str, tuple[str, float]]:
