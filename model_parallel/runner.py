@@ -21,7 +21,9 @@ from train import config
 from train.data import pairs
 from train.model import components, lora_io
 from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
+from train.runtime.console import print0
+from train.runtime.plot import write_loss_curve
+from train.runtime.record import Metrics, NullMetrics
 from train.trainer import build, loop
 
 

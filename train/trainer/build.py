@@ -17,7 +17,9 @@ from train.data import latent_cache, pairs, prompts, sources
 from train.model import components, fp8, lora_io, memory
 from train.model.conditioning import MODEL_NAMES
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
+from train.runtime.console import print0
+from train.runtime.plot import write_loss_curve
+from train.runtime.record import Metrics, NullMetrics
 from train.trainer import loop, validation
 
 

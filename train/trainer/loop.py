@@ -12,9 +12,8 @@ from train.data.sources import Batch
 from train.model import conditioning, memory
 from train.runtime import checkpoint, faults, preempt
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import (
+from train.runtime.probes import (
     GcWindow,
-    Throughput,
     alloc_retries,
     compiled_graphs,
     host_pinned_gb,
@@ -22,6 +21,7 @@ from train.runtime.metrics import (
     peak_memory_gb,
     peak_reserved_gb,
 )
+from train.runtime.record import Throughput
 from train.trainer import objective
 
 
