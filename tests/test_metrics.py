@@ -248,7 +248,8 @@ class _Clock:
 
 def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, capsys):
     """loop.train: a checkpoint save (50 s) and a validation render (100 s) after step 2 are not step time; every
-    step takes 1 s, and both windows' step_time_s, samples/s and ETA say so (before, the second said 76 s)."""
+    step takes 1 s, and both windows' step_time_s, samples/s and ETA say so (before, the second said 76 s), as do
+    the per-step times of the run's summary (steptime.StepTimer)."""
     from types import SimpleNamespace
 
     import torch
@@ -256,12 +257,13 @@ def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, 
     from test_fault_injection import Source
 
     from train.config import Config, ProjectConfig
-    from train.runtime import record
+    from train.runtime import record, steptime
     from train.runtime.engine import Dist
     from train.trainer import loop
 
     clock = _Clock()
     monkeypatch.setattr(record, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(steptime, "time", SimpleNamespace(perf_counter=clock))
 
     class Engine(_Engine):
         def forward(self, hidden_states, **kwargs):
@@ -282,9 +284,11 @@ def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, 
     cfg = Config(ProjectConfig(), deepspeed={"gradient_accumulation_steps": 1})
     cfg.project.train.max_steps, cfg.project.output.log_every_steps, cfg.project.output.save_every_steps = 4, 2, 2
     metrics = Metrics(tmp_path, total_steps=4, tensorboard=False, interactive=False)
+    timer = steptime.StepTimer(torch.device("cpu"))
     loop.train(cfg, Dist(0, 1, 0, torch.device("cpu")), Engine(), Source(8), {}, metrics, {"variant": "edit"},
-               after_step=render)
+               after_step=render, timer=timer)
     metrics.close()
+    assert timer.seconds() == [1.0] * 4
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["step_time_s"], r["samples_per_s"]) for r in records] == [(2, 1.0, 1.0), (4, 1.0, 1.0)]
     lines = capsys.readouterr().out.splitlines()

@@ -50,9 +50,9 @@ class Collector:
         global _controlling
         if self.every_steps:
             self.was_enabled = gc.isenabled()
+            gc.disable()
             gc.collect()  # loading's garbage, so that it is not frozen with the long-lived objects
             gc.freeze()
-            gc.disable()
             _controlling = True
         return self
 
