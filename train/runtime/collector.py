@@ -2,7 +2,7 @@
 
 Left to itself, the collector starts a collection whenever enough objects have been allocated, wherever the program
 is; now and then that is a full collection, which walks every object the process tracks (the libraries', the model's
-modules and parameters, DeepSpeed's state, torch.compile's graphs) and took 0.9-1.35 s of every 12th step of the 2509
+modules and parameters, DeepSpeed's state, torch.compile's graphs) and took 0.88-1.35 s of every 12th step of the 2509
 step on an H200, the GPU idle meanwhile. Under control:
 - gc.freeze() once the model and data are loaded: what exists then lives as long as the run, and no collection walks
   it again;
