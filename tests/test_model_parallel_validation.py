@@ -18,7 +18,7 @@ from train import config
 from train.config import Config, ProjectConfig
 from train.model import components
 from train.runtime.engine import Dist
-from train.runtime.metrics import NullMetrics
+from train.runtime.record import NullMetrics
 from train.trainer import validation
 
 

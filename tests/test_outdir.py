@@ -15,7 +15,7 @@ from conftest import REPO
 
 from train import config
 from train.runtime import outdir
-from train.runtime.metrics import Metrics
+from train.runtime.record import Metrics
 
 
 def test_second_claim_is_refused_until_the_first_ends(tmp_path):

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 from train.benchmarks import blocks, gemms
 from train.benchmarks.step import append_json, format_report, parse_args, run
 from train.runtime import engine
-from train.runtime.metrics import prefix_rank_output
+from train.runtime.console import prefix_rank_output
 
 BLOCK_PROBE = "--block_probe"
 GEMM_PROBE = "--gemm_probe"

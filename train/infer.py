@@ -34,7 +34,7 @@ from train import config
 from train.config import files
 from train.model import components, lora_io, memory, pipelines
 from train.runtime import engine, gpumon
-from train.runtime.metrics import prefix_rank_output, print0, progress
+from train.runtime.console import prefix_rank_output, print0, progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from train import config
 from train.data import latent_cache, pairs
 from train.model import components, lora_io, memory, streaming
 from train.runtime import checkpoint, engine, outdir, preempt
-from train.runtime.metrics import prefix_rank_output, print0
+from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build
 
 

@@ -183,6 +183,12 @@ class TrainConfig:
     checkpoint_blocks 0 or >= N). Saves the GPU memory of their weights; costs host memory and PCIe bandwidth."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
+    gc_every_steps: int = 1
+    """Python's garbage collector during training: 0 = its automatic collection, as Python runs it (a full collection
+    now and then walks every object of the process, ~1 s at full size with the GPU idle); N = automatic collection off
+    while training, a young collection every N optimizer steps on every rank at the same step, a full one at a log
+    boundary every 100+ steps, and the objects that exist once everything is loaded frozen out of every later walk
+    (train/runtime/collector.py). 1: each collection walks only what one step left alive."""
 
 
 @section

@@ -35,8 +35,8 @@ from train import config
 from train.data import pairs, sources
 from train.model import components, conditioning, memory
 from train.runtime import engine
+from train.runtime.console import print0, progress
 from train.runtime.exports import apply_umask
-from train.runtime.metrics import print0, progress
 
 INDEX = "index.json"
 FORMAT = 3  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py;

@@ -1017,7 +1017,8 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     """Plan the run's memory (see the module docstring) and write the choice into `cfg`; prints the plan and its
     predicted peak, and returns them for summary.json. None when there is nothing to plan (memory.plan off, no
     GPU, the model-parallel mode); a budget_gb still caps the process then."""
-    from train.runtime.metrics import print0, reset_peak_memory
+    from train.runtime.console import print0
+    from train.runtime.probes import reset_peak_memory
 
     p = cfg.project
     if d.device.type != "cuda":
@@ -1225,7 +1226,7 @@ def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
     cache_vl_decision. Measures the
     VAE's largest encode; prints a streamed decision. Never on a CPU, nor with memory.plan "off" (the config as
     written)."""
-    from train.runtime.metrics import print0
+    from train.runtime.console import print0
 
     p = cfg.project
     if d.device.type != "cuda" or p.memory.plan == "off":

@@ -143,7 +143,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
                                                       mpu=mpu)
     if getattr(engine.optimizer, "cpu_offload", False):  # ZeRO-Offload: the memory plan's last resort, or the config's
-        from train.runtime.metrics import print0
+        from train.runtime.console import print0
 
         print0(f"optimizer offload: fp32 master weights, gradients and {type(engine.basic_optimizer).__name__}'s "
                "state in host memory, stepped on the CPU (zero_optimization.offload_optimizer)",
@@ -198,7 +198,7 @@ def refuse_early(error: Exception, rank: int) -> int:
     once could have rank 0 killed before its message was out (seen in CI)."""
     import time
 
-    from train.runtime.metrics import print0
+    from train.runtime.console import print0
 
     print0(f"error: {error}", rank=rank, file=sys.stderr)
     if rank != 0:

@@ -9,7 +9,7 @@ RNG states (torch CPU and CUDA, python, numpy), every module's train/eval mode, 
 weights; a test checks that a run's losses are the same with and without validation.
 
 On a GPU each render's peak (torch.cuda.max_memory_allocated while it runs, everything allocated included) is
-measured with metrics.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
+measured with probes.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
 the largest of every rank's renders (render_peak_gb), beside the memory plan's predicted_render_peak_gb.
 
 The conditioning may also be computed elsewhere (the model-parallel mode: the encoder stage holds the text
@@ -39,7 +39,7 @@ from PIL import Image, ImageDraw
 from train.config import Config, ModelConfig, ValidationConfig
 from train.model import components, images, memory, pipelines
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import PeakMeter
+from train.runtime.probes import PeakMeter
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
