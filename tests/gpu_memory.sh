@@ -14,18 +14,18 @@
 # run the GPU's mean SM clock and power while busy beside its maximum clock (summary.json's gpus; its busy samples
 # include the plan's measurement and the first step's compile, so rows compare by median_step_sm_clock_mhz, the
 # median over the timed steps of each step's lowest clock).
-# docs/performance.md "Memory" has the figures and the command.
+# docs/benchmarks.md says what it measures; docs/performance.md has the current figures.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
 # RUN_TIMEOUT (420 s) limits each run; on a fresh machine the first row needs ~230-260 s for 8 steps (the plan's
 # measurement compiles for ~65 s, the first step for ~70 s; an online first row had not reached step 1 after 200 s
 # once, its plan alone 76 s), later rows ~145-225 s. A run still going at the limit
-# gets SIGTERM, then SIGKILL 20 s later: a SIGTERM during a compile can hang torch 2.11 (docs/performance.md "Memory").
+# gets SIGTERM, then SIGKILL 20 s later: a SIGTERM during a compile can hang torch 2.11 (docs/benchmarks.md).
 # SET="train.kept_attention_blocks=0 ..." also sets these qwen_edit keys (JSON values) in every generated config, for
 # a same-call comparison with a lever off; TAG=name is added to the records' names.
 # LAYERS=N builds the full-size transformer with N blocks (make_tiny --num_layers) in its own data directory: with
-# SET='train.mode="full"' it measures the deepest full fine-tune a budget fits (docs/performance.md "Memory").
+# SET='train.mode="full"' it measures the deepest full fine-tune a budget fits (docs/benchmarks.md).
 # VALIDATION=1 adds validation renders: a validation file of the first VAL_ROWS (2) rows of the dataset (their
 # references, their prompts) in the generated config, rendered before step 1 and after the last step with
 # VAL_STEPS (4) denoising steps (the memory does not depend on their number); the record then has the plan's

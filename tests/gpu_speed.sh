@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speed benchmark in one GPU call (issue 16), one H200: the project's fastest step (docs/performance.md) against
+# Speed benchmark in one GPU call, one H200: the project's fastest step (docs/performance.md) against
 # DiffSynth-Studio's (the peer, train/benchmarks/peer.py) and against torchao's fp8 linears on the same workload,
 # the 2509 two-reference workload, micro-batch 2 in one bucket, and the 50-step loss curves of the kept levers
 # against the plain bf16 loop (with the tolerance). Each row is one `python -m train.bench` run: its record is
@@ -31,7 +31,7 @@ print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no
 PY
 
 # The project's fastest configuration (docs/performance.md), LoRA r64 on the 8 attention projections; `exact` is it
-# with the fp8 matmuls' exact accumulation (fast accumulation since 2026-12-04, docs/perf_notes.md lever 29).
+# with the fp8 matmuls' exact accumulation (the plan turns fast accumulation on: docs/levers.md, lever 29).
 exact=(--compile --fp8_base --fp8_transposed --zero_stage 1 --lora_targets attn)
 fast=("${exact[@]}" --fp8_fast_accum)
 timing=(--steps "$steps" --warmup "$warmup")
@@ -83,7 +83,7 @@ for row in $rows; do
     microbatch2)  # two samples of one shape bucket per step
       run_row microbatch2 100 "${fast[@]}" --micro_batch 2 "${timing[@]}" ;;
     peer_more)  # the peer's other candidates: its compile_pipeline default (dynamic), fp8 and int8 weight-only.
-      # Last: on 2026-12-01 the fp8 weight-only variant did not finish 12 steps in ~6 minutes (docs/performance.md 6).
+      # Last: the fp8 weight-only variant once took over 6 minutes for 12 steps (docs/results/peer_h200_2026-12-01.md).
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \

@@ -209,7 +209,7 @@ def test_readme_and_docs_name_paths_that_exist():
     assert len(texts) > 3 and not missing, missing
 
 
-MAX_FUNCTION_LINES = 60  # issue 20: a function longer than this is split into named parts
+MAX_FUNCTION_LINES = 60  # a function longer than this is split into named parts (STYLE: a screen or less)
 
 
 def long_functions(paths, root: Path = REPO) -> list[str]:
