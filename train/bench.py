@@ -4,9 +4,10 @@
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
     python -m train.bench --block_probe [...]          # the memory plan's block measurement, kept attention or not
     python -m train.bench --gemm_probe [...]           # one block's fp8 matmuls, fast accumulation off and on
+    python -m train.bench --floor [...]                # + the step's attention and matmuls alone: its floor ratio
 
 What is timed and how MFU is counted: train/benchmarks/step.py; the block probe: train/benchmarks/blocks.py; the
-matmul probe: train/benchmarks/gemms.py.
+matmul probe: train/benchmarks/gemms.py; the floor: train/benchmarks/floor.py.
 """
 
 from __future__ import annotations

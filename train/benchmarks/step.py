@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import itertools
 import json
 import os
 import platform
@@ -49,13 +50,13 @@ import re
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from train.benchmarks import fp8_impls, peer
+from train.benchmarks import floor, fp8_impls, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
 from train.model import components, conditioning, rope
@@ -125,6 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
                    help="zero_optimization.stage of the engine (default 2, as ds_configs/zero2.json)")
     p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    p.add_argument("--floor", action="store_true",
+                   help="after the step, time its attention and matmul kernels alone at its shapes and report the "
+                        "step's time over their sum (train/benchmarks/floor.py)")
+    p.add_argument("--floor_repeats", type=int, default=20,
+                   help="with --floor: timed calls of each kernel (default 20)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--baseline", action="store_true", help="also time a plain PyTorch LoRA loop, print the ratio")
@@ -176,6 +182,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_fast_accum applies with --fp8_base")
     if args.compile_mode and not args.compile:
         parser.error("--compile_mode applies with --compile")
+    if args.floor and (args.mode != "lora" or args.fp8_impl != "ours" or args.floor_repeats < 1):
+        parser.error("--floor times a frozen base's matmuls as train/model/fp8.py makes them: use it with --mode lora "
+                     "(and --fp8_impl ours), --floor_repeats >= 1")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
     if args.fp8_impl != "ours" and not args.fp8_base:
@@ -264,6 +273,19 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 
         return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
     return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)
+
+
+def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """The benchmarked model on the meta device, prepared as run() prepares it for the project's step (LoRA, RoPE, fp8
+    base) but not compiled: the floor's census of the step's calls (train/benchmarks/floor.py)."""
+    model = build_model(args, torch.device("meta"), dtype)
+    prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing, False,
+                     args.checkpoint_blocks)
+    if not args.complex_rope:
+        rope.use_real_pairs(model)
+    if args.fp8_base:
+        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
+    return model
 
 
 def lora_targets(kind: str) -> list[str]:
@@ -402,6 +424,7 @@ class Phase:
     s_per_step: float
     peak_memory_gb: float
     losses: list[float]  # every step's loss, warm-up included (same seeds in both loops: comparable curves)
+    step_s: list[float] = field(default_factory=list)  # each timed step's seconds on this rank (step_marks)
 
     @property
     def last_loss(self) -> float:
@@ -409,17 +432,36 @@ class Phase:
 
 
 def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device) -> Phase:
-    """Run `warmup` untimed steps, then time `steps` with the device synchronised around the timed region."""
+    """Run `warmup` untimed steps, then time `steps` with the device synchronised around the timed region (and
+    each step's own time between marks that add no synchronisation: step_marks)."""
     reset_peak_memory(device)
     losses = [step(i) for i in range(warmup)]  # kept on the device: no sync inside the timed region
     _sync(device)
     engine.barrier()
     start = time.perf_counter()
-    losses += [step(i) for i in range(warmup, warmup + steps)]
+    marks = [step_mark(device)]
+    for i in range(warmup, warmup + steps):
+        losses.append(step(i))
+        marks.append(step_mark(device))
     _sync(device)
     elapsed = (time.perf_counter() - start) / steps
     return Phase(max_over_ranks(elapsed, device), max_over_ranks(peak_memory_gb(device), device),
-                 [float(x) for x in losses])
+                 [float(x) for x in losses], mark_intervals(marks))
+
+
+def step_mark(device: torch.device):
+    """A point between two steps: a CUDA event recorded on the current stream (no synchronisation; read after the
+    loop's final sync), or on a CPU, where a step has run when it returns, the host clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def mark_intervals(marks: list) -> list[float]:
+    """Seconds between consecutive step_marks (the device synchronised after the last)."""
+    return [b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
 
 
 PHASES = ("bench/forward", "bench/backward", "bench/step")  # record_function labels of project_step
@@ -732,6 +774,8 @@ def format_report(r: dict) -> str:
                   + ("within" if r["loss_within_tolerance"] else "OUTSIDE THE TOLERANCE")]
     if "peer_rows" in r:
         lines += peer_report(r)
+    if "floor_s" in r:
+        lines += floor.report_lines(r)
     if r["device_type"] != "cuda":
         lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
                      "meaningful here; this mode checks that the benchmark runs")
@@ -784,4 +828,10 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
     if peer_rows is not None:
         add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
+    if args.floor:  # after the step's timing, in the same process: its kernels alone at its shapes
+        kwargs, _, _ = loop.noisy_inputs(b, cfg.project.train, loop.micro_batch_generator(SEED, 0, 0, 1, d, d.device),
+                                         SCHEDULER_CONFIG, dtype)
+        meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        record.update(floor.measure(census_model(args, dtype), meta, project.s_per_step, project.step_s, d.device,
+                                    dtype, args.floor_repeats, args.fp8_fast_accum))
     return record
