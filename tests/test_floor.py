@@ -108,3 +108,44 @@ def test_floor_refuses_what_it_cannot_time():
     ):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_profiled_kernels_are_placed_by_name_then_launching_op():
+    """--profile's kernel table: communication and copies by their names, matmuls and attention by the aten op that
+    launched them (found above the runtime call), inductor's Triton kernels by name; per-step figures and shares."""
+    from types import SimpleNamespace as NS
+
+    from train.benchmarks import kernels
+
+    op = NS(name="aten::_scaled_mm", cpu_parent=NS(name="bench/forward", cpu_parent=None))
+    launch = NS(name="cudaLaunchKernel", cpu_parent=op)
+    assert kernels.launching_op(launch) == "aten::_scaled_mm"
+    assert kernels.launching_op(NS(name="cudaLaunchKernel", cpu_parent=None)) == ""
+    K = kernels.Kernel
+    found = [
+        K("nvjet_qqtst_128x256", "aten::_scaled_mm", 300.0),
+        K("nvjet_tst_64x8", "aten::mm", 60.0),
+        K("cudnn_generated_fort_native_sdpa_sm90", "aten::_scaled_dot_product_cudnn_attention", 600.0),
+        K("flash_bwd_kernel", "", 150.0),
+        K("triton_poi_fused_mul_0", "", 90.0),
+        K("Memcpy DtoD", "aten::copy_", 30.0),
+        K("ncclDevKernel_AllReduce_Sum_bf16", "", 60.0),
+        K("some_kernel", "aten::add", 90.0),
+    ]
+    assert [kernels.category(k) for k in found] == [
+        "fp8 matmul",
+        "dense matmul",
+        "attention",
+        "attention",
+        "inductor fused",
+        "copies and fills",
+        "communication",
+        "other",
+    ]
+    text = kernels.report(found * 3, steps=3, top=2)
+    lines = text.splitlines()
+    assert lines[0] == "kernels: 1.38 ms of device time per step, by category:"
+    assert lines[1].split() == ["attention", "0.75", "ms/step", "54.3%"]
+    assert "cudnn_generated_fort_native_sdpa_sm90" in lines[-2] and "nvjet_qqtst_128x256" in lines[-1]
+    assert lines[-2].split()[:3] == ["0.600", "1.0", "43.5%"]
+    assert kernels.report([], steps=3).startswith("kernels: none recorded")

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.benchmarks import floor, fp8_impls, peer
+from train.benchmarks import floor, fp8_impls, kernels, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
 from train.model import components, conditioning, rope
@@ -529,7 +529,8 @@ def _is_kernel(event) -> bool:
 
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
     """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
-    GPU, the idle report (where the device waits for the host)."""
+    GPU, the idle report (where the device waits for the host) and the kernels by category (train/benchmarks/
+    kernels.py: which part of the floor each belongs to, or what it is beyond it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -550,6 +551,7 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
                 f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n")
         if device.type == "cuda":
             f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
+            f.write(kernels.report(kernels.profiled_kernels(prof), steps=3) + "\n")
         f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
