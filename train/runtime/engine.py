@@ -46,7 +46,7 @@ def plain_arch_list(value: str) -> str:
     return ";".join(dict.fromkeys(entries))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -84,7 +84,7 @@ def rendezvous_port(launched: bool = True):
     except torch.distributed.DistNetworkError as e:
         if "EADDRINUSE" not in str(e):
             raise
-        port, free = os.environ.get("MASTER_PORT", "?"), _free_port()
+        port, free = os.environ.get("MASTER_PORT", "?"), free_port()
         fix = (f"pass another one, e.g. deepspeed --master_port {free} ... (or bash launch.sh --master_port {free} ...)"
                if launched else f"set another one, e.g. MASTER_PORT={free} python ..., or leave MASTER_PORT unset")
         what = "the launcher's --master_port, default 29500" if launched else "MASTER_PORT"
@@ -97,7 +97,7 @@ def init_distributed(timeout_s: int = 600) -> Dist:
     launched = "RANK" in os.environ
     if not launched:  # a plain `python train/main.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
