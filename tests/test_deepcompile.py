@@ -126,3 +126,23 @@ def test_frozen_weights_become_buffers_dynamo_sees_only_trainable_parameters():
     compiled(torch.randn(1, 8, 64), torch.randn(1, 4, 64), None, temb)
     assert seen and all(p.requires_grad for p in seen)
     assert {id(p) for p in seen} <= {id(p) for p in trainable.values()}
+
+
+def test_build_engine_compiles_the_whole_module_after_moving_the_frozen_weights(capsys):
+    """engine.deepcompile: the frozen weights become buffers first, then DeepSpeed's engine.compile() runs once (on a
+    stand-in engine: DeepCompile's own backend needs CUDA), and rank 0 says so."""
+    model = build_transformer()
+    components.prepare_for_training(
+        model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]), False, False
+    )
+    calls = []
+
+    class Engine:
+        module, global_rank = model, 0
+
+        def compile(self):
+            calls.append([n for n, p in self.module.named_parameters() if not p.requires_grad])
+
+    engine.deepcompile(Engine())
+    assert calls == [[]]  # compiled once, with no frozen parameter left
+    assert "DeepCompile: the engine compiles the whole transformer" in capsys.readouterr().out

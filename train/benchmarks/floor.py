@@ -29,7 +29,6 @@ After the project's step is timed (train/benchmarks/step.py), in the same proces
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, replace
 
 import torch
@@ -233,21 +232,20 @@ def _counts(calls: list) -> dict:
     return counts
 
 
-def summarise(rows: list[dict], step_mean_s: float, step_times_s: list[float]) -> dict:
+def summarise(rows: list[dict], step_mean_s: float, step_median_s: float) -> dict:
     """The floor's fields of the benchmark's record: the parts' seconds per step summed from `rows`, the floor
-    (attention + fp8 + dense) and the step's time over it, from its mean and from the median of `step_times_s`."""
+    (attention + fp8 + dense) and the step's time over it, from its mean and from its median."""
     parts = {part: sum(r["s_per_step"] for r in rows if r["part"] == part) for part in PARTS}
     floor = parts["attention"] + parts["fp8"] + parts["dense"]
-    median = statistics.median(step_times_s)
     return {
         **{f"floor_{part}_s": s for part, s in parts.items()},
         "floor_s": floor,
         "floor_attention_forward_s": sum(
             r["s_per_step"] for r in rows if r["part"] == "attention" and r["call"] == "forward"
         ),
-        "floor_step_median_s": median,
+        "floor_step_median_s": step_median_s,
         "floor_ratio": step_mean_s / floor,
-        "floor_ratio_median": median / floor,
+        "floor_ratio_median": step_median_s / floor,
         "floor_ratio_with_lora": step_mean_s / (floor + parts["lora"]),
         "floor_rows": rows,
     }
@@ -257,7 +255,7 @@ def measure(
     model_meta: torch.nn.Module,
     kwargs_meta: dict,
     step_mean_s: float,
-    step_times_s: list[float],
+    step_median_s: float,
     device: torch.device,
     dtype: torch.dtype,
     repeats: int,
@@ -267,7 +265,7 @@ def measure(
     timed on `device`, and the floor's fields against the step's times."""
     linears, attention = census(model_meta, kwargs_meta)
     rows = time_calls(linears, attention, device, dtype, repeats, fast_accum)
-    return {**summarise(rows, step_mean_s, step_times_s), "floor_repeats": repeats}
+    return {**summarise(rows, step_mean_s, step_median_s), "floor_repeats": repeats}
 
 
 def report_lines(r: dict) -> list[str]:
