@@ -2,7 +2,7 @@
 and on 1, for three settings, from the same base config.
 
     python -m train.bench --scaling --model M --data D [--gpus N] [--settings zero2,deepcompile,stage0]
-                          [--config ds_configs/zero2.json] [--steps 12] [--skip 2] [--set KEY=JSON ...] [--json J]
+                          [--config ds_configs/zero2.json] [--steps 15] [--skip 5] [--set KEY=JSON ...] [--json J]
 
 Settings, each the base config (--config, every --set applied) with one change:
 - zero2: none (ds_configs/zero2.json as shipped: ZeRO-2 with its per-parameter gradient hooks);
@@ -10,7 +10,7 @@ Settings, each the base config (--config, every --set applied) with one change:
   backward);
 - stage0: zero_optimization.stage 0 (plain data parallel: gradients all-reduced after the backward, no hooks).
 Every run trains --steps optimizer steps and logs each one (save only at the end, no tensorboard); its metrics.jsonl
-gives the step times, of which the first --skip (compilation, the memory plan's first allocations) are left out.
+gives the step times, of which the first --skip (compilation, the caching allocator growing) are left out.
 Per run: the mean and median step time, samples/s per GPU from each (micro-batch x gradient accumulation / step
 time), the losses. Per setting: the efficiency, samples/s per GPU on N GPUs over that on 1 (from the means and from
 the medians), and the largest relative loss difference against zero2 at the same GPU count (same seeds and data
@@ -66,8 +66,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO / "ds_configs" / "zero2.json"), help="base config (default zero2)")
     p.add_argument("--gpus", type=int, help="N: GPUs of the multi-GPU runs (default: every GPU of this node; 2 on CPU)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
-    p.add_argument("--skip", type=int, default=2, help="first steps left out of the statistics (default 2)")
+    p.add_argument("--steps", type=int, default=15, help="optimizer steps per run (default 15)")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=5,
+        help="first steps left out of the statistics: compilation, the allocator's growth (default 5)",
+    )
     p.add_argument(
         "--set",
         action="append",
