@@ -4,7 +4,7 @@ and on 1, for three settings, from the same base config.
     python -m train.bench --scaling --model M --data D [--gpus N] [--settings zero2,deepcompile,stage0]
                           [--config ds_configs/zero2.json] [--steps 15] [--skip 5] [--set KEY=JSON ...] [--json J]
 
-Settings, each the base config (--config, every --set applied) with one change:
+Settings, each the base config (--config, every --set applied; the setting's own change wins) with one change:
 - zero2: none (ds_configs/zero2.json as shipped: ZeRO-2 with its per-parameter gradient hooks);
 - deepcompile: qwen_edit.train.deepcompile true (DeepSpeed's DeepCompile: the reductions inside the compiled
   backward);
@@ -14,7 +14,7 @@ gives the step times, of which the first --skip (compilation, the caching alloca
 Per run: the mean and median step time, samples/s per GPU from each (micro-batch x gradient accumulation / step
 time), the losses. Per setting: the efficiency, samples/s per GPU on N GPUs over that on 1 (from the means and from
 the medians), and the largest relative loss difference against zero2 at the same GPU count (same seeds and data
-order: the curves must agree but for the reductions' rounding).
+order: only rounding separates the curves, the reductions' order and, with DeepCompile, its whole-model graph).
 
 Before any launch every setting's config is checked as train/main.py checks it (train.config.load_config): a
 setting this machine refuses (DeepCompile on a CPU) is reported as not available with the config's message, and its
