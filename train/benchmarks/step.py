@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.benchmarks import fp8_impls, peer
+from train.benchmarks import floor, fp8_impls, kernels, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
 from train.model import components, conditioning, rope
@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
                    help="zero_optimization.stage of the engine (default 2, as ds_configs/zero2.json)")
-    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    _add_probe_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=steptime.WARMUP_STEPS,
                    help=f"untimed steps first (default {steptime.WARMUP_STEPS}, as the trainer's step-time summary)")
@@ -145,6 +145,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.area = args.area or (128 * 128 if args.tiny else 1024 * 1024)
     args.text_tokens = args.text_tokens or (32 if args.tiny else 256)
     return args
+
+
+def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """What else is read from the timed step: its profile and its kernels' floor."""
+    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    p.add_argument("--floor", action="store_true",
+                   help="after the step, time its attention and matmul kernels alone at its shapes and report the "
+                        "step's time over their sum (train/benchmarks/floor.py)")
+    p.add_argument("--floor_repeats", type=int, default=20,
+                   help="with --floor: timed calls of each kernel (default 20)")
 
 
 def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,6 +193,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_fast_accum applies with --fp8_base")
     if args.compile_mode and not args.compile:
         parser.error("--compile_mode applies with --compile")
+    if args.floor and (args.mode != "lora" or args.fp8_impl != "ours" or args.floor_repeats < 1):
+        parser.error("--floor times a frozen base's matmuls as train/model/fp8.py makes them: use it with --mode lora "
+                     "(and --fp8_impl ours), --floor_repeats >= 1")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
     if args.fp8_impl != "ours" and not args.fp8_base:
@@ -271,6 +284,19 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 
         return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
     return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)
+
+
+def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """The benchmarked model on the meta device, prepared as run() prepares it for the project's step (LoRA, RoPE, fp8
+    base) but not compiled: the floor's census of the step's calls (train/benchmarks/floor.py)."""
+    model = build_model(args, torch.device("meta"), dtype)
+    prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing, False,
+                     args.checkpoint_blocks)
+    if not args.complex_rope:
+        rope.use_real_pairs(model)
+    if args.fp8_base:
+        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
+    return model
 
 
 def lora_targets(kind: str) -> list[str]:
@@ -510,7 +536,8 @@ def _is_kernel(event) -> bool:
 
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
     """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
-    GPU, the idle report (where the device waits for the host)."""
+    GPU, the idle report (where the device waits for the host) and the kernels by category (train/benchmarks/
+    kernels.py: which part of the floor each belongs to, or what it is beyond it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -531,6 +558,7 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
                 f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n")
         if device.type == "cuda":
             f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
+            f.write(kernels.report(kernels.profiled_kernels(prof), steps=3) + "\n")
         f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
@@ -763,6 +791,8 @@ def format_report(r: dict) -> str:
                   + ("within" if r["loss_within_tolerance"] else "OUTSIDE THE TOLERANCE")]
     if "peer_rows" in r:
         lines += peer_report(r)
+    if "floor_s" in r:
+        lines += floor.report_lines(r)
     if r["device_type"] != "cuda":
         lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
                      "meaningful here; this mode checks that the benchmark runs")
@@ -816,4 +846,11 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
     if peer_rows is not None:
         add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
+    if args.floor:  # after the step's timing, in the same process: its kernels alone at its shapes
+        kwargs, _, _ = loop.noisy_inputs(b, cfg.project.train, loop.micro_batch_generator(SEED, 0, 0, 1, d, d.device),
+                                         SCHEDULER_CONFIG, dtype)
+        meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        median = project.stats(1.0)["median_s_per_step"]
+        record.update(floor.measure(census_model(args, dtype), meta, project.s_per_step, median, d.device, dtype,
+                                    args.floor_repeats, args.fp8_fast_accum))
     return record

@@ -952,6 +952,8 @@ def fixed_settings(cfg) -> dict:
     offloaded = configured_offload(cfg.deepspeed)
     if offloaded is not None:
         fixed[OFFLOAD_KEY] = offloaded
+    if p.train.deepcompile:  # what DeepCompile cannot run (train/config/deepspeed.py check_deepcompile)
+        fixed.update({"train.offload_blocks": 0, "train.kept_attention_blocks": 0, OFFLOAD_KEY: False})
     return fixed
 
 
@@ -999,7 +1001,7 @@ def apply(cfg, c: Choice, num_blocks: int) -> None:
             continue
         section, name = dotted.split(".")
         setattr(getattr(p, section), name, value)
-    if "train.compile" not in cfg.explicit:
+    if "train.compile" not in cfg.explicit and not p.train.deepcompile:  # DeepCompile compiles the whole model
         p.train.compile = True
     p.train.fp8_fast_accum = planned_fast_accum(cfg, p.train.fp8_base)
 
