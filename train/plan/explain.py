@@ -214,3 +214,28 @@ def pinned_note(s: Sizes, c: Choice, host: Host) -> str:
         f", {pinned / GB:.1f} GB of pinned host memory on this node ({host.ranks_per_node} process(es)"
         f"{shared}), of {host.available_bytes / GB:.1f} GB available"
     )
+
+
+def plan_line(
+    seconds: float,
+    budget: float,
+    margin: float,
+    tokens: int,
+    c: Choice,
+    pred: Prediction,
+    s: Sizes,
+    host: Host,
+    compiled: bool,
+    allocator_words: str,
+    render_words: str,
+) -> str:
+    """The line a run prints with its plan: the budget and margin, the largest micro-batch, the setting chosen, its
+    predicted peak and step, and the notes on the host, the allocator and the validation renders."""
+    return (
+        f"memory plan ({seconds:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
+        f"largest micro-batch {tokens} tokens -> {describe(c, s.num_blocks)}"
+        f"{', compiled blocks' if compiled else ''}{allocator_words}; predicted peak "
+        f"{pred.peak_bytes / GB:.1f} GB, ~{pred.step_s:.2f} s per micro-batch in the blocks"
+        f"{host_step_note(pred)}{pinned_note(s, c, host)}{render_words}. Keys set in the config "
+        'are kept; qwen_edit.memory.plan = "off" runs the config as written'
+    )

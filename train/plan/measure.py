@@ -78,6 +78,21 @@ def _median_difference(more: list[float], fewer: list[float]) -> float:
     return statistics.median(a - b for a, b in zip(more, fewer, strict=True))
 
 
+def _block_runs(
+    model_dir: str | Path, w: Workload, dtype: torch.dtype, device: torch.device, checkpointed: bool, prepare: dict
+) -> list[tuple[float, float, list[float], list[float]]]:
+    """_run of a one- and a two-block transformer at workload `w`, prepared for training as `prepare` says
+    (arch.prepare_for_training's keywords), checkpointed or not; both freed before it returns."""
+    models = [arch.mini_transformer(model_dir, layers, dtype, device) for layers in (1, 2)]
+    for model in models:
+        arch.prepare_for_training(model, checkpointed=checkpointed, **prepare)
+        model.train()
+    runs = _run(models, arch.block_inputs(models[0], w, dtype, device), device)
+    del models, model
+    torch.cuda.empty_cache()
+    return runs
+
+
 def measure(
     model_dir: str | Path,
     w: Workload,
@@ -98,36 +113,23 @@ def measure(
     from train.model import kept_attention
 
     keep = kept and kept_attention.available(device, dtype)
-    runs = {}
-    for checkpointed in (False, True):
-        models = []
-        for layers in (1, 2):
-            model = arch.mini_transformer(model_dir, layers, dtype, device)
-            arch.prepare_for_training(
-                model,
-                mode,
-                lora,
-                checkpointed,
-                compile_blocks,
-                fp8_base,
-                kept_attention_blocks=-1 if keep else 0,
-                fp8_fast_accum=fp8_fast_accum,
-            )
-            models.append(model.train())
-        runs[checkpointed] = _run(models, arch.block_inputs(models[0], w, dtype, device), device)
-        del models, model
-        torch.cuda.empty_cache()
-    (k1, t1, f1, b1), (k2, t2, f2, b2) = runs[False]
-    (k1c, t1c, _, b1c), (k2c, t2c, _, b2c) = runs[True]
-    heads, head_dim = arch.attention_dims(model_dir)
-    x = (
-        kept_attention.kept_bytes(w.batch, w.image_tokens + w.text_tokens, heads, head_dim, dtype.itemsize)
-        if (keep)
-        else 0
+    prepare = dict(
+        mode=mode,
+        lora=lora,
+        compile_blocks=compile_blocks,
+        fp8_base=fp8_base,
+        kept_attention_blocks=-1 if keep else 0,
+        fp8_fast_accum=fp8_fast_accum,
     )
+    (k1, t1, f1, b1), (k2, t2, f2, b2) = _block_runs(model_dir, w, dtype, device, False, prepare)
+    (k1c, t1c, _, b1c), (k2c, t2c, _, b2c) = _block_runs(model_dir, w, dtype, device, True, prepare)
+    heads, head_dim = arch.attention_dims(model_dir)
+    tokens = w.image_tokens + w.text_tokens
+    x = kept_attention.kept_bytes(w.batch, tokens, heads, head_dim, dtype.itemsize) if keep else 0
     act, ckpt = max(k2 - k1, 0.0), max(k2c - k1c - x, 0.0)
     head, head_c = max(k1 - act, 0.0), max(k1c - x - ckpt, 0.0)
     fwd, both = max(_median_difference(f2, f1), 1e-6), max(_median_difference(b2, b1), 1e-6)
+    kept_recompute_s = min(max(_median_difference(b2c, b1c) - both, 0.0), fwd) if keep else None
     return Measured(
         act,
         ckpt,
@@ -137,7 +139,7 @@ def measure(
         _h2d_rate(device),
         ckpt_transient_bytes=head_c + max(t1c, t2c),
         kept_bytes=x,
-        kept_recompute_s=min(max(_median_difference(b2c, b1c) - both, 0.0), fwd) if keep else None,
+        kept_recompute_s=kept_recompute_s,
     )
 
 

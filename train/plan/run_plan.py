@@ -70,9 +70,6 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     """Plan the run's memory (the module docstring) and write the choice into `cfg`; prints the plan and its
     predicted peak, and returns them for summary.json. None when there is nothing to plan (memory.plan off, no
     GPU, the model-parallel mode); a budget_gb still caps the process then."""
-    from train.runtime.engine import all_gather_objects
-    from train.runtime.metrics import print0, reset_peak_memory
-
     project = cfg.project
     if d.device.type != "cuda":
         return None
@@ -83,46 +80,56 @@ def plan_run(cfg, d, variant: str, dataset) -> dict | None:
     if project.memory.plan == "off":
         check_offload_host(cfg, host)  # the config as written: its own offloaded blocks must fit the host
         return None
+    return _plan(cfg, d, variant, dataset.bucket_keys(), budget, host)
+
+
+def _plan(cfg, d, variant: str, bucket_keys: list, budget: float, host: Host) -> dict:
+    """plan_run's plan within `budget` bytes: measured, chosen, applied to `cfg`, printed; its summary.json record."""
+    from train.runtime.engine import all_gather_objects
+    from train.runtime.metrics import print0, reset_peak_memory
+
     t0 = time.perf_counter()
+    project = cfg.project
     fixed = fixed_settings(cfg)
     online = project.data.cache == "off"
-    work = run_workload(cfg, variant, dataset.bucket_keys())
+    work = run_workload(cfg, variant, bucket_keys)
     sizes = run_sizes(cfg, online)
     render = validation_workload(project, variant) if project.validation.file else None
     if render is not None:
         sizes = dataclasses.replace(sizes, vae_bytes=arch.component_bytes(project.model.path, "vae"))
     fp8_ok = project.train.mode == "lora" and torch.cuda.get_device_capability(d.device) >= (8, 9)
+    fast_accum = planned_fast_accum(cfg, fixed.get("train.fp8_base", fp8_ok))
     measured = _measure_run(
-        project,
-        d.device,
-        work,
-        render,
-        getattr(torch, cfg.precision),
-        fixed,
-        fp8_ok,
-        online,
-        planned_fast_accum(cfg, fixed.get("train.fp8_base", fp8_ok)),
+        project, d.device, work, render, getattr(torch, cfg.precision), fixed, fp8_ok, online, fast_accum
     )
     # One plan for every rank: the smallest budget of any rank, rank 0's measurement (timings differ a little).
     gathered = all_gather_objects((budget, measured))
     budget, measured = min(b for b, _ in gathered), gathered[0][1]
     margin = gpu_margin(project.memory.margin_gb, budget)
     blocker = optimizer_offload_blocker(cfg.deepspeed, sizes, host)
-    choice, pred = explain.choice_or_refusal(
-        choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker, host), sizes, host, fixed
+    result = choose(sizes, measured, budget, margin, fixed, fp8_ok, online, blocker, host)
+    choice, pred = explain.choice_or_refusal(result, sizes, host, fixed)
+    render_words = explain.render_note(
+        sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker, host
     )
-    note = explain.render_note(sizes, measured, choice, pred, budget, margin, fixed, fp8_ok, online, blocker, host)
     apply(cfg, choice, sizes.num_blocks)
-    segments = expandable_segments(d.device)
+    allocator_words = expandable_segments(d.device)
     reset_peak_memory(d.device)  # the run's logged peak starts here, not at the measurement
     tokens = work.batch * (work.image_tokens + work.text_tokens)
     print0(
-        f"memory plan ({time.perf_counter() - t0:.0f} s): budget {budget / GB:.1f} GB, margin {margin / GB:.1f} GB, "
-        f"largest micro-batch {tokens} tokens -> {explain.describe(choice, sizes.num_blocks)}"
-        f"{', compiled blocks' if project.train.compile else ''}{segments}; predicted peak "
-        f"{pred.peak_bytes / GB:.1f} GB, ~{pred.step_s:.2f} s per micro-batch in the blocks"
-        f"{explain.host_step_note(pred)}{explain.pinned_note(sizes, choice, host)}{note}. Keys set in the config "
-        'are kept; qwen_edit.memory.plan = "off" runs the config as written',
+        explain.plan_line(
+            time.perf_counter() - t0,
+            budget,
+            margin,
+            tokens,
+            choice,
+            pred,
+            sizes,
+            host,
+            project.train.compile,
+            allocator_words,
+            render_words,
+        ),
         rank=d.rank,
     )
     return {
