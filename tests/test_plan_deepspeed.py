@@ -52,10 +52,8 @@ def _step_transient(step) -> int:
     return max([0] + [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"])
 
 
-def _zero_state_per_param(rank: int, world: int, port: int, stage: int, queue) -> None:
-    """One rank of test_zero_state_bytes_are_deepspeeds_buffers: this rank's bytes per trainable parameter under
-    ZeRO `stage` when the backward's gradients are all there (before DeepSpeed reduces them), after the backward,
-    and at the peak of the optimizer step."""
+def _join(rank: int, world: int, port: int) -> None:
+    """This spawned process as rank `rank` of `world` CPU processes over gloo, as DeepSpeed's launcher sets one up."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -65,24 +63,42 @@ def _zero_state_per_param(rank: int, world: int, port: int, stage: int, queue) -
         DS_ACCELERATOR="cpu",
     )
     import deepspeed
-    import torch
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _adamw(zero: dict, **top) -> dict:
+    """A DeepSpeed config of bf16 AdamW (torch_adam: torch's, not DeepSpeed's fused GPU kernel) with `zero`."""
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        **top,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": optimizer,
+    }
+
+
+def _zero_state_per_param(rank: int, world: int, port: int, stage: int, queue) -> None:
+    """One rank of test_zero_state_bytes_are_deepspeeds_buffers: this rank's bytes per trainable parameter under
+    ZeRO `stage` when the backward's gradients are all there (before DeepSpeed reduces them), after the backward,
+    and at the peak of the optimizer step."""
+    _join(rank, world, port)
+    import deepspeed
+    import torch
+
     base = _live_bytes()
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     n = sum(p.numel() for p in model.parameters())
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "bf16": {"enabled": True},
-        "zero_optimization": {
+    config = _adamw(
+        {
             "stage": stage,
             "overlap_comm": False,
             "contiguous_gradients": stage == 2,
             "reduce_bucket_size": 10_000,
             "allgather_bucket_size": 10_000,
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    }
+        }
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     del model
     x = torch.randn(4, 512, dtype=torch.bfloat16)
@@ -149,25 +165,12 @@ def test_zero_state_bytes_are_deepspeeds_buffers():
 def _bucket_buffers(rank: int, world: int, port: int, zero: dict, queue) -> None:
     """One rank of test_the_counted_buckets_are_deepspeeds: the largest total of DeepSpeed's gradient bucket buffers
     seen at any module's backward, over two steps, with the zero_optimization section `zero`."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-    )
+    _join(rank, world, port)
     import deepspeed
     import torch
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "bf16": {"enabled": True},
-        "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    }
+    config = _adamw(zero)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     seen = [0]
 
@@ -221,33 +224,22 @@ def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue)
     temp_grad_buffer_for_gpu_offload, is left out too: a constant, 75 MB at full size, like the bucket). Bytes per
     parameter of the rest above the process's before the model, at each reduction (stage 2 reduces bucket by
     bucket during the backward, stage 1 once after it) and after the backward: the largest."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-    )
+    _join(rank, world, port)
     import deepspeed
     import torch
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     n = sum(p.numel() for p in model.parameters())
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "bf16": {"enabled": True},
-        "zero_optimization": {
+    config = _adamw(
+        {
             "stage": stage,
             "overlap_comm": False,
             "contiguous_gradients": True,
             "reduce_bucket_size": 10_000,
             "allgather_bucket_size": 10_000,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    }
+        }
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     del model
     x = torch.randn(4, 512, dtype=torch.bfloat16)
@@ -308,19 +300,11 @@ def _offload_host_buffers(rank: int, world: int, port: int, accumulation: int, q
     """One rank of test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers: the bytes of every tensor DeepSpeed
     pins under optimizer offload (recorded at its accelerator's pin_memory: at start, then in the steps) and of the
     Adam moments, after two optimizer steps of `accumulation` micro-steps each."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-    )
+    _join(rank, world, port)
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     pinned = []
     accelerator = get_accelerator()
     pin = accelerator.pin_memory
@@ -332,13 +316,10 @@ def _offload_host_buffers(rank: int, world: int, port: int, accumulation: int, q
     accelerator.pin_memory = recorded_pin
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     n = sum(p.numel() for p in model.parameters())
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": accumulation,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    }
+    config = _adamw(
+        {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        gradient_accumulation_steps=accumulation,
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     at_start = len(pinned)
     x = torch.randn(4, 512, dtype=torch.bfloat16)

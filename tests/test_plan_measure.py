@@ -77,6 +77,26 @@ def test_block_times_alternate_the_models_and_take_the_median_of_paired_differen
     assert next(passes) == 15 and next(clock, None) is None
 
 
+def _tiny_render(tiny_plus, w: Workload, vae_2d_frames: bool = True):
+    """measure_render of the tiny 2509 model on the CPU in float32, LoRA r4 without fp8, encoding online."""
+    import torch
+
+    cpu = torch.device("cpu")
+    return measure_render(
+        measured(100),
+        tiny_plus / "model",
+        w,
+        torch.float32,
+        torch.float32,
+        cpu,
+        "lora",
+        LoraConfig(rank=4),
+        fp8_base=False,
+        online=True,
+        vae_2d_frames=vae_2d_frames,
+    )
+
+
 def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
     """The GPU measurement's code path on the tiny model (CPU): a one-block transformer forward without gradients
     at the render's tokens, then the VAE decoding (online: and encoding) untiled and tiled. The byte counting
@@ -93,20 +113,9 @@ def test_measure_render_runs_the_render_parts(tiny_plus, monkeypatch):
 
     monkeypatch.setattr(measure, "peak_above", peak_above)
     w = render_workload([[(64, 64), (64, 64)]], "edit_plus", 64 * 64, 32 * 32)
-    m = measure_render(
-        measured(100),
-        tiny_plus / "model",
-        w,
-        torch.float32,
-        torch.float32,
-        torch.device("cpu"),
-        "lora",
-        LoraConfig(rank=4),
-        fp8_base=False,
-        online=True,
-    )
+    m = _tiny_render(tiny_plus, w)
     h, wd = w.target_hw
-    # the transformer's packed target + references (_inputs lays the references out as one near-square grid)
+    # the packed target + references (arch.block_inputs lays the references out as one near-square grid)
     assert calls[0][0] == 1 and 0.9 * w.image_tokens <= calls[0][1] <= w.image_tokens == 16 + 2 * 16
     assert calls[1][-2:] == (h * 8, wd * 8) and calls[2][-2:] == (h, wd)  # decode, encode (untiled)
     assert len(calls) == 5 and m.render_forward_bytes == calls[0][0] * calls[0][1] * calls[0][2]
@@ -132,19 +141,7 @@ def test_the_vae_measurements_take_the_configured_path(tiny_plus, monkeypatch):
     monkeypatch.setattr(measure, "peak_above", lambda device, call, repeats=2: 1.0)
     w = render_workload([[(64, 64)]], "edit_plus", 64 * 64, 32 * 32)
     for on in (True, False):
-        measure_render(
-            measured(100),
-            tiny_plus / "model",
-            w,
-            torch.float32,
-            torch.float32,
-            torch.device("cpu"),
-            "lora",
-            LoraConfig(rank=4),
-            False,
-            True,
-            vae_2d_frames=on,
-        )
+        _tiny_render(tiny_plus, w, vae_2d_frames=on)
         encode_transient(tiny_plus / "model", torch.device("cpu"), Workload(1, 0, (8, 8), 0), on)
     assert seen == [True, True, False, False]
 
