@@ -1,6 +1,6 @@
-"""Recorded plans: workloads the memory plan was run on, each with the inputs a run recorded (its summary.json's
-`plan_measured`: the block figures measured at its largest micro-batch; the sizes counted from the released
-transformer's config; the budget and the config's fixed keys), and what the plan must choose from them (the setting
+"""Recorded plans: workloads the memory plan ran on, each with its inputs (the block figures the run measured at its
+largest micro-batch, as tests/gpu_memory.sh records them under `plan_measured`; the sizes counted from the released
+transformer's config; the budget and the config's fixed keys) and what the plan must choose from them (the setting
 and its predicted peak, or the kind of refusal). One H200 measured them, with ds_configs/zero2.json. Each entry
 takes a different branch of the choice; tests/test_plan_recorded.py runs the plan on every one."""
 

@@ -23,7 +23,7 @@ VL_ACTIVATION_BYTES = 1 * GB  # the VL model's activations for an encode (no gra
 
 @dataclass(frozen=True)
 class Measured:
-    """One short measurement at the largest bucket, bytes and seconds (the letters of choice.py's docstring)."""
+    """One short measurement at the largest bucket, bytes and seconds (the letters of predict.py's docstring)."""
 
     act_bytes: float  # A
     ckpt_bytes: float  # S
@@ -187,7 +187,7 @@ def measure_render(
     online: bool,
     vae_2d_frames: bool = True,
 ) -> Measured:
-    """`m` with R and V (choice.py's docstring) at the render workload `w`: a one-block transformer prepared as
+    """`m` with R and V (predict.py's docstring) at the render workload `w`: a one-block transformer prepared as
     training prepares it, eager (expected to bound the compiled pass the renders run; not checked on a GPU yet), run
     forward without gradients, and the VAE decoding a latent of the render's target size, untiled and tiled (online
     also encoding an image of that size, as the render encodes its references; the larger counts), on the path
