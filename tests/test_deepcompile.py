@@ -11,8 +11,11 @@ import torch
 from conftest import write_config
 
 from train.config import Config, ConfigError, LoraConfig, ProjectConfig, TrainConfig, load_config, parse_args
-from train.model import components, memory
+from train.model import components
 from train.model.tiny import build_transformer
+from train.plan import keys
+from train.plan.choice import OFFLOAD_KEY
+from train.plan.predict import Choice
 from train.runtime import engine
 
 KEY = "qwen_edit.train.deepcompile"
@@ -80,13 +83,13 @@ def test_the_plan_leaves_out_what_deepcompile_cannot_run():
     """With DeepCompile the plan's candidates keep every block on the GPU without kept attention and the optimizer
     on the GPU, and it does not compile the blocks (the engine compiles the whole model)."""
     cfg = Config(ProjectConfig(train=TrainConfig(deepcompile=True)), {"zero_optimization": {"stage": 2}})
-    fixed = memory.fixed_settings(cfg)
-    assert fixed == {"train.offload_blocks": 0, "train.kept_attention_blocks": 0, memory.OFFLOAD_KEY: False}
-    memory.apply(cfg, memory.Choice(True, False, 0, 0, True), 60)
+    fixed = keys.fixed_settings(cfg)
+    assert fixed == {"train.offload_blocks": 0, "train.kept_attention_blocks": 0, OFFLOAD_KEY: False}
+    keys.apply(cfg, Choice(True, False, 0, 0, True), 60)
     assert not cfg.project.train.compile and cfg.project.train.fp8_base
     plain = Config(ProjectConfig(), {"zero_optimization": {"stage": 2}})
-    assert memory.fixed_settings(plain) == {}
-    memory.apply(plain, memory.Choice(True, False, 0, 0, True), 60)
+    assert keys.fixed_settings(plain) == {}
+    keys.apply(plain, Choice(True, False, 0, 0, True), 60)
     assert plain.project.train.compile
 
 

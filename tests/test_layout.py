@@ -11,9 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # The layer order, written once: a room imports its own modules and the rooms of lower layers only.
-LAYERS = (("config", "runtime"), ("model",), ("data",), ("trainer",), ("benchmarks",))
+LAYERS = (("config", "runtime"), ("model",), ("plan",), ("data",), ("trainer",), ("benchmarks",))
 # model_parallel/ stands above the trainer: it may use every room but benchmarks.
-MODEL_PARALLEL_MAY_USE = ("config", "runtime", "model", "data", "trainer")
+MODEL_PARALLEL_MAY_USE = ("config", "runtime", "model", "plan", "data", "trainer")
 COMMANDS = ("main", "cache", "export", "infer", "bench", "bench_data", "make_tiny", "demo")
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

@@ -1,4 +1,4 @@
-"""The memory plan's block measurement alone (train/model/memory.py `measure`), with and without kept attention.
+"""The memory plan's block measurement alone (train/plan/measure.py `measure`), with and without kept attention.
 
     python -m train.bench --block_probe [--image_tokens 12288 --target 64x64 --text_tokens 696] [--json J]
 
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from train.config import LoraConfig
-from train.model import memory
+from train.plan.measure import measure
+from train.plan.workload import Workload
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--block_probe needs a CUDA GPU (the plan measures nothing on the CPU)")
     device = torch.device("cuda", torch.cuda.current_device())
     h, w = (int(n) for n in args.target.lower().split("x"))
-    work = memory.Workload(1, args.image_tokens, (2 * h, 2 * w), args.text_tokens)
+    work = Workload(1, args.image_tokens, (2 * h, 2 * w), args.text_tokens)
     lora = LoraConfig(rank=args.rank, alpha=float(args.rank))
     record = {"benchmark": "block_probe", "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             QwenImageTransformer2DModel(**FULL_ARCH).save_config(Path(model_dir) / "transformer")
         for kept in (True, False):
-            m = memory.measure(model_dir, work, torch.bfloat16, device, "lora", lora, True, True, kept=kept)
+            m = measure(model_dir, work, torch.bfloat16, device, "lora", lora, True, True, kept=kept)
             record["kept" if kept else "recomputed"] = dataclasses.asdict(m)
     return record
 

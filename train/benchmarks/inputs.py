@@ -33,8 +33,9 @@ import torch
 
 from train.benchmarks import step as bench
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning, memory, tiny, vae_frames
+from train.model import components, conditioning, tiny, vae_frames
 from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+from train.plan.measure import peak_above
 from train.runtime import engine
 from train.trainer import loop
 
@@ -202,7 +203,7 @@ def time_encode_parts(dataset, encoders: components.Encoders, variant: str, devi
         switch(encoders.vae)
         out.update(time_calls({f"{name}_{suffix}_s": call for name, call in vae_parts.items()}, device, repeats))
         if device.type == "cuda":
-            out[f"encode_vae_target_{suffix}_peak_gb"] = memory.peak_above(device, vae_parts["encode_vae_target"]) / 1e9
+            out[f"encode_vae_target_{suffix}_peak_gb"] = peak_above(device, vae_parts["encode_vae_target"]) / 1e9
     (vae_frames.apply if configured else vae_frames.remove)(encoders.vae)
     return out
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from train.data.ahead import EncodeAhead
-from train.model import conditioning, memory
+from train.model import conditioning
 from train.model.components import Encoders
+from train.runtime.oom import out_of_memory
 
 
 @dataclass
@@ -106,6 +107,6 @@ def online_source(loader, encoders: Encoders, variant: str, ahead: bool = False)
             return encode_batch(raw, encoders, variant)
         except torch.cuda.OutOfMemoryError as e:
             n = len(raw["prompts"])
-            raise memory.out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
+            raise out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
 
     return LoaderSource(loader, encode, encoders, ahead)

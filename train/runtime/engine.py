@@ -207,7 +207,7 @@ def exit_with(main: Callable[[], int]):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
-        if getattr(e, "without_traceback", False):  # e.g. train.model.memory.OutOfMemory: the message says what to do
+        if getattr(e, "without_traceback", False):  # e.g. train.runtime.oom.OutOfMemory: the message says what to do
             print(f"error: {e}", file=sys.stderr)
         else:
             import traceback

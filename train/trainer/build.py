@@ -14,10 +14,12 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
-from train.model import components, fp8, lora_io, memory
+from train.model import components, fp8, lora_io
 from train.model.conditioning import MODEL_NAMES
+from train.plan import run_plan
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
 from train.runtime.console import print0
+from train.runtime.oom import out_of_memory
 from train.runtime.plot import write_loss_curve
 from train.runtime.record import Metrics, NullMetrics
 from train.trainer import loop, validation
@@ -60,7 +62,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     t = p.train
     dtype = getattr(torch, cfg.precision)
-    share = memory.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
+    share = run_plan.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
     try:
         transformer, offloader = components.load_for_training(
@@ -68,7 +70,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
             share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
+        raise out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
     if offloader is not None:
         print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
                f"({offloader.host_bytes / 1e9:.1f} GB pinned{', one copy for the node' if offloader.shared else ''}), "
@@ -161,7 +163,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
-    planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
+    planned = run_plan.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
     changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
     source = build_source(cfg, d, variant, rows, loader)

@@ -9,8 +9,9 @@ import torch.distributed as dist
 
 from train.config import Config, OutputConfig, TrainConfig
 from train.data.sources import Batch
-from train.model import conditioning, memory
-from train.runtime import checkpoint, faults, preempt
+from train.model import conditioning
+from train.plan.keys import configured_offload
+from train.runtime import checkpoint, faults, oom, preempt
 from train.runtime.collector import Collector
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.probes import (
@@ -91,23 +92,23 @@ def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
     return value.item()  # sync point: only at log cadence
 
 
-def oom_message(step: int, b: Batch, mode: str, now: memory.InEffect | None = None, figures: str = "") -> str:
+def oom_message(step: int, b: Batch, mode: str, now: oom.InEffect | None = None, figures: str = "") -> str:
     h, w = b.target_hw
     return (
         f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w * 8}x{h * 8} px "
         f"({b.x0.shape[1]} tokens) + {b.cond.reference_tokens.shape[1]} reference tokens, mode "
-        f"{mode}{figures}. {memory.oom_advice('step', b.x0.shape[0], now)}"
+        f"{mode}{figures}. {oom.oom_advice('step', b.x0.shape[0], now)}"
     )
 
 
-def in_effect(cfg: Config, device: torch.device) -> memory.InEffect:
+def in_effect(cfg: Config, device: torch.device) -> oom.InEffect:
     """The memory settings this run trains with (the plan's, applied to the config), for the OOM advice; the plan
     runs only on a GPU."""
     p = cfg.project
     t = p.train
     planned = p.memory.plan == "auto" and device.type == "cuda"
-    return memory.InEffect(t.gradient_checkpointing and t.checkpoint_blocks == 0, t.offload_blocks, t.fp8_base,
-                           bool(memory.configured_offload(cfg.deepspeed)), planned, p.memory.margin_gb)
+    return oom.InEffect(t.gradient_checkpointing and t.checkpoint_blocks == 0, t.offload_blocks, t.fp8_base,
+                        bool(configured_offload(cfg.deepspeed)), planned, p.memory.margin_gb)
 
 
 class NonFiniteError(RuntimeError):
@@ -130,15 +131,15 @@ def _engine_loss(engine, t: TrainConfig, scheduler_cfg: dict, dtype: torch.dtype
 
 
 def _backward(engine, loss_of: faults.StepLoss, b: Batch, generator: torch.Generator, step: int,
-              mode: str, now: memory.InEffect | None = None) -> torch.Tensor:
+              mode: str, now: oom.InEffect | None = None) -> torch.Tensor:
     """Loss and backward of one micro-batch of optimizer step `step` + 1 (`step` steps are done); a CUDA OOM
-    becomes memory.OutOfMemory naming the micro-batch, torch's figures and the settings that help (`now`: those
+    becomes oom.OutOfMemory naming the micro-batch, torch's figures and the settings that help (`now`: those
     in effect, left out of the advice)."""
     try:
         loss = loss_of(step + 1, b, generator)
         engine.backward(loss)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.OutOfMemory(oom_message(step, b, mode, now, memory.torch_oom_figures(e))) from e
+        raise oom.OutOfMemory(oom_message(step, b, mode, now, oom.torch_oom_figures(e))) from e
     return loss
 
 

@@ -37,8 +37,9 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from train.config import Config, ModelConfig, ValidationConfig
-from train.model import components, images, memory, pipelines
+from train.model import components, images, pipelines
 from train.runtime.engine import Dist, all_gather_objects
+from train.runtime.oom import out_of_memory
 from train.runtime.probes import PeakMeter
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
@@ -326,7 +327,7 @@ class Validator:
             with self.encoders_lock, PeakMeter(self.d.device) as meter:
                 rendered = self._render(label)
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.out_of_memory(e, "rendering validation images", "validation") from e
+            raise out_of_memory(e, "rendering validation images", "validation") from e
         if meter.bytes is not None:
             self.peak_bytes = max(self.peak_bytes or 0, meter.bytes)
             self.metrics.message(f"validation: the render peaked at {meter.bytes / 1e9:.2f} GB of GPU memory on rank 0 "
