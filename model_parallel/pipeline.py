@@ -21,6 +21,7 @@ from model_parallel.split import DecoderStage
 from train.config import Config
 from train.data import sources
 from train.runtime import checkpoint
+from train.runtime.collector import Collector
 from train.runtime.engine import Dist
 from train.trainer import loop
 
@@ -81,24 +82,27 @@ def run_upstream_stage(cfg: Config, dp: Dist, eng, stage: DecoderStage, source, 
     gas = cfg.deepspeed["gradient_accumulation_steps"]
     eng.train()
     step = start_step
-    while step < t.max_steps:
-        outputs = []
-        for micro in range(gas):
-            b = source.next_batch()
-            if stage.is_first:
-                generator = loop.micro_batch_generator(t.seed, step, micro, gas, dp, dp.device)
-                kwargs, _, _ = loop.noisy_inputs(b, t, generator, scheduler_cfg, dtype, fam)
-            else:
-                kwargs = stage.cut.later_inputs(b)
-            x = eng(**kwargs)
-            sender.send(*activation_message(b, x))
-            outputs.append(x)
-        for x in outputs:
-            grads = [g.to(dp.device) for g in receive_gradients(links.grads_from_next)]
-            surrogate = sum((o * g).sum() for o, g in zip(x, grads, strict=True) if o.requires_grad)
-            eng.backward(surrogate, scale_wrt_gas=False)  # d(surrogate)/d(theta) = g . d(output)/d(theta)
-            eng.step()
-        step += 1
-        loop.save_when_due(eng, step, t.max_steps, out, trainer_state, watch, dp)  # as the last stage does
+    with Collector(t.gc_every_steps, start_step) as collector:  # at the same steps as the last stage's
+        while step < t.max_steps:
+            outputs = []
+            for micro in range(gas):
+                b = source.next_batch()
+                if stage.is_first:
+                    generator = loop.micro_batch_generator(t.seed, step, micro, gas, dp, dp.device)
+                    kwargs, _, _ = loop.noisy_inputs(b, t, generator, scheduler_cfg, dtype, fam)
+                else:
+                    kwargs = stage.cut.later_inputs(b)
+                x = eng(**kwargs)
+                sender.send(*activation_message(b, x))
+                outputs.append(x)
+            for x in outputs:
+                grads = [g.to(dp.device) for g in receive_gradients(links.grads_from_next)]
+                surrogate = sum((o * g).sum() for o, g in zip(x, grads, strict=True) if o.requires_grad)
+                eng.backward(surrogate, scale_wrt_gas=False)  # d(surrogate)/d(theta) = g . d(output)/d(theta)
+                eng.step()
+            step += 1
+            collector.after_step(step, loop.should_log(step, out, t.max_steps))
+            with collector.automatic():
+                loop.save_when_due(eng, step, t.max_steps, out, trainer_state, watch, dp)  # as the last stage does
     checkpoint.save(eng, out.dir, step, trainer_state, out.keep_last)
     return step

@@ -20,8 +20,10 @@ from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
 from train.model import family, loading, lora_io
-from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
+from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt, steptime
+from train.runtime.console import print0
+from train.runtime.plot import write_loss_curve
+from train.runtime.record import Metrics, NullMetrics
 from train.trainer import build, loop
 
 
@@ -51,7 +53,8 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
     saved, now = state.get("parallel"), parallel_layout(cfg.project.parallel, world_size)
     if saved != now:
         raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
-                                     "the same qwen_edit.parallel settings, or export and start anew (see README)")
+                                     "the same qwen_edit.parallel settings, or export and start anew "
+                                     "(see docs/checkpoints.md)")
     return tag, state, checkpoint.config_changes(state, config.to_dict(cfg), tag)
 
 
@@ -148,13 +151,14 @@ def _close_links(source: stages.ReceivingSource, sender: transport.Sender | None
 
 
 def _summary(par: config.ParallelConfig, world_size: int, variant: str, steps: int, digests: list[str], wall: float,
-             source: stages.ReceivingSource, upstream_stats: dict, hook) -> dict:
-    """summary.json of a model-parallel run: steps, placement, the last stage's waits, the encoder's statistics,
-    and the largest validation render's GPU peak on this stage (decoder rank 0; None without renders or a GPU)."""
+             source: stages.ReceivingSource, upstream_stats: dict, hook, step_time: dict | None) -> dict:
+    """summary.json of a model-parallel run: steps, placement, the last stage's waits and step times, the encoder's
+    statistics, and the largest validation render's GPU peak on this stage (decoder rank 0; None without renders or a
+    GPU)."""
     waited = source.wait_s_total + source.first_wait_s
     render_peak = None if hook is None or hook.peak_bytes is None else hook.peak_bytes / 1e9
     return {"steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
-            "measured_render_peak_gb": render_peak,
+            "measured_render_peak_gb": render_peak, "step_time": step_time,
             "parallel": parallel_layout(par, world_size), "overlap": par.overlap,
             "decoder_wall_s": wall, "decoder_wait_s": waited, "decoder_wait_after_first_s": source.wait_s_total,
             "decoder_busy_fraction": 1 - waited / wall,
@@ -193,10 +197,11 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     try:
         hook = mp_validation.decoder_hook(cfg, dp, eng.module, metrics, start_step, conditioning)
         t0 = time.perf_counter()
+        timer = steptime.StepTimer(d.device)  # the last stage's steps (decoder rank 0's, for summary.json)
         try:
             if me.is_last_decoder:
                 steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step, hook,
-                                   watch=watch)
+                                   watch=watch, timer=timer)
             else:
                 steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
                                                     trainer_state, start_step, fam, watch=watch)
@@ -214,8 +219,9 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
         raise RuntimeError(f"trainable weights differ between decoder replicas after training: {digests}")
     weights = exported_weights(transformer, p.train.mode, plan.num_stages > 2, me)
     if d.is_main:
+        step_time = build.step_times(cfg, timer, start_step, dp.world_size, d.rank)
         build.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
-                                                        upstream_stats, hook))
+                                                        upstream_stats, hook, step_time))
         export(cfg, transformer, weights, exports.export_metadata(config.to_dict(cfg), variant, steps), fam.lora)
 
 

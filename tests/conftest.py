@@ -47,6 +47,25 @@ def tiny_t2i(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), "t2i", num_samples=16)
 
 
+@pytest.fixture(scope="session")
+def tiny_21(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-2.1 checkpoint (QwenImage21Pipeline layout; no dataset): DIR is the model directory."""
+    from train.model.qwen_image21.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_21"))
+
+
+@pytest.fixture(scope="session")
+def released_model(tmp_path_factory) -> Path:
+    """A Qwen-Image-Edit-2509 model directory with the released architectures' configs and no weights (the
+    transformer counts on the meta device)."""
+    from train.model.qwen_image.tiny import make_tiny, write_full_size_configs
+
+    out = make_tiny(tmp_path_factory.mktemp("released"), "edit_plus", num_samples=2, size=64)
+    write_full_size_configs(out / "model")
+    return out / "model"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

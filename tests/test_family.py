@@ -16,7 +16,7 @@ from train.model.interface import ModelError
 # Modules outside the family folders that may name one: the registration, the tiny/demo commands (they build the
 # Qwen-Image tiny checkpoint with its own options), and the memory plan, which moves to train/plan/ and is then
 # pointed at the interface.
-MAY_NAME_A_FAMILY = {"train.model.family", "train.make_tiny", "train.demo", "train.model.memory"}
+MAY_NAME_A_FAMILY = {"train.model.family", "train.make_tiny", "train.demo", "train.plan.arch"}
 
 
 def family_packages() -> set[str]:

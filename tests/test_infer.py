@@ -298,7 +298,8 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
     import numpy as np
     from PIL import Image
 
-    from train.model import memory, offload
+    from train.model import offload
+    from train.plan.inference import InferencePlacement
 
     lora = trained_looking_lora(tiny_edit, tmp_path)
     folder = write_edits(tmp_path / "edits", tiny_edit)
@@ -320,7 +321,7 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
                                  "--lora", f"{lora}:0.8"])
         settings = config.inference_settings(args.config)
         settings.inference.cpu_offload = how
-        monkeypatch.setattr(infer, "plan", lambda *a, how=how: memory.InferencePlacement(how, 2, True))
+        monkeypatch.setattr(infer, "plan", lambda *a, how=how: InferencePlacement(how, 2, True))
         assert infer.run(args, settings, cpu) == 0
         out[how] = outputs(tmp_path / how)
         summary = json.loads((tmp_path / how / "summary.json").read_text())
@@ -337,16 +338,16 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
 
 
 def test_a_placement_that_cannot_fit_stops_before_loading(tiny_edit, tmp_path, monkeypatch, capsys):
-    """The plan's refusal (memory.PlanError) ends train.infer with exit 2 and its message, no traceback, nothing
+    """The plan's refusal (explain.PlanError) ends train.infer with exit 2 and its message, no traceback, nothing
     loaded and no image written."""
-    from train.model import memory
+    from train.plan import explain
 
     folder = write_edits(tmp_path / "edits", tiny_edit)
     args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(folder / "edits.jsonl"),
                              "--out", str(tmp_path / "out"), "--config", str(folder / "infer.json")])
 
     def refuse(*_):
-        raise memory.PlanError("train.infer: the models do not fit; raise qwen_edit.memory.budget_gb")
+        raise explain.PlanError("train.infer: the models do not fit; raise qwen_edit.memory.budget_gb")
 
     monkeypatch.setattr(infer, "plan", refuse)
     patch_family(monkeypatch, load_pipeline=lambda *a, **k: pytest.fail("a model loaded"))

@@ -19,7 +19,7 @@ from train.config import Config, ProjectConfig
 from train.model import loading
 from train.model.qwen_image import components
 from train.runtime.engine import Dist
-from train.runtime.metrics import NullMetrics
+from train.runtime.record import NullMetrics
 from train.trainer import validation
 
 

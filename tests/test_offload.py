@@ -195,9 +195,9 @@ def _shared_rank(rank: int, world: int, port: int, model_dir: str, queue) -> Non
         return build(self, share)
 
     offload.BlockOffloader._shared_buffers = recording
-    from train.model import memory
+    from train.plan import run_plan
 
-    share = memory.offload_share(model_dir, LORA, 2, True, 4)  # as the trainer decides it (fp32 here)
+    share = run_plan.offload_share(model_dir, LORA, 2, True, 4)  # as the trainer decides it (fp32 here)
     torch.manual_seed(3)
     model, offloader = prepare.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
                                                     True, False, fp8_base=True, offload_blocks=2, share=share)

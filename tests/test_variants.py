@@ -233,7 +233,7 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
     from train import config
     from train.config import Config, ProjectConfig
     from train.runtime.engine import Dist
-    from train.runtime.metrics import NullMetrics
+    from train.runtime.record import NullMetrics
     from train.trainer import validation
 
     edits_file, edits = _edits(tiny_2511, tmp_path)

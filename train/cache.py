@@ -25,7 +25,7 @@ from train.data import pairs
 from train.data.latent_cache import CacheError, cache_dir, ensure, read_index
 from train.model import family
 from train.runtime import engine
-from train.runtime.metrics import prefix_rank_output, print0
+from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build
 
 

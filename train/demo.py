@@ -31,7 +31,7 @@ TINY_INFO = "tiny.json"  # train.model.qwen_image.tiny.TINY_INFO (not imported h
 # base rank 16 levelled off at a loss of ~0.5 where 64 went on falling); and 8 rows per micro-batch (16 per step
 # over the 2 processes): a CPU step's cost is mostly fixed, so 8 rows cost ~2.3x a row's step time. On the
 # pre-trained base, 600 steps (100 s with launch and cache on 2 CPU cores) bring the loss from 0.31 to 0.021 and
-# the edited pixels' distance to the targets on new scenes from the base's 76.0 to 22.6 (README "The two commands").
+# the edited pixels' distance to the targets on new scenes from the base's 76.0 to 22.6 (docs/performance.md, the demo).
 DEMO_DS_CHANGES = {"train_micro_batch_size_per_gpu": 8}
 DEMO_CHANGES = {"data": {"cache": "auto"}, "lora": {"rank": 64, "alpha": 64}}
 

@@ -32,10 +32,13 @@ import torch
 
 from train import config
 from train.config import files
-from train.model import family, loading, lora_io, memory, placement, renders
+from train.model import family, loading, lora_io, placement, renders
 from train.model.interface import Encoders
+from train.plan import inference
+from train.plan.explain import PlanError
+from train.plan.host import Host, node_host
 from train.runtime import engine, gpumon
-from train.runtime.metrics import prefix_rank_output, print0, progress
+from train.runtime.console import prefix_rank_output, print0, progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,13 +101,13 @@ def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: 
     return pipe, variant
 
 
-def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> memory.InferencePlacement:
+def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> inference.InferencePlacement:
     """The memory plan's placement on this process's device (printed), which sets inference.cpu_offload."""
-    host = memory.node_host(d.world_size) if d.device.type == "cuda" else memory.Host()  # a collective
+    host = node_host(d.world_size) if d.device.type == "cuda" else Host()  # a collective
     requests, _ = renders.read_requests(args.input, args.seed)
     most = max((len(q.references) for q in requests), default=0)
-    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host,
-                                         most)
+    line, placed = inference.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host,
+                                            most)
     if line:
         print0(line, rank=d.rank)
     return placed
@@ -192,7 +195,7 @@ STREAMED_CHUNK_ROWS = 256  # rows encoded, then rendered, at a time: their recor
 
 
 def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list,
-                    placed: memory.InferencePlacement):
+                    placed: inference.InferencePlacement):
     """cpu_offload "blocks": chunk by chunk (STREAMED_CHUNK_ROWS), encode the rows, then render them with the
     recorded conditioning; returns (written, bad rows as (line, problem), seconds per image rendered)."""
     fam, variant = family.detect(args.model, settings.model.variant)
@@ -281,7 +284,7 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
         written, seconds = 0, []
         try:  # on every rank, with rows to render or not: the host's count is a collective
             placed = plan(args, settings, d) if args.placement == "single" else None
-        except memory.PlanError as e:  # the same on every rank, before anything loads: no traceback
+        except PlanError as e:  # the same on every rank, before anything loads: no traceback
             print0(f"error: {e}", rank=d.rank, file=sys.stderr)
             return 2
         if todo:

@@ -20,9 +20,10 @@ import torch
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
-from train.model import family, lora_io, memory, streaming
+from train.model import family, lora_io, streaming
+from train.plan.explain import PlanError
 from train.runtime import checkpoint, engine, outdir, preempt
-from train.runtime.metrics import prefix_rank_output, print0
+from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build
 
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                           outdir.is_holder(cfg.deepspeed, d)):
             build.run(cfg, d, args.resume, args.overwrite)
     except (pairs.BadRowsError, latent_cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
-            outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
+            outdir.OutputDirError, PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     except preempt.Preempted as e:  # on all ranks, after their save

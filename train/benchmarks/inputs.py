@@ -33,8 +33,9 @@ import torch
 from train.benchmarks import step as bench
 from train.config.files import transformer_class
 from train.data import latent_cache, pairs, sources
-from train.model import family, memory
+from train.model import family
 from train.model.interface import Encoders
+from train.plan.measure import peak_above
 from train.runtime import engine
 from train.trainer import loop
 
@@ -167,7 +168,7 @@ def time_encode_parts(dataset, encoders: Encoders, variant: str, device: torch.d
         switch(encoders.vae)
         out.update(time_calls({f"{name}_{suffix}_s": call for name, call in vae_parts.items()}, device, repeats))
         if device.type == "cuda":
-            out[f"encode_vae_target_{suffix}_peak_gb"] = memory.peak_above(device, vae_parts["encode_vae_target"]) / 1e9
+            out[f"encode_vae_target_{suffix}_peak_gb"] = peak_above(device, vae_parts["encode_vae_target"]) / 1e9
     hooks.VAE_PATHS[configured](encoders.vae)
     return out
 

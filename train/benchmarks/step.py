@@ -55,11 +55,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.benchmarks import fp8_impls, peer
+from train.benchmarks import floor, fp8_impls, kernels, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
 from train.model import family, prepare
-from train.runtime import engine
+from train.runtime import engine, steptime
+from train.runtime.collector import Collector
 from train.trainer import loop
 
 ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -76,11 +77,12 @@ _STREAMS = (
     ("image", re.compile(r"(^|\.)(img_in|proj_out|img_mlp\..+|attn\.(to_[qkv]|to_out\.0))$")),
 )
 # Fields of the JSON record that are numbers > 0 in every run (the CI smoke test checks them).
-NUMERIC_FIELDS = ("s_per_step", "samples_per_s", "tokens_per_s", "mfu", "flops_per_step", "peak_memory_gb",
+NUMERIC_FIELDS = ("s_per_step", "median_s_per_step", "mean_over_median", "slowest_s", "slowest_step", "timed_steps",
+                  "samples_per_s", "tokens_per_s", "mfu", "flops_per_step", "peak_memory_gb",
                   "area", "width", "height", "target_tokens", "text_tokens", "tokens_per_sample", "trainable_params",
                   "total_params", "micro_batch", "gpu_count", "steps", "peak_tflops_per_gpu")
-BASELINE_FIELDS = ("baseline_s_per_step", "baseline_samples_per_s", "baseline_mfu", "baseline_peak_memory_gb",
-                   "ratio")
+BASELINE_FIELDS = ("baseline_s_per_step", "baseline_median_s_per_step", "baseline_samples_per_s", "baseline_mfu",
+                   "baseline_peak_memory_gb", "ratio")
 
 
 # ---------------------------------------------------------------- options and workload
@@ -123,9 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
                    help="zero_optimization.stage of the engine (default 2, as ds_configs/zero2.json)")
-    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    _add_probe_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--warmup", type=int, default=steptime.WARMUP_STEPS,
+                   help=f"untimed steps first (default {steptime.WARMUP_STEPS}, as the trainer's step-time summary)")
+    p.add_argument("--gc_every_steps", type=int, default=TrainConfig().gc_every_steps,
+                   help="the garbage collector as train.gc_every_steps runs it in training, for every timed loop "
+                        f"(default {TrainConfig().gc_every_steps}; 0 = Python's automatic collection)")
     p.add_argument("--baseline", action="store_true", help="also time a plain PyTorch LoRA loop, print the ratio")
     p.add_argument("--loss_tolerance", type=float, default=1e-3,
                    help="with --baseline: largest relative loss difference per step accepted between the two "
@@ -138,6 +144,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.area = args.area or (128 * 128 if args.tiny else 1024 * 1024)
     args.text_tokens = args.text_tokens or (32 if args.tiny else 256)
     return args
+
+
+def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """What else is read from the timed step: its profile and its kernels' floor."""
+    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    p.add_argument("--floor", action="store_true",
+                   help="after the step, time its attention and matmul kernels alone at its shapes and report the "
+                        "step's time over their sum (train/benchmarks/floor.py)")
+    p.add_argument("--floor_repeats", type=int, default=20,
+                   help="with --floor: timed calls of each kernel (default 20)")
 
 
 def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,8 +173,9 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject combinations the benchmark cannot run (parser.error exits with status 2)."""
-    if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.refs < 0 or args.lora_rank < 1:
-        parser.error("--steps, --micro_batch, --lora_rank must be >= 1; --warmup and --refs >= 0")
+    if (args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.refs < 0 or args.lora_rank < 1
+            or args.gc_every_steps < 0):
+        parser.error("--steps, --micro_batch, --lora_rank must be >= 1; --warmup, --refs and --gc_every_steps >= 0")
     if args.area is not None and args.area < 32 * 32:
         parser.error("--area must be at least 1024 px (one 32x32 tile)")
     if args.text_tokens is not None and args.text_tokens < 1:
@@ -175,6 +192,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_fast_accum applies with --fp8_base")
     if args.compile_mode and not args.compile:
         parser.error("--compile_mode applies with --compile")
+    if args.floor and (args.mode != "lora" or args.fp8_impl != "ours" or args.floor_repeats < 1):
+        parser.error("--floor times a frozen base's matmuls as train/model/fp8.py makes them: use it with --mode lora "
+                     "(and --fp8_impl ours), --floor_repeats >= 1")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
     if args.fp8_impl != "ours" and not args.fp8_base:
@@ -267,6 +287,19 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     if args.tiny:  # fp32 as built (dtype is float32 for --tiny)
         return FAMILY.bench.tiny_transformer(variant(args.zero_cond_t)).to(device)
     return build_full_transformer(args.num_layers, device, dtype, args.zero_cond_t)
+
+
+def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """The benchmarked model on the meta device, prepared as run() prepares it for the project's step (LoRA, RoPE, fp8
+    base) but not compiled: the floor's census of the step's calls (train/benchmarks/floor.py)."""
+    model = build_model(args, torch.device("meta"), dtype)
+    prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing, False,
+                     args.checkpoint_blocks)
+    if not args.complex_rope:
+        FAMILY.real_rope(model)
+    if args.fp8_base:
+        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
+    return model
 
 
 def lora_targets(kind: str) -> list[str]:
@@ -382,20 +415,21 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def max_over_ranks(value: float, device: torch.device) -> float:
-    """The largest value on any rank (a collective when the world is larger than one)."""
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each entry's largest value on any rank (a collective when the world is larger than one)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
+        t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-    return value
+        return t.tolist()
+    return values
 
 
 @dataclass
 class Phase:
-    """One timed loop: mean seconds per step (slowest rank), peak memory (largest rank), last loss."""
+    """One timed loop: every step's seconds (the slowest rank's), peak memory (largest rank), the losses."""
 
-    s_per_step: float
+    seconds: list[float]  # every step's, warm-up included
+    warmup: int
     peak_memory_gb: float
     losses: list[float]  # every step's loss, warm-up included (same seeds in both loops: comparable curves)
 
@@ -403,18 +437,33 @@ class Phase:
     def last_loss(self) -> float:
         return self.losses[-1]
 
+    def stats(self, samples_per_step: float) -> dict:
+        """steptime.step_time_stats of the steps after the warm-up (the same summary as the trainer's)."""
+        return steptime.step_time_stats(self.seconds, samples_per_step, warmup=self.warmup)
 
-def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device) -> Phase:
-    """Run `warmup` untimed steps, then time `steps` with the device synchronised around the timed region."""
+    @property
+    def s_per_step(self) -> float:
+        """The mean over the timed steps."""
+        return self.stats(1.0)["mean_s_per_step"]
+
+
+def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device,
+               gc_every_steps: int = 0) -> Phase:
+    """Run `warmup` steps, then `steps` more, every rank starting them together, each step timed alone
+    (steptime.StepTimer: CUDA events, no sync inside the loop); the garbage collector as train.gc_every_steps runs it
+    in training (no log here: a full collection every 100 steps)."""
     reset_peak_memory(device)
-    losses = [step(i) for i in range(warmup)]  # kept on the device: no sync inside the timed region
-    _sync(device)
-    engine.barrier()
-    start = time.perf_counter()
-    losses += [step(i) for i in range(warmup, warmup + steps)]
-    _sync(device)
-    elapsed = (time.perf_counter() - start) / steps
-    return Phase(max_over_ranks(elapsed, device), max_over_ranks(peak_memory_gb(device), device),
+    timer, losses = steptime.StepTimer(device), []
+    with Collector(gc_every_steps) as collector:
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(device)
+                engine.barrier()
+            timer.start()
+            losses.append(step(i))  # kept on the device: no sync inside the loop
+            collector.after_step(i + 1, at_log=True)
+            timer.stop()
+    return Phase(max_over_ranks(timer.seconds(), device), warmup, max_over_ranks([peak_memory_gb(device)], device)[0],
                  [float(x) for x in losses])
 
 
@@ -483,7 +532,8 @@ def _is_kernel(event) -> bool:
 
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
     """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
-    GPU, the idle report (where the device waits for the host)."""
+    GPU, the idle report (where the device waits for the host) and the kernels by category (train/benchmarks/
+    kernels.py: which part of the floor each belongs to, or what it is beyond it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -504,6 +554,7 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
                 f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n")
         if device.type == "cuda":
             f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
+            f.write(kernels.report(kernels.profiled_kernels(prof), steps=3) + "\n")
         f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
@@ -542,7 +593,7 @@ def run_project(model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engine
     eng.train()
     try:
         step = project_step(eng, b, cfg, d, dtype)
-        phase = time_steps(step, args.warmup, args.steps, d.device)
+        phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
         if args.profile and d.is_main:
             profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.project.txt")
         return phase
@@ -579,7 +630,7 @@ def run_baseline(model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engin
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=b.x0.device.type == "cuda")
     try:
         step = baseline_step(model, b, opt, cfg, d, dtype)
-        phase = time_steps(step, args.warmup, args.steps, b.x0.device)
+        phase = time_steps(step, args.warmup, args.steps, b.x0.device, args.gc_every_steps)
         if args.profile and d.is_main:
             profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.baseline.txt")
         return phase
@@ -598,8 +649,10 @@ def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch
     """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py);
     every rank times its own copy, as the baseline."""
     def time_step(step: Callable[[int], torch.Tensor]) -> dict:
-        phase = time_steps(step, args.warmup, args.steps, d.device)
-        return {"s_per_step": phase.s_per_step, "peak_memory_gb": phase.peak_memory_gb, "losses": phase.losses}
+        phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
+        stats = phase.stats(1.0)
+        return {"s_per_step": stats["mean_s_per_step"], "median_s_per_step": stats["median_s_per_step"],
+                "peak_memory_gb": phase.peak_memory_gb, "losses": phase.losses}
 
     def free() -> None:
         torch._dynamo.reset()  # the peer's compiled graphs must not count toward the project's recompile limit
@@ -650,6 +703,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
     world = d.world_size
     flops = flops_per_gpu * world
     record = {
+        **project.stats(w.micro_batch * world),  # mean, median, slowest, slow steps: steptime.step_time_stats
         "s_per_step": project.s_per_step, "samples_per_s": w.micro_batch * world / project.s_per_step,
         "tokens_per_s": w.micro_batch * world * w.tokens_per_sample / project.s_per_step,
         "mfu": mfu(flops, project.s_per_step, world, args.peak_tflops), "flops_per_step": flops,
@@ -668,11 +722,13 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
-        "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
+        "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup, "gc_every_steps": args.gc_every_steps,
         "peak_tflops_per_gpu": args.peak_tflops, **machine(d),
     }
     if baseline is not None:
-        record.update(baseline_s_per_step=baseline.s_per_step, baseline_samples_per_s=w.micro_batch * world
+        record.update(baseline_s_per_step=baseline.s_per_step,
+                      baseline_median_s_per_step=baseline.stats(1.0)["median_s_per_step"],
+                      baseline_samples_per_s=w.micro_batch * world
                       / baseline.s_per_step, baseline_mfu=mfu(flops, baseline.s_per_step, world, args.peak_tflops),
                       baseline_peak_memory_gb=baseline.peak_memory_gb, ratio=baseline.s_per_step / project.s_per_step,
                       baseline_losses=baseline.losses, loss_max_rel_diff=max_rel_diff(project.losses, baseline.losses),
@@ -712,7 +768,9 @@ def format_report(r: dict) -> str:
         f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
-        f"s/step      {r['s_per_step']:.4f}",
+        f"s/step      {r['s_per_step']:.4f} (mean), median {r['median_s_per_step']:.4f} (mean "
+        f"{r['mean_over_median']:.3f}x), slowest {r['slowest_s']:.4f} at step {r['slowest_step']}, {r['slow_steps']} "
+        f"over {steptime.SLOW_FACTOR:g}x the median",
         f"samples/s   {r['samples_per_s']:.3f} (global)",
         f"tokens/s    {r['tokens_per_s']:.1f} (global)",
         f"FLOPs/step  {r['flops_per_step']:.4g} (global, model FLOPs)",
@@ -720,14 +778,17 @@ def format_report(r: dict) -> str:
         f"peak memory {r['peak_memory_gb']:.2f} GB ({r['peak_memory_source']})",
     ]
     if "ratio" in r:
-        lines += [f"baseline    {r['baseline_s_per_step']:.4f} s/step, MFU {100 * r['baseline_mfu']:.2f}%, peak "
-                  f"{r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + peft LoRA, AdamW)",
+        lines += [f"baseline    {r['baseline_s_per_step']:.4f} s/step (median {r['baseline_median_s_per_step']:.4f}), "
+                  f"MFU {100 * r['baseline_mfu']:.2f}%, peak {r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + "
+                  "peft LoRA, AdamW)",
                   f"ratio       baseline / project = {r['ratio']:.3f} (> 1: the project's step is faster)",
                   f"losses      same seeds, {len(r['losses'])} steps each: largest relative difference "
                   f"{r['loss_max_rel_diff']:.2e}, tolerance {r['loss_tolerance']:.1e}: "
                   + ("within" if r["loss_within_tolerance"] else "OUTSIDE THE TOLERANCE")]
     if "peer_rows" in r:
         lines += peer_report(r)
+    if "floor_s" in r:
+        lines += floor.report_lines(r)
     if r["device_type"] != "cuda":
         lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
                      "meaningful here; this mode checks that the benchmark runs")
@@ -742,7 +803,8 @@ def peer_report(r: dict) -> list[str]:
         if "error" in row:
             lines.append(f"  {row['variant']:28s} not measured: {row['error']}")
         else:
-            lines.append(f"  {row['variant']:28s} {row['s_per_step']:.4f} s/step, MFU {100 * row['mfu']:.2f}%, peak "
+            lines.append(f"  {row['variant']:28s} {row['s_per_step']:.4f} s/step (median "
+                         f"{row['median_s_per_step']:.4f}), MFU {100 * row['mfu']:.2f}%, peak "
                          f"{row['peak_memory_gb']:.2f} GB")
     lines.append(f"  {'':28s} not measured: {r['peer_not_measured']}")
     if "peer_ratio" in r:
@@ -780,4 +842,11 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
     if peer_rows is not None:
         add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
+    if args.floor:  # after the step's timing, in the same process: its kernels alone at its shapes
+        kwargs, _, _ = loop.noisy_inputs(b, cfg.project.train, loop.micro_batch_generator(SEED, 0, 0, 1, d, d.device),
+                                         FAMILY.bench.SCHEDULER, dtype, FAMILY)
+        meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        median = project.stats(1.0)["median_s_per_step"]
+        record.update(floor.measure(census_model(args, dtype), meta, project.s_per_step, median, d.device, dtype,
+                                    args.floor_repeats, args.fp8_fast_accum))
     return record

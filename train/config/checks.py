@@ -112,6 +112,7 @@ def _check_counts(cfg: ProjectConfig, problems: list[str]) -> None:
                     ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps,
                      " (0 = stop at the first NaN/inf step)"),
                     ("output.save_every_steps", cfg.output.save_every_steps, " (0 = only at the end)"),
+                    ("train.gc_every_steps", cfg.train.gc_every_steps, " (0 = Python's automatic collection)"),
                     ("data.num_workers", cfg.data.num_workers, ""))
     problems += [f"{p}.{key}: must be >= 0{meaning}" for key, value, meaning in non_negative if value < 0]
     if cfg.parallel.collective_timeout_s < 10:

@@ -202,9 +202,10 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
                                                or raw.get("use_node_local_storage")))
     ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, problems)
     ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, problems)
+    ds_keys.check_deepcompile(project, raw, has_gpu, problems)
     if problems:
         raise ConfigError(problems)
-    resolved = ds_keys.resolve_deepspeed(raw, project.train.max_steps, has_gpu)
+    resolved = ds_keys.resolve_deepspeed(raw, project.train.max_steps, has_gpu, project.train.deepcompile)
     ds_keys.check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
     if problems:
         raise ConfigError(problems)

@@ -35,11 +35,13 @@ from safetensors.torch import save_file
 
 from train import config
 from train.data import pairs, sources
-from train.model import family, loading, memory
+from train.model import family, loading
 from train.model.interface import Batch, Encoders
+from train.plan import cache_plan
 from train.runtime import engine
+from train.runtime.console import print0, progress
 from train.runtime.exports import apply_umask
-from train.runtime.metrics import print0, progress
+from train.runtime.oom import out_of_memory
 
 INDEX = "index.json"
 FORMAT = 3  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py;
@@ -192,7 +194,7 @@ def encode_share(directory: Path, dataset, encoders: Encoders, variant: str, d: 
         try:
             b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.out_of_memory(e, f"building the cache, encoding row {line} ({_row_size(raw)})",
+            raise out_of_memory(e, f"building the cache, encoding row {line} ({_row_size(raw)})",
                                        "cache") from e
         (meta, cond), = b.cond.samples()
         sample = {"x0": b.x0[0].to(encoders.vae.dtype), **cond}  # x0 in the encoder dtype, as the conditioning
@@ -240,13 +242,13 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row
     print0(f"building the cache of {len(rows)} rows in {directory} on {d.world_size} rank(s)", rank=d.rank)
     dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
     # The plan's budget holds here too: where the VL encoder does not fit it, its blocks stream from host memory.
-    stream = memory.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
+    stream = cache_plan.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
     try:
         encoders = family.variant_family(variant).load_encoders(p.model.path, dtype, d.device,
                                                                 stream_text_encoder=stream,
                                                                 vae_2d_frames=p.model.vae_2d_frames)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.out_of_memory(e, "loading the encoders for the cache", "cache") from e
+        raise out_of_memory(e, "loading the encoders for the cache", "cache") from e
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders
     gc.collect()

@@ -29,7 +29,7 @@ from train.data.rows import BadRowsError, Row, assign_categories, read_rows
 from train.model import family, images
 from train.model.interface import ModelFamily
 from train.runtime import engine
-from train.runtime.metrics import print0
+from train.runtime.console import print0
 
 
 def image_sizes(data_dir: Path, names: list[str]) -> list[tuple[int, int]]:

@@ -39,7 +39,7 @@ def _metadata_file(data_dir: Path) -> Path:
     for name in ("metadata.jsonl", "metadata.csv"):
         if (data_dir / name).is_file():
             return data_dir / name
-    raise FileNotFoundError(f"{data_dir} has no metadata.jsonl or metadata.csv; see README 'Dataset format'")
+    raise FileNotFoundError(f"{data_dir} has no metadata.jsonl or metadata.csv; see docs/data.md")
 
 
 def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:

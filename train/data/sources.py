@@ -13,8 +13,9 @@ from collections.abc import Callable
 import torch
 
 from train.data.ahead import EncodeAhead
-from train.model import family, memory
+from train.model import family
 from train.model.interface import Batch, Encoders
+from train.runtime.oom import out_of_memory
 
 
 def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
@@ -90,6 +91,6 @@ def online_source(loader, encoders: Encoders, variant: str, ahead: bool = False)
             return encode_batch(raw, encoders, variant)
         except torch.cuda.OutOfMemoryError as e:
             n = len(raw["prompts"])
-            raise memory.out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
+            raise out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
 
     return LoaderSource(loader, encode, encoders, ahead)

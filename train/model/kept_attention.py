@@ -6,7 +6,7 @@ part of that second forward (about a third of a Qwen-Image block's forward at 12
 only q, k and v (projections, norms and the rotary embedding: cheap to recompute) and the attention's output and
 log-sum-exp. Those two are small (the output is one activation of the block's width in bf16; the log-sum-exp one
 float per head and token), so a block that keeps them trades ~81 MB at 12.5k tokens for the attention forward's
-time in every recomputation (docs/perf_notes.md lever 27; the memory plan decides how many blocks keep it).
+time in every recomputation (docs/levers.md, lever 27; the memory plan decides how many blocks keep it).
 
 How:
 - `keep(block)` marks the block's attention processor with the backend name BACKEND and `install()`s a
@@ -14,7 +14,7 @@ How:
   replaces its rotary function): a marked processor's attention without mask, dropout or causality, while gradients
   are on, runs as the custom op `qwen_edit::kept_attention(q, k, v, scale) -> (out, lse)`. Everything else, and
   every unmarked block, goes to diffusers: on one H200 a block whose attention ran as the op was ~0.8 ms slower
-  per forward and backward at 12,984 tokens (`python -m train.bench --block_probe`, docs/perf_notes.md lever 27),
+  per forward and backward at 12,984 tokens (`python -m train.bench --block_probe`, docs/levers.md, lever 27),
   so only the blocks that keep their attention pay it. torch.compile specialises each compiled block on the mark.
 - The op runs the fused kernel that torch's own SDPA would choose for these inputs (cuDNN or FlashAttention on
   CUDA, the flash kernel on the CPU) through its aten op, which returns the log-sum-exp; its backward is the same

@@ -5,7 +5,7 @@ family's LoraKeys.pipeline_class; for Qwen-Image, QwenImageEditPipeline's, which
 from diffusers' QwenImageLoraLoaderMixin and which calls lora_conversion_utils'
 `_convert_non_diffusers_qwen_lora_to_diffusers`) turns the file into diffusers keys, and peft's
 `set_peft_model_state_dict` puts them into the adapter, as `load_lora_weights` does. So a file means the same here
-as in `train.infer --lora`. README "Exporting a checkpoint" lists the layouts this covers.
+as in `train.infer --lora`. docs/export.md lists the layouts this covers.
 
 What stays here is what diffusers does not do before it loads: refuse damaged values, name keys that land
 nowhere (diffusers warns, or drops them) and ranks that differ from the config (diffusers would make a new adapter
@@ -190,7 +190,7 @@ def converted_by_diffusers(tensors: dict[str, torch.Tensor], path: Path, fam: Mo
     except ValueError as e:
         raise LoraFileError(f"qwen_edit.lora.init_from: diffusers' {fam.title} LoRA converter cannot read {path} "
                             f"({e}); a file holds one layout (lora_A/lora_B or lora_down/lora_up keys) of "
-                            "README's 'Exporting a checkpoint'") from None
+                            "docs/export.md") from None
 
 
 def trace(tensors: dict[str, torch.Tensor], unpaired_keys: list[str], path: Path,

@@ -14,9 +14,13 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
-from train.model import family, fp8, loading, lora_io, memory, prepare
-from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
+from train.model import family, fp8, loading, lora_io, prepare
+from train.plan import run_plan
+from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
+from train.runtime.console import print0
+from train.runtime.oom import out_of_memory
+from train.runtime.plot import write_loss_curve
+from train.runtime.record import Metrics, NullMetrics
 from train.trainer import loop, validation
 
 
@@ -50,7 +54,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     t = p.train
     dtype = getattr(torch, cfg.precision)
-    share = memory.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
+    share = run_plan.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
     try:
         transformer, offloader = prepare.load_for_training(
@@ -58,7 +62,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
             share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
+        raise out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
     if offloader is not None:
         print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
                f"({offloader.host_bytes / 1e9:.1f} GB pinned{', one copy for the node' if offloader.shared else ''}), "
@@ -153,7 +157,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     rows, loader = build_data(cfg, d, variant)
     print0(f"{len(rows)} rows, variant {variant} ({fam.variant(variant).title}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
-    planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
+    planned = run_plan.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
     changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
     source = build_source(cfg, d, variant, rows, loader)
@@ -185,20 +189,35 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                 metrics.message(f"exported {path}")
 
         watch = preempt.Watch()
+        timer = steptime.StepTimer(d.device)
         steps = loop.train(cfg, d, eng, source, loading.scheduler_config(p.model.path), metrics, trainer_state,
-                           start_step, after_step=after_step, watch=watch)
+                           start_step, after_step=after_step, watch=watch, timer=timer)
     finally:
         metrics.close()
         gpus = monitor.stop()
         if d.is_main:
             write_loss_curve(p.output.dir)
-    finish(cfg, d, eng, variant, steps, {"gpus": gpus, "memory_plan": planned}, hook)
+    finish(cfg, d, eng, variant, steps, {"gpus": gpus, "memory_plan": planned,
+                                         "step_time": step_times(cfg, timer, start_step, d.world_size, d.rank)},
+           hook)
+
+
+def step_times(cfg: config.Config, timer: steptime.StepTimer, start_step: int, world_size: int,
+               rank: int) -> dict | None:
+    """summary.json's step_time: steptime.step_time_stats of this process's steps (the `world_size` data-parallel
+    replicas step together), printed as the end-of-run line if `rank` is 0."""
+    samples = cfg.micro_batch_size * cfg.deepspeed["gradient_accumulation_steps"] * world_size
+    seconds = timer.seconds()
+    stats = steptime.step_time_stats(seconds, samples, first_step=start_step + 1)
+    print0(steptime.describe(stats, len(seconds)), rank=rank)
+    return stats
 
 
 def finish(cfg: config.Config, d: engine.Dist, eng, variant: str, steps: int, record: dict,
            hook: validation.Validator | None) -> None:
     """After the last step, on every rank (collectives): the ranks' weights compared, summary.json
-    (`record`'s GPU summaries and memory plan, the largest validation render's measured peak) and the export."""
+    (`record`'s GPU summaries, memory plan and step times, the largest validation render's measured peak) and the
+    export."""
     p = cfg.project
     gpus = gpumon.gather_summaries(record["gpus"])
     render_peak = validation.render_peak_gb(hook)
@@ -213,7 +232,7 @@ def finish(cfg: config.Config, d: engine.Dist, eng, variant: str, steps: int, re
     if d.is_main:
         write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
                                      "replica_digests": digests, "gpus": gpus, "memory_plan": planned,
-                                     "measured_render_peak_gb": render_peak})
+                                     "step_time": record["step_time"], "measured_render_peak_gb": render_peak})
         path = export_weights(cfg, eng.module, Path(p.output.dir) / "export", variant, steps)
         print0(f"exported {path}", rank=d.rank)
     engine.barrier()

@@ -9,7 +9,7 @@ RNG states (torch CPU and CUDA, python, numpy), every module's train/eval mode, 
 weights; a test checks that a run's losses are the same with and without validation.
 
 On a GPU each render's peak (torch.cuda.max_memory_allocated while it runs, everything allocated included) is
-measured with metrics.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
+measured with probes.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
 the largest of every rank's renders (render_peak_gb), beside the memory plan's predicted_render_peak_gb.
 
 The conditioning may also be computed elsewhere (the model-parallel mode: the encoder stage holds the text
@@ -38,10 +38,11 @@ from PIL import Image, ImageDraw
 
 from train.config import Config, ModelConfig, ValidationConfig
 from train.config.files import transformer_class
-from train.model import family, images, loading, memory, placement, renders
+from train.model import family, images, loading, placement, renders
 from train.model.interface import Encoders
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import PeakMeter
+from train.runtime.oom import out_of_memory
+from train.runtime.probes import PeakMeter
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
@@ -319,7 +320,7 @@ class Validator:
             with self.encoders_lock, PeakMeter(self.d.device) as meter:
                 rendered = self._render(label)
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.out_of_memory(e, "rendering validation images", "validation") from e
+            raise out_of_memory(e, "rendering validation images", "validation") from e
         if meter.bytes is not None:
             self.peak_bytes = max(self.peak_bytes or 0, meter.bytes)
             self.metrics.message(f"validation: the render peaked at {meter.bytes / 1e9:.2f} GB of GPU memory on rank 0 "

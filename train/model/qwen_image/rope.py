@@ -4,7 +4,7 @@ diffusers' Qwen-Image transformer computes complex frequencies once per forward 
 attention rotates q and k with `apply_rotary_emb_qwen(x, freqs, use_real=False)`: x viewed as complex pairs,
 multiplied by the complex64 frequencies. Inductor generates no code for complex tensors, so in a compiled block
 that product and its backward run as eager complex64 kernels, with float32 copies of q and k written around them
-(profile in docs/perf_notes.md, lever 15).
+(docs/levers.md, lever 15).
 
 `use_real_pairs(transformer)` changes two things, both dispatching on the tensor type so that nothing else is
 affected:

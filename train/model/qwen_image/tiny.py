@@ -323,7 +323,7 @@ def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None
     processor gets the released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (components.py builds
     each model at random init on the device): for measuring the real trainer on full-size shapes without 58 GB of
     weights. `num_layers` (None = the released 60) keeps the released width with that many blocks, for the deepest
-    full fine-tune a budget fits (docs/performance.md "Memory")."""
+    full fine-tune a budget fits (docs/performance.md)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2Tokenizer
 
