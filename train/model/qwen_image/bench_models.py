@@ -12,6 +12,7 @@ import torch
 from train.model.interface import Encoders
 from train.model.qwen_image import batches, conditioning, tiny, vae_frames
 from train.model.qwen_image.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
 
 SCHEDULER = tiny.SCHEDULER_CONFIG  # the released family's dynamic shift (about 2.0 at 1024^2)
 
@@ -39,8 +40,8 @@ def full_encoders(data_dir: Path, device: torch.device, dtype: torch.dtype, vae_
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     prompts = [json.loads(line)["prompt"] for line in (Path(data_dir) / "metadata.jsonl").read_text().splitlines()]
-    tokenizer = tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts])
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
+    tokenizer = build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts])
+    ids = special_token_ids(tokenizer)
     vl_config = Qwen2_5_VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
         vision_config=VL_VISION,

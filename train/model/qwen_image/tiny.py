@@ -19,18 +19,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from train.model.interface import TINY_INFO
-
-# Qwen2 special tokens the edit pipelines' templates use; they must be single tokens.
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
+from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
 
 # Scheduler settings of the released Qwen-Image family (dynamic shift: about 2.0 at 1024^2).
 SCHEDULER_CONFIG = dict(
@@ -55,25 +44,6 @@ SHAPES = ("circle", "square")
 TEXT_DIM = 32  # hidden size of the tiny Qwen2.5-VL = joint_attention_dim of the tiny transformer
 
 
-def build_tokenizer(corpus: list[str]):
-    """A byte-level BPE in the Qwen2 format, trained on `corpus`, with the Qwen2 special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(corpus, trainer)
-    state = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=state["vocab"], merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    return tokenizer
-
-
 def build_processor(tokenizer, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280):
     """Qwen2VLProcessor with the released image-processor settings (14 px patches, 2x2 merge)."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
@@ -88,7 +58,7 @@ def build_processor(tokenizer, min_pixels: int = 56 * 56, max_pixels: int = 28 *
 def build_text_encoder(tokenizer):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(tokenizer)
     config = Qwen2_5_VLConfig(
         text_config=dict(
             hidden_size=TEXT_DIM,
@@ -339,7 +309,7 @@ def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None
         QwenImageTransformer2DModel(**arch, zero_cond_t=zero_cond_t).save_config(model_dir / "transformer")
         AutoencoderKLQwenImage().save_config(model_dir / "vae")
     tokenizer = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(tokenizer)
     Qwen2_5_VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
         vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
