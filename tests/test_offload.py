@@ -8,7 +8,7 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig, ModelConfig
-from train.model import fp8, loading, prepare, streaming
+from train.model import family, fp8, loading, prepare, streaming
 from train.model.qwen_image.tiny import build_transformer
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0", "img_mlp.net.2"])
@@ -130,10 +130,11 @@ def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
 
 def test_streamed_fp8_and_offloaded_placement(tiny_edit):
     model_dir = tiny_edit / "model"
-    placement = streaming.Placement(torch.device("cpu"), torch.float32, fp8=True, offload={1})
+    kind = family.family_named("qwen_image").fp8_kind
+    placement = streaming.Placement(torch.device("cpu"), torch.float32, fp8=kind, offload={1})
     streamed, quantized = streaming.load(model_dir, placement, frozen=True)
     reference = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
-    names = [n for n, m in reference.named_modules() if fp8._kind(n)]
+    names = [n for n, m in reference.named_modules() if kind(n)]
     assert sorted(quantized) == sorted(names)
     for name in names:
         q, scale = fp8.quantize_weight(reference.get_submodule(name).weight.detach())

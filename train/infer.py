@@ -32,7 +32,7 @@ import torch
 
 from train import config
 from train.config import files
-from train.model import family, loading, lora_io, placement, renders
+from train.model import family, loading, lora_io, placement, renders, support
 from train.model.interface import Encoders
 from train.plan import inference
 from train.plan.explain import PlanError
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         problems += e.problems
     if not problems:
         try:
-            family.detect(args.model, settings.model.variant)
+            fam, _ = family.detect(args.model, settings.model.variant)
+            problems += support.unsupported(fam, settings, support.INFER)
         except family.ModelError as e:
             problems.append(str(e))
     if problems:

@@ -38,14 +38,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from train.benchmarks.step import build_full_transformer
+    from train.benchmarks.step import FAMILY, build_full_transformer
 
     if not torch.cuda.is_available():
         raise SystemExit("--block_probe needs a CUDA GPU (the plan measures nothing on the CPU)")
     device = torch.device("cuda", torch.cuda.current_device())
     h, w = (int(n) for n in args.target.lower().split("x"))
     work = Workload(1, args.image_tokens, (2 * h, 2 * w), args.text_tokens)
-    lora = LoraConfig(rank=args.rank, alpha=float(args.rank))
+    lora = LoraConfig(rank=args.rank, alpha=float(args.rank), target_modules=list(FAMILY.lora.targets))
     record = {"benchmark": "block_probe", "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "tokens": work.image_tokens + work.text_tokens, "rank": args.rank}

@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("lora", "full"), default="lora")
     p.add_argument("--lora_rank", type=int, default=64)
     p.add_argument("--lora_targets", choices=("attn", "default"), default="attn",
-                   help="attn: the 8 attention projections; default: train.config.LoraConfig().target_modules")
+                   help="attn: the 8 attention projections; default: the family's default targets (12)")
     p.add_argument("--checkpointing", choices=("none", "full"), default="none",
                    help="full: recompute every transformer block in backward")
     p.add_argument("--checkpoint_blocks", type=int, default=0,
@@ -303,8 +303,8 @@ def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Modul
 
 
 def lora_targets(kind: str) -> list[str]:
-    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the project's default 12."""
-    return list(ATTN_TARGETS) if kind == "attn" else LoraConfig().target_modules
+    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the family's default 12."""
+    return list(ATTN_TARGETS) if kind == "attn" else list(FAMILY.lora.targets)
 
 
 def lora_config(rank: int, targets: str) -> LoraConfig:
@@ -370,8 +370,8 @@ def mfu(flops_per_step: float, s_per_step: float, num_gpus: int, peak_tflops: fl
 def synthetic_batch(w: Workload, model: torch.nn.Module, device: torch.device, cond_dtype: torch.dtype,
                     text_mask: bool) -> sources.Batch:
     """A sources.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
-    return FAMILY.synthetic_batch(model, w.micro_batch, w.latent_hw, w.refs, w.text_tokens, device, cond_dtype,
-                                  text_mask, seed=SEED)
+    return FAMILY.synthetic_batch(model, w.micro_batch, w.latent_hw, [w.latent_hw] * w.refs, w.text_tokens, device,
+                                  cond_dtype, text_mask, seed=SEED)
 
 
 def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype: torch.dtype) -> Config:

@@ -76,7 +76,7 @@ def transformer_class(transformer_dir: str | Path) -> type:
     cls = getattr(diffusers, name, None) if name else None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
         raise ValueError(f"{path} names the model class {name!r}, which the installed diffusers "
-                         f"{diffusers.__version__} does not have; write the transformer's diffusers class there (as "
+                         f"{diffusers.__version__} does not have; write its diffusers model class there (as "
                          "save_pretrained does) or upgrade diffusers")
     return cls
 

@@ -24,8 +24,9 @@ __all__ = [
     "variant_family",
 ]
 from train.model.qwen_image.family import FAMILY as QWEN_IMAGE
+from train.model.qwen_image21.family import FAMILY as QWEN_IMAGE21
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN_IMAGE,)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN_IMAGE, QWEN_IMAGE21)
 
 
 def family_named(name: str) -> ModelFamily:
@@ -46,14 +47,15 @@ def variant_family(variant: str) -> ModelFamily:
     )
 
 
-def transformer_family(transformer: torch.nn.Module) -> ModelFamily:
-    """The family of a transformer (a LoRA-wrapped one too), by its diffusers class."""
-    names = {cls.__name__ for cls in type(transformer).__mro__}
+def transformer_family(transformer: torch.nn.Module | type) -> ModelFamily:
+    """The family of a transformer (a LoRA-wrapped one too) or of its class, by its diffusers class."""
+    cls = transformer if isinstance(transformer, type) else type(transformer)
+    names = {c.__name__ for c in cls.__mro__}
     for fam in FAMILIES:
         if fam.transformer_class in names:
             return fam
     raise ModelError(
-        f"{type(transformer).__name__} is the transformer of no model family; the families' are "
+        f"{cls.__name__} is the transformer of no model family; the families' are "
         f"{', '.join(f.transformer_class for f in FAMILIES)}"
     )
 
@@ -71,9 +73,21 @@ def pipeline_name(model_dir: str | Path) -> str:
     return json.loads(path.read_text()).get("_class_name", "")
 
 
+def transformer_name(model_dir: str | Path) -> str:
+    """transformer/config.json's `_class_name` ("" without one)."""
+    path = Path(model_dir) / "transformer" / "config.json"
+    return json.loads(path.read_text()).get("_class_name", "") if path.is_file() else ""
+
+
 def family_of(model_dir: str | Path, variant: str = "auto") -> ModelFamily:
-    """The family whose pipelines saved `model_dir`; for a pipeline no family knows, the family of the configured
-    `variant` (which must then not be "auto"; the family's detect_variant checks the files further)."""
+    """The family whose transformer `model_dir` holds, else the one whose pipelines saved it; for a directory no
+    family knows, the family of the configured `variant` (which must then not be "auto"). The family's
+    detect_variant then checks that the files agree (a transformer of one family under another's pipeline is
+    refused there, naming both)."""
+    transformer = transformer_name(model_dir)
+    for fam in FAMILIES:
+        if fam.transformer_class == transformer:
+            return fam
     name = pipeline_name(model_dir)
     for fam in FAMILIES:
         if any(v.pipeline_class == name for v in fam.variants):

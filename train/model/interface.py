@@ -91,48 +91,64 @@ class LoraKeys:
 
 
 @dataclass(frozen=True)
+class Fp8Linears:
+    """The linears inside a block that train.fp8_base stores in float8 e4m3 (train/model/fp8.py), by the name
+    suffix within the block."""
+
+    token: tuple[str, ...]  # one row per token: fp8 matmuls in the forward and the input gradient
+    vector: tuple[str, ...] = ()  # one row per sample (modulation): weight-only, dequantised per call
+
+
+@dataclass(frozen=True)
 class ModelFamily:
-    """One architecture behind the seam; every callable is a plain function of the family's folder."""
+    """One architecture behind the seam; every callable is a plain function of the family's folder.
+
+    A part that is None is one the family does not provide yet: train/model/support.py names the settings and
+    commands that need it and refuses them at start-up with the fix, before anything loads."""
 
     name: str
     title: str  # the family's name in messages
     variants: tuple[Variant, ...]
     transformer_class: str  # the diffusers transformer, as transformer/config.json names it (`_class_name`)
     pixels_per_latent: int  # the VAE's spatial factor
+    patch_size: int  # latent pixels per token side: the transformer packs patch x patch latents into one token
     lora: LoraKeys
     # the model directory
     detect_variant: Callable[[Any, str], str]  # (model_dir, configured variant or "auto") -> variant; ModelError
-    load_encoders: Callable[..., Encoders]  # (model_dir, dtype, device, stream_text_encoder, vae_2d_frames)
-    load_vae: Callable[..., torch.nn.Module]  # (model_dir, dtype, device, vae_2d_frames)
-    random_pipeline_models: Callable[..., dict]  # QWEN_EDIT_RANDOM_INIT: (model_dir, dtype, device, ...) -> modules
-    prompt_tokenizer: Callable[[Any], object]  # model_dir -> what prompt_overflow counts with (None: no limit)
-    # rows -> the transformer's inputs
-    image_size: Callable[[int, int, int, int], tuple[int, int]]  # (area, width, height, aspect_steps) -> (w, h)
-    condition_size: Callable[..., tuple[int, int] | None]  # a reference's VL copy (see the family), None: none
-    prompt_overflow: Callable[..., tuple[int, int] | None]  # (length, room) of a prompt too long for its images
-    sample_images: Callable[..., dict]  # a row's opened images -> the tensors and images encode_batch reads
-    encode_batch: Callable[[dict, Encoders, str], Batch]  # (collated samples, encoders, variant), no gradients
-    join_conditioning: Callable[[list[tuple[dict, dict]]], Conditioning]  # inverse of Conditioning.samples
-    cached_bucket_key: Callable[[tuple[int, int], dict], tuple]  # a cached sample's shape bucket (latent sizes)
-    conditioning_fingerprint: Callable[[], str]  # what a cache must be rebuilt for when it changes (templates...)
     # the transformer
     transformer_inputs: Callable[..., dict]  # (batch, noisy target B L C, sigmas B, dtype) -> forward kwargs
     target_prediction: Callable[[Any, Batch], torch.Tensor]  # the forward's output -> B L C, the target's tokens
-    real_rope: Callable[[torch.nn.Module], None] | None  # rotary embedding that compiled blocks fuse, if any
-    cut: Any  # model-parallel stages (prune, embed, run_blocks, head, later_inputs), None: not supported
-    # sampling with the diffusers pipelines
-    load_pipeline: Callable[..., Any]  # (model_dir, dtype, variant, models, vae_2d_frames)
-    pipeline_from_components: Callable[..., Any]  # (model_dir, variant, transformer, encoders)
-    sample: Callable[..., Any]  # (pipe, variant, images, prompt, seed, inference) -> PIL image
-    sampling_pipeline: Callable[[Any, bool], Any]  # (pipe, has references) -> the pipeline that samples it
-    encoder_calls: tuple[str, ...]  # the pipelines' methods that run the frozen encoders (recorded, replayed)
-    # tiny checkpoints and sizes
-    make_tiny: Callable[..., Any]  # (out, variant, num_samples, size, seed, ...) -> out with model/ and data/
-    make_dataset: Callable[..., list]  # (out, variant, num_samples, size, seed) -> the images of a tiny dataset
-    synthetic_batch: Callable[..., Batch]  # random tensors shaped as encode_batch returns them
-    text_tokens_bound: Callable[[str, int, int, int], int]  # (variant, references, area, condition_area)
-    bench: Any  # what the benchmarks build (released sizes, random-init encoders, timed encoding parts)
+    fp8_linears: Fp8Linears | None = None  # what train.fp8_base converts
+    attention_module: str | None = None  # the diffusers module whose dispatch_attention_fn kept attention routes
+    real_rope: Callable[[torch.nn.Module], None] | None = None  # rotary embedding that compiled blocks fuse, if any
+    cut: Any = None  # model-parallel stages (prune, embed, run_blocks, head, later_inputs)
     block_list: str = "transformer_blocks"  # the transformer's attribute holding its blocks
+    # loading the encoders
+    load_encoders: Callable[..., Encoders] | None = None  # (model_dir, dtype, device, stream_text_encoder, 2d)
+    load_vae: Callable[..., torch.nn.Module] | None = None  # (model_dir, dtype, device, vae_2d_frames)
+    random_pipeline_models: Callable[..., dict] | None = None  # QWEN_EDIT_RANDOM_INIT: (model_dir, dtype, device, ...)
+    prompt_tokenizer: Callable[[Any], object] | None = None  # model_dir -> what prompt_overflow counts with
+    # rows -> the transformer's inputs
+    image_size: Callable[[int, int, int, int], tuple[int, int]] | None = None  # (area, w, h, aspect_steps) -> (w, h)
+    condition_size: Callable[..., tuple[int, int] | None] | None = None  # a reference's VL copy, None: none
+    prompt_overflow: Callable[..., tuple[int, int] | None] | None = None  # (length, room) of a prompt too long
+    sample_images: Callable[..., dict] | None = None  # a row's opened images -> what encode_batch reads
+    encode_batch: Callable[[dict, Encoders, str], Batch] | None = None  # (collated samples, encoders, variant)
+    join_conditioning: Callable[[list[tuple[dict, dict]]], Conditioning] | None = None  # Conditioning.samples^-1
+    cached_bucket_key: Callable[[tuple[int, int], dict], tuple] | None = None  # a cached sample's shape bucket
+    conditioning_fingerprint: Callable[[], str] | None = None  # what a cache must be rebuilt for (templates...)
+    # sampling with the diffusers pipelines
+    load_pipeline: Callable[..., Any] | None = None  # (model_dir, dtype, variant, models, vae_2d_frames)
+    pipeline_from_components: Callable[..., Any] | None = None  # (model_dir, variant, transformer, encoders)
+    sample: Callable[..., Any] | None = None  # (pipe, variant, images, prompt, seed, inference) -> PIL image
+    sampling_pipeline: Callable[[Any, bool], Any] | None = None  # (pipe, has references) -> what samples it
+    encoder_calls: tuple[str, ...] = ()  # the pipelines' methods that run the frozen encoders (recorded, replayed)
+    # tiny checkpoints and sizes
+    make_tiny: Callable[..., Any] | None = None  # (out, variant, num_samples, size, seed, ...) -> out (model/, data/)
+    make_dataset: Callable[..., list] | None = None  # (out, variant, num_samples, size, seed) -> its images
+    synthetic_batch: Callable[..., Batch] | None = None  # random tensors shaped as encode_batch returns them
+    text_tokens_bound: Callable[[str, int, int, int], int] | None = None  # (variant, references, area, cond. area)
+    bench: Any = None  # what the benchmarks build (released sizes, random-init encoders, timed encoding parts)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -140,3 +156,17 @@ class ModelFamily:
     def blocks(self, transformer: torch.nn.Module) -> torch.nn.ModuleList:
         """The transformer's blocks, in order: what checkpointing, offload, fp8 and model-parallel cuts act on."""
         return getattr(transformer, self.block_list)
+
+    def block_index(self, name: str) -> int | None:
+        """The block a parameter or module of the transformer (its full name) belongs to, None outside the blocks."""
+        parts = name.split(".")
+        return int(parts[1]) if len(parts) > 1 and parts[0] == self.block_list else None
+
+    def fp8_kind(self, name: str) -> str | None:
+        """The kind, "token" or "vector", of a linear of the transformer (its full name) that train.fp8_base
+        converts; None for every other module."""
+        if self.fp8_linears is None or self.block_index(name) is None:
+            return None
+        if name.endswith(self.fp8_linears.token):
+            return "token"
+        return "vector" if self.fp8_linears.vector and name.endswith(self.fp8_linears.vector) else None

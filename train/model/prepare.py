@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from train.config import LoraConfig
+from train.config.files import transformer_class
 from train.model import family, fp8, kept_attention, streaming
 from train.model.loading import streamed_transformer
 
@@ -18,6 +19,7 @@ def add_lora(transformer, lora: LoraConfig, adapter_name: str = "default") -> No
     """Freeze the transformer and add a peft LoRA adapter on `lora.target_modules` of every block."""
     from peft import LoraConfig as PeftLoraConfig
 
+    assert lora.target_modules is not None, "the family's default targets are filled in first (with_family_defaults)"
     names = [n for n, _ in transformer.named_modules()]
     unmatched = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
@@ -59,7 +61,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
             check_fp8_device()
             # Offloaded blocks keep no transposed copy: it would double what crosses the bus every use.
             fp8.convert_frozen_linears(
-                transformer, lambda name: fp8_transposed and _block_of(name, fam.block_list) not in offload,
+                transformer, fam.fp8_kind, lambda name: fp8_transposed and fam.block_index(name) not in offload,
                 quantized, fp8_fast_accum)
     else:
         transformer.requires_grad_(True)
@@ -70,7 +72,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
         offloader = BlockOffloader({i: blocks[i] for i in sorted(offload)}, _device_of(transformer, fam.block_list),
                                      share=share)
     if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing(checkpoint_first(blocks, checkpoint_blocks, kept_attention_blocks))
+        transformer.enable_gradient_checkpointing(
+            checkpoint_first(blocks, checkpoint_blocks, kept_attention_blocks, fam.attention_module))
     if real_rope and fam.real_rope is not None:
         fam.real_rope(transformer)
     if compile_blocks:
@@ -78,11 +81,6 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
             # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
             block.compile(**({"mode": compile_mode} if compile_mode else {}))
     return offloader
-
-
-def _block_of(name: str, block_list: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[0] == block_list else None
 
 
 def _device_of(module: torch.nn.Module, block_list: str) -> torch.device:
@@ -99,7 +97,9 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
     node's shared host copy of them (memory.offload_share), or None; a process that is not its writer does not read
     the offloaded weights."""
-    placement = streaming.Placement(device, dtype, fp8=fp8_base and mode == "lora", offload=set(range(offload_blocks)),
+    fam = family.transformer_family(transformer_class(Path(model_dir) / "transformer"))
+    placement = streaming.Placement(device, dtype, fp8=fam.fp8_kind if fp8_base and mode == "lora" else None,
+                                    offload=set(range(offload_blocks)),
                                     skip_offloaded=share is not None and not share.writer)
     if fp8_base:
         check_fp8_device()
@@ -111,17 +111,18 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     return transformer, offloader
 
 
-def checkpoint_first(blocks, count: int, kept: int = 0):
+def checkpoint_first(blocks, count: int, kept: int = 0, attention_module: str | None = None):
     """diffusers' gradient_checkpointing_func that recomputes the first `count` blocks (0 = all) and runs the
     others plainly (diffusers hands every block to this function while checkpointing is on). The first `kept` of
     the recomputed blocks (-1 = all) keep their attention output, so their recomputation skips the attention kernel
-    (train/model/kept_attention.py: their attention processors are marked for it)."""
+    (train/model/kept_attention.py: their attention processors are marked for it, and the dispatch of
+    `attention_module`, the family's, routes them); a family without one keeps none."""
     from torch.utils.checkpoint import checkpoint
 
     selected = list(blocks) if count == 0 else list(blocks)[:count]
-    keeping = selected if kept < 0 else selected[:kept]
+    keeping = [] if attention_module is None else selected if kept < 0 else selected[:kept]
     for block in keeping:
-        kept_attention.keep(block)
+        kept_attention.keep(block, attention_module)
     keeping, selected = {id(b) for b in keeping}, {id(b) for b in selected}
 
     def call(block, *args):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +43,7 @@ class Placement:
 
     device: torch.device
     dtype: torch.dtype
-    fp8: bool = False  # the blocks' frozen linears in e4m3 (train.fp8_base)
+    fp8: Callable[[str], str | None] | None = None  # train.fp8_base: the family's fp8 kind of a linear (fp8_kind)
     offload: set[int] = field(default_factory=set)  # block indices whose large frozen tensors stay on the host
     skip_offloaded: bool = False  # another process of the node fills the shared host copy of those (NodeShare)
 
@@ -106,7 +106,8 @@ def empty_transformer(transformer_dir: Path):
 
 
 def _fp8_target(name: str, placement: Placement) -> bool:
-    return placement.fp8 and name.endswith(".weight") and fp8._kind(name[: -len(".weight")]) is not None
+    return (placement.fp8 is not None and name.endswith(".weight")
+            and placement.fp8(name[: -len(".weight")]) is not None)
 
 
 def load(model_dir: str | Path, placement: Placement, frozen: bool, random: bool = False):
@@ -116,7 +117,7 @@ def load(model_dir: str | Path, placement: Placement, frozen: bool, random: bool
     frozen: the base will not be trained (LoRA), so blocks may be offloaded and linears quantised."""
     transformer_dir = Path(model_dir) / "transformer"
     model = empty_transformer(transformer_dir)
-    if not frozen and (placement.fp8 or placement.offload):
+    if not frozen and (placement.fp8 is not None or placement.offload):
         raise ValueError("fp8 and offloaded blocks need a frozen base (train.mode = 'lora')")
     params = dict(model.named_parameters())
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

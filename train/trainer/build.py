@@ -6,6 +6,7 @@ encoders), the transformer in its training form, the first writes into the outpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
 from train.model import family, fp8, loading, lora_io, prepare
+from train.model.interface import ModelFamily
 from train.plan import run_plan
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
 from train.runtime.console import print0
@@ -148,6 +150,17 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
                                                                  for k, (old, new) in changes.items()))
             with open(Path(out) / "config_changes.jsonl", "a") as f:
                 f.write(json.dumps({"step": start_step, "changes": changes}) + "\n")
+
+
+def with_family_defaults(cfg: config.Config, fam: ModelFamily) -> config.Config:
+    """`cfg` with the settings whose default is the model family's filled in (qwen_edit.lora.target_modules: null =
+    the family's default targets): once, by the command, before anything reads them or the resolved config is
+    written."""
+    lora = cfg.project.lora
+    if lora.target_modules is not None:
+        return cfg
+    lora = dataclasses.replace(lora, target_modules=list(fam.lora.targets))
+    return dataclasses.replace(cfg, project=dataclasses.replace(cfg.project, lora=lora))
 
 
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:

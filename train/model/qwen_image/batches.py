@@ -123,7 +123,7 @@ def synthetic_batch(
     model: torch.nn.Module,
     batch_size: int,
     latent_hw: tuple[int, int],
-    num_references: int,
+    reference_hws: list[tuple[int, int]],
     text_tokens: int,
     device: torch.device,
     cond_dtype: torch.dtype,
@@ -131,17 +131,18 @@ def synthetic_batch(
     seed: int = 0,
 ) -> Batch:
     """A Batch of random tensors shaped as encode_batch returns them (conditioning in `cond_dtype`): a target of
-    latent size `latent_hw`, `num_references` references of the same size, `text_tokens` prompt embeddings (with
+    latent size `latent_hw`, references of the latent sizes `reference_hws`, `text_tokens` prompt embeddings (with
     an all-ones mask when `text_mask`)."""
     g = torch.Generator(device).manual_seed(seed)
     channels, width = model.config.in_channels, model.config.joint_attention_dim
     h, w = latent_hw
-    tokens = (h // 2) * (w // 2)
-    x0 = torch.randn(batch_size, tokens, channels, generator=g, device=device)
-    refs = torch.randn(batch_size, num_references * tokens, channels, generator=g, device=device).to(cond_dtype)
+    shapes = [(1, rh // 2, rw // 2) for rh, rw in reference_hws]
+    x0 = torch.randn(batch_size, (h // 2) * (w // 2), channels, generator=g, device=device)
+    num_refs = sum(rh * rw for _, rh, rw in shapes)
+    refs = torch.randn(batch_size, num_refs, channels, generator=g, device=device).to(cond_dtype)
     embeds = torch.randn(batch_size, text_tokens, width, generator=g, device=device).to(cond_dtype)
     mask = torch.ones(batch_size, text_tokens, dtype=torch.long, device=device) if text_mask else None
-    return Batch(x0, (h, w), Conditioning(embeds, mask, refs, [(1, h // 2, w // 2)] * num_references))
+    return Batch(x0, (h, w), Conditioning(embeds, mask, refs, shapes))
 
 
 def text_tokens_bound(variant: str, num_references: int, area: int, condition_area: int) -> int:

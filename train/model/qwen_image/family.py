@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from PIL import Image
 
-from train.model.interface import LoraKeys, ModelFamily, Variant
+from train.model.interface import Fp8Linears, LoraKeys, ModelFamily, Variant
 from train.model.qwen_image import (
     batches,
     bench_models,
@@ -91,7 +91,11 @@ FAMILY = ModelFamily(
     ),
     transformer_class="QwenImageTransformer2DModel",
     pixels_per_latent=conditioning.PIXELS_PER_LATENT,
+    patch_size=2,
     lora=LoraKeys(lora_keys.TARGETS, lora_keys.PIPELINE_CLASS, lora_keys.comfyui),
+    # every LoRA target is a token linear (both streams' attention and MLPs); the modulation gives one vector a sample
+    fp8_linears=Fp8Linears(lora_keys.TARGETS, ("img_mod.1", "txt_mod.1")),
+    attention_module="diffusers.models.transformers.transformer_qwenimage",
     detect_variant=components.detect_variant,
     load_encoders=components.load_encoders,
     load_vae=components.load_vae,
