@@ -34,7 +34,7 @@ def test_census_finds_the_calls_the_step_makes():
     w = bench.make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
     b = bench.synthetic_batch(w, model, torch.device("cpu"), torch.float32, text_mask=False)
     kwargs, _, _ = loop.noisy_inputs(
-        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32
+        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32, bench.FAMILY
     )
     linears, attention = floor.census(model, {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()})
 
