@@ -141,9 +141,13 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
     problems = support.unsupported(qwen21, project, support.TRAIN, gpu=True)
     assert problems[0].startswith("Qwen-Image-2.1 cannot be trained by this version yet")
     starts = [p.split(":")[0] for p in problems[1:]]
-    assert starts == ["qwen_edit.data.cache", "qwen_edit.validation.file", "Qwen-Image-2.1 does not support the "
-                      "model-parallel mode's decoder cuts yet", "qwen_edit.train.kept_attention_blocks",
-                      "qwen_edit.memory.plan"], problems
+    assert starts == [
+        "qwen_edit.data.cache",
+        "qwen_edit.validation.file",
+        "Qwen-Image-2.1 does not support the model-parallel mode's decoder cuts yet",
+        "qwen_edit.train.kept_attention_blocks",
+        "qwen_edit.memory.plan",
+    ], problems
     assert problems[3].endswith("set qwen_edit.parallel.decoder_cuts to []")
     assert not any("memory.plan" in p for p in support.unsupported(qwen21, project, support.TRAIN, gpu=False))
     assert support.unsupported(qwen21, project, support.INFER)[0].startswith("train.infer does not render Qwen-Im")

@@ -87,7 +87,8 @@ def _problem(path: tuple, error: dict, data) -> str:
 
 
 def _type_name(hint) -> str:
-    """'int', 'list[str]', 'dict[str, float]', 'list[str] or null': a field's type as a message names it (a choice is a str)."""
+    """'int', 'list[str]', 'dict[str, float]', 'list[str] or null': a field's type as a message names it (a choice
+    is a str)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
         return "str"
