@@ -152,10 +152,10 @@ class ReceivingSource:
     """
 
     def __init__(self, link, peer: int, device: torch.device, batches_per_epoch: int, total: int, queue_depth: int,
-                 convert=None, overlap: bool = True):
+                 convert, overlap: bool = True):
         self.link, self.peer = link, peer
         self.batches_per_epoch, self.total = batches_per_epoch, total
-        self.convert = convert or (lambda meta, tensors: transport.message_batch(meta, tensors, device))
+        self.convert = convert
         self.queue: queue.Queue = queue.Queue(maxsize=queue_depth)
         self.encoder_stats: dict = {}
         self._wait_s = 0.0

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from train.config import LoraConfig
+from train.model import family
 from train.plan.choice import choose
 from train.plan.explain import choice_or_refusal
 from train.plan.host import UNCOUNTED_HOST, Host
 from train.plan.measure import Measured
 from train.plan.sizes import GB, Sizes
+
+# qwen_edit.lora as a run on a Qwen-Image model resolves its default (the family's targets)
+QWEN_LORA = LoraConfig(target_modules=list(family.family_named("qwen_image").lora.targets))
 
 
 def measured(tokens: int) -> Measured:

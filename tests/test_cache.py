@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, metrics, run_trainer, write_config
+from conftest import REPO, free_port, metrics, patch_family, run_trainer, write_config
 from safetensors.torch import load_file
 
 from train import config
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning
+from train.model.qwen_image import components, conditioning
 from train.runtime import engine
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -142,7 +142,7 @@ def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
     loads = []
     real = components.load_encoders
     monkeypatch.setattr(cache_plan, "stream_vl_for_cache", lambda c, d, keys: True)
-    monkeypatch.setattr(components, "load_encoders", lambda *a, **k: loads.append(k) or real(*a, **k))
+    patch_family(monkeypatch, load_encoders=lambda *a, **k: loads.append(k) or real(*a, **k))
     latent_cache.build(streamed_cfg, WORLD_OF_ONE, variant, rows, dataset, index["depends_on"])
     assert loads == [{"stream_text_encoder": True, "vae_2d_frames": True}]  # model.vae_2d_frames passed on
     a = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
@@ -250,7 +250,7 @@ def test_snapped_sizes_are_a_dependency_and_older_caches_count_as_unsnapped(buil
 
 
 def test_changed_template_is_refused(built, monkeypatch):
-    """A different prompt template in train/model/conditioning.py: the cache is refused, naming the template."""
+    """A different prompt template in qwen_image/conditioning.py: the cache is refused, naming the template."""
     cfg, variant, rows, dataset, _ = built
     monkeypatch.setitem(conditioning.PROMPT_TEMPLATES, variant, conditioning.PROMPT_TEMPLATES[variant] + " ")
     message = refusal(cfg, variant, rows, dataset)

@@ -11,8 +11,8 @@ import torch
 from conftest import write_config
 
 from train.config import Config, ConfigError, LoraConfig, ProjectConfig, TrainConfig, load_config, parse_args
-from train.model import components
-from train.model.tiny import build_transformer
+from train.model import prepare
+from train.model.qwen_image.tiny import build_transformer
 from train.plan import keys
 from train.plan.choice import OFFLOAD_KEY
 from train.plan.predict import Choice
@@ -98,7 +98,7 @@ def test_frozen_weights_become_buffers_dynamo_sees_only_trainable_parameters():
     ZeRO-1/2 backend asserts), the model computes the same, and the state dict holds no frozen weight."""
     torch.manual_seed(0)
     model = build_transformer()
-    components.prepare_for_training(
+    prepare.prepare_for_training(
         model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]), False, False
     )
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -135,7 +135,7 @@ def test_build_engine_compiles_the_whole_module_after_moving_the_frozen_weights(
     """engine.deepcompile: the frozen weights become buffers first, then DeepSpeed's engine.compile() runs once (on a
     stand-in engine: DeepCompile's own backend needs CUDA), and rank 0 says so."""
     model = build_transformer()
-    components.prepare_for_training(
+    prepare.prepare_for_training(
         model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]), False, False
     )
     calls = []

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import metrics, run_trainer, write_config
+from conftest import metrics, patch_family, run_trainer, write_config
 
 from train import config
 from train.data import sources
 from train.data.ahead import EncodeAhead
-from train.model import components
+from train.model.qwen_image import components
 from train.runtime import engine
 from train.runtime.oom import OutOfMemory, oom_advice
 from train.trainer import build, validation
@@ -266,7 +266,7 @@ def test_the_config_key_reaches_the_source(tiny_edit, tmp_path, monkeypatch):
     """build_source: data.encode_ahead in the zero2 mode; never in the model-parallel mode (its encoder stage is
     ahead of its decoder already, and parallel.overlap false must encode each micro-batch only when asked). The
     default, auto, is on with a GPU and off on the CPU."""
-    monkeypatch.setattr(components, "load_encoders", lambda *a, **k: CPU_ENCODERS)
+    patch_family(monkeypatch, load_encoders=lambda *a, **k: CPU_ENCODERS)
 
     def ahead(**changes) -> bool:
         cfg = load_cfg(tiny_edit, tmp_path, **changes)

@@ -13,7 +13,7 @@ import torch
 
 from train.config import Config, ProjectConfig
 from train.data.sources import Batch
-from train.model import conditioning
+from train.model.qwen_image import batches
 from train.runtime import faults
 from train.runtime.engine import Dist
 from train.runtime.oom import OutOfMemory
@@ -84,7 +84,7 @@ class Source:
 
     def __init__(self, num: int):
         g = torch.Generator().manual_seed(0)
-        cond = conditioning.Conditioning(torch.randn(1, 3, 8, generator=g), None, torch.zeros(1, 0, 16), [])
+        cond = batches.Conditioning(torch.randn(1, 3, 8, generator=g), None, torch.zeros(1, 0, 16), [])
         self.batches = [Batch(torch.randn(1, 4, 16, generator=g), (2, 2), cond) for _ in range(num)]
 
     def __len__(self):

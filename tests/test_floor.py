@@ -17,7 +17,7 @@ import torch
 from train.benchmarks import floor
 from train.benchmarks import step as bench
 from train.config import TrainConfig
-from train.model.tiny import SCHEDULER_CONFIG
+from train.model.qwen_image.tiny import SCHEDULER_CONFIG
 from train.trainer import loop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def test_census_finds_the_calls_the_step_makes():
     w = bench.make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
     b = bench.synthetic_batch(w, model, torch.device("cpu"), torch.float32, text_mask=False)
     kwargs, _, _ = loop.noisy_inputs(
-        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32
+        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32, bench.FAMILY
     )
     linears, attention = floor.census(model, {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()})
 

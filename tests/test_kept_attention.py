@@ -12,8 +12,8 @@ from plan_helpers import measured, plan
 from recorded_plans import RELEASED
 
 from train.config import LoraConfig
-from train.model import components, kept_attention
-from train.model.tiny import build_transformer
+from train.model import family, kept_attention, prepare
+from train.model.qwen_image.tiny import build_transformer
 from train.plan.explain import describe
 from train.plan.keys import config_values
 from train.plan.measure import Measured
@@ -21,6 +21,7 @@ from train.plan.predict import Choice, predict
 from train.plan.run_plan import gpu_margin
 from train.plan.sizes import GB
 
+QWEN = family.family_named("qwen_image")
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k", "attn.add_v_proj", "img_mlp.net.2"])
 
 
@@ -41,7 +42,7 @@ def kernel_calls(monkeypatch):
 def _prepared(kept: int, checkpoint_blocks: int = 0, offload: set[int] | None = None):
     torch.manual_seed(0)
     model = build_transformer(num_layers=3)
-    components.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+    prepare.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
                                     offload=offload, kept_attention_blocks=kept)
     return model.train()
 
@@ -181,7 +182,7 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
     from torch.utils.checkpoint import checkpoint
 
     kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    kept_attention.install()
+    kept_attention.install(QWEN.attention_module)
     kept_attention._backends.clear()
     try:
         with sdpa_kernel([kind]):
@@ -243,7 +244,7 @@ def test_compiled_blocks_keep_and_skip_like_eager_ones(kernel_calls):
     def prepared(compile_blocks: bool):
         torch.manual_seed(0)
         model = build_transformer(num_layers=2)
-        components.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
+        prepare.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
         return model.train()
 
     eager_loss, eager_grads = _loss_and_grads(prepared(False))
@@ -262,13 +263,13 @@ def test_the_gemm_probe_covers_the_converted_linears():
     from diffusers import QwenImageTransformer2DModel
 
     from train.benchmarks import gemms
-    from train.model import fp8
-    from train.model.archs import FULL_ARCH
+    from train.model import family
+    from train.model.qwen_image.archs import FULL_ARCH
 
     with torch.device("meta"):
         model = QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": 1})
     converted = sorted((m.in_features, m.out_features) for name, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and fp8._kind(name) == "token")
+                       if isinstance(m, torch.nn.Linear) and family.transformer_family(model).fp8_kind(name) == "token")
     assert converted == sorted(2 * [(k, n) for _, k, n in gemms.linears()])
     row = {"m": 8, "k": 3072, "n": 3072, "fwd_ms_exact": 1.0, "fwd_ms_fast": 0.75, "bwd_ms_exact": 1.0,
            "bwd_ms_fast": 0.75, "fwd_error_exact": 1e-3, "fwd_error_fast": 2e-3, "bwd_error_exact": 1e-3,

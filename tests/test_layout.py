@@ -162,8 +162,8 @@ def test_the_checker_catches_planted_imports():
               "train.model.c": {"train.model.a"}}
     assert layout_problems(circle) == ["import circle: train.model.a <-> train.model.b <-> train.model.c"]
     real = import_graph()
-    real["train.config.schema"].add("train.model.components")
-    assert any("train.config.schema imports train.model.components" in p for p in layout_problems(real))
+    real["train.config.schema"].add("train.model.qwen_image.components")
+    assert any("train.config.schema imports train.model.qwen_image.components" in p for p in layout_problems(real))
 
 
 def test_imports_are_read_from_functions_and_relative_forms(tmp_path):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from plan_helpers import measured, plan
+from plan_helpers import QWEN_LORA, measured, plan
 from recorded_plans import RELEASED
 
-from train.config import Config, DataConfig, LoraConfig, ModelConfig, ProjectConfig, TrainConfig
+from train.config import Config, DataConfig, ModelConfig, ProjectConfig, TrainConfig
 from train.plan.choice import OFFLOAD_KEY, NoFit, choose
 from train.plan.explain import PlanError, describe, refusal, render_note
 from train.plan.host import UNCOUNTED_HOST, Host
@@ -115,7 +115,8 @@ def test_encoding_ahead_adds_the_encode_transient_to_the_step(released_model):
     assert c_ahead.checkpointed > c_turn.checkpointed and p_ahead.peak_bytes <= 80 * GB - margin
 
     def run(online: bool, key: bool) -> bool:
-        project = ProjectConfig(model=ModelConfig(path=str(released_model)), data=DataConfig(encode_ahead=key))
+        project = ProjectConfig(model=ModelConfig(path=str(released_model)), data=DataConfig(encode_ahead=key),
+                                lora=QWEN_LORA)
         return run_sizes(Config(project=project, deepspeed={}, world_size=1), online=online).encode_ahead
 
     assert run(True, True) and not run(True, False) and not run(False, True)
@@ -187,7 +188,7 @@ def test_full_fine_tuning_is_planned_per_rank(released_model):
     plan fits, and one rank fewer does not. The state is split over the ranks: 2 + 20 / W bytes per parameter in
     the step with the bf16 weights, 12.0 at W = 2, which is what two depths of the full fine-tuning benchmark took
     on 2 GPUs (docs/performance.md)."""
-    full = count_sizes(released_model, LoraConfig().target_modules, 64, full=True)
+    full = count_sizes(released_model, QWEN_LORA.target_modules, 64, full=True)
     assert full.full and full.trainable_params == full.num_blocks * full.block_params + full.other_params
     m, budget, host_short = measured(8_448), 141 * GB, "its state needs 367.7 GB of host memory"
     margin = gpu_margin(0, budget)
@@ -206,7 +207,7 @@ def test_full_fine_tuning_is_planned_per_rank(released_model):
     assert per_param == pytest.approx(12.0)
     # the run's sizes carry its ZeRO stage and world size, and the mode
     ds = {"zero_optimization": {"stage": 1}}
-    project = ProjectConfig(model=ModelConfig(path=str(released_model)), train=TrainConfig(mode="full"))
+    project = ProjectConfig(model=ModelConfig(path=str(released_model)), train=TrainConfig(mode="full"), lora=QWEN_LORA)
     run = run_sizes(Config(project=project, deepspeed=ds, world_size=8), online=False)
     assert (run.zero_stage, run.dp_world, run.full, run.trainable_params) == (1, 8, True, full.trainable_params)
     assert not run.accumulating

@@ -5,7 +5,7 @@ offload count that the host cannot hold, and the node's figures gathered from ev
 from __future__ import annotations
 
 import pytest
-from plan_helpers import measured, plan
+from plan_helpers import QWEN_LORA, measured, plan
 from recorded_plans import RELEASED
 
 from train.config import Config, ProjectConfig
@@ -77,7 +77,7 @@ def test_an_explicit_offload_count_that_the_host_cannot_hold_names_the_key(relea
     assert "x 60 offloaded blocks" in text and "qwen_edit.train.offload_blocks = 60 is set in the config" in text
 
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
-    cfg = Config(project=ProjectConfig(), deepspeed=ds, explicit=frozenset({"train.offload_blocks"}))
+    cfg = Config(project=ProjectConfig(lora=QWEN_LORA), deepspeed=ds, explicit=frozenset({"train.offload_blocks"}))
     cfg.project.model.path = str(released_model)
     cfg.project.train.offload_blocks, cfg.project.train.fp8_base = 40, True
     with pytest.raises(PlanError) as e:

@@ -18,7 +18,7 @@ from train.plan.workload import Workload
 
 def test_largest_bucket_and_text_bound():
     keys = [((128, 128), (128, 128)), ((128, 128), (128, 128), (128, 128)), ((64, 64), (64, 64))]
-    w = largest_bucket(keys, 2, 700)
+    w = largest_bucket(keys, 2, 700, "edit")
     assert w.image_tokens == 3 * 64 * 64 and w.target_hw == (128, 128) and w.batch == 2
     assert text_tokens_bound("edit_plus", 2, 1024 * 1024, 384 * 384) == 320 + 2 * 188
     assert text_tokens_bound("edit", 1, 1024 * 1024, 384 * 384) == 320 + 1337
@@ -90,7 +90,7 @@ def _tiny_render(tiny_plus, w: Workload, vae_2d_frames: bool = True):
         torch.float32,
         cpu,
         "lora",
-        LoraConfig(rank=4),
+        LoraConfig(rank=4, target_modules=["attn.to_q"]),
         fp8_base=False,
         online=True,
         vae_2d_frames=vae_2d_frames,
@@ -126,18 +126,20 @@ def test_the_vae_measurements_take_the_configured_path(tiny_plus, monkeypatch):
     """model.vae_2d_frames reaches the VAE that the render and encode measurements load: with it off they measure
     diffusers' own path (its chunk cache is larger), so a plan never counts the smaller transient for it."""
     import torch
+    from conftest import patch_family
 
-    from train.model import components, vae_frames
+    from train.model import family
+    from train.model.qwen_image import vae_frames
 
     seen = []
-    load = components.load_vae
+    load = family.family_named("qwen_image").load_vae
 
     def load_vae(*args, **kwargs):
         vae = load(*args, **kwargs)
         seen.append(vae_frames.is_applied(vae))
         return vae
 
-    monkeypatch.setattr(components, "load_vae", load_vae)
+    patch_family(monkeypatch, load_vae=load_vae)
     monkeypatch.setattr(measure, "peak_above", lambda device, call, repeats=2: 1.0)
     w = render_workload([[(64, 64)]], "edit_plus", 64 * 64, 32 * 32)
     for on in (True, False):

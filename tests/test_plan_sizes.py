@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from plan_helpers import QWEN_LORA
 from recorded_plans import ENCODERS_BYTES, RELEASED, ZERO2_BUCKETS
 
 from train.config import LoraConfig
-from train.model.tiny import make_tiny, write_full_size_configs
+from train.model.qwen_image.tiny import make_tiny, write_full_size_configs
 from train.plan.arch import component_bytes, encoder_weight_bytes, streamed_vl_bytes
 from train.plan.sizes import GB, Sizes, bucket_sizes, count_sizes, moved_bytes, optimizer_host_bytes, pinned_bytes
 
@@ -20,8 +21,8 @@ def test_counted_sizes_are_the_released_model(released_model, tmp_path):
     the text encoder and VAE weigh ENCODERS_BYTES in bf16."""
     v1 = make_tiny(tmp_path, "edit", num_samples=2, size=64) / "model"
     write_full_size_configs(v1)
-    s = count_sizes(released_model, LoraConfig().target_modules, 64)
-    assert s == count_sizes(v1, LoraConfig().target_modules, 64) == RELEASED
+    s = count_sizes(released_model, QWEN_LORA.target_modules, 64)
+    assert s == count_sizes(v1, QWEN_LORA.target_modules, 64) == RELEASED
     assert encoder_weight_bytes(released_model) == ENCODERS_BYTES
     total = s.num_blocks * s.block_params + s.other_params
     assert s.num_blocks == 60 and abs(total - 20.43e9) < 0.01e9  # DESIGN.md: 20.43 B parameters
@@ -37,12 +38,12 @@ def test_pinned_host_bytes_are_what_the_offloader_pins(tiny_plus):
     the offloader's 256-byte alignment of each tensor."""
     import torch
 
-    from train.model import components, offload
+    from train.model import offload, prepare
 
     lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"])
     s = count_sizes(tiny_plus / "model", lora.target_modules, lora.rank)
     for fp8_base in (False, True):
-        _, offloader = components.load_for_training(
+        _, offloader = prepare.load_for_training(
             tiny_plus / "model",
             torch.float32,
             torch.device("cpu"),
@@ -109,7 +110,7 @@ def test_pinned_host_buffers_round_up_to_a_power_of_two(released_model):
     full fine-tune's tensors by 1.58x (65 GB)."""
     assert pinned_bytes(3 * 2**30) == 4 * 2**30 and pinned_bytes(2**30) == 2**30 and pinned_bytes(0) == 0
     assert optimizer_host_bytes(6_156_000_000, 1) / GB == pytest.approx(135.1, abs=0.1)
-    lora_sizes = count_sizes(released_model, LoraConfig().target_modules, 64)
+    lora_sizes = count_sizes(released_model, QWEN_LORA.target_modules, 64)
     accumulating = dataclasses.replace(lora_sizes, accumulating=True)
     assert accumulating.host_state_bytes(1) - lora_sizes.host_state_bytes(1) == lora_sizes.accumulation_pinned
     assert lora_sizes.accumulation_pinned / (2 * lora_sizes.lora_params) == pytest.approx(4 / 3)

@@ -238,3 +238,40 @@ def test_slot_mismatch_names_sizes_the_vl_processor_would_resize(pipe):
         assert C.slot_mismatch(pipe.processor, (64, 64)) == (16, 4)
     finally:
         pipe.processor.image_processor.size["shortest_edge"] = floor
+
+
+def test_the_family_record_encodes_a_batch_as_these_functions_do(pipe):
+    """The family record's encode_batch on collated rows (prompts, VL copies, reference slots, target pixels) gives
+    the conditioning the functions above build and the target's latents; its transformer inputs are sequence.py's
+    and the prediction has the target's shape; the per-sample parts join back to the batch."""
+    import json
+
+    from train.model import family
+    from train.model.interface import Encoders
+
+    fam, area = family.family_named("qwen_image21"), 64 * 64
+    rows = [[noise_image(64, 64, seed=14), noise_image(96, 48, seed=15, mode="RGBA")],
+            [noise_image(64, 64, seed=16, mode="RGBA"), noise_image(96, 48, seed=17)]]
+    prepared = [[C.prepare_image(im, area) for im in row] for row in rows]
+    target = torch.stack([C.prepare_image(noise_image(64, 64, seed=18 + i), area)[1] for i in range(2)])
+    batch = {"prompts": PROMPTS, "vl_images": [[vl for vl, _ in row] for row in prepared], "target": target,
+             "reference_pixels": [torch.stack([row[k][1] for row in prepared]) for k in range(2)]}
+    b = fam.encode_batch(batch, Encoders(pipe.text_encoder, pipe.processor, pipe.vae), "qwen_image_21")
+    expected = trainer_conditioning(pipe, PROMPTS, rows, area)
+    for name in ("prompt_embeds", "prompt_mask", "image_slots", "reference_tokens"):
+        assert_same(name, getattr(b.cond, name), getattr(expected, name))
+    assert b.target_hw == (4, 4) and torch.equal(b.x0, C.pack(C.encode_latents(pipe.vae, target)).float())
+    sigmas, noisy = torch.tensor([0.3, 0.7]), torch.randn_like(b.x0)
+    kwargs = fam.transformer_inputs(b, noisy, sigmas, torch.float32)
+    reference = S.transformer_inputs(expected, noisy, b.target_hw, sigmas, torch.float32)
+    assert kwargs.keys() == reference.keys() and kwargs["img_shapes"] == reference["img_shapes"]
+    for key in ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_mask", "img_mask"):
+        assert_same(key, kwargs[key], reference[key])
+    with torch.no_grad():
+        assert fam.target_prediction(pipe.transformer(**kwargs), b).shape == b.x0.shape
+    parts = b.cond.samples()
+    assert [m["prompt_tokens"] for m, _ in parts] == b.cond.prompt_mask.sum(dim=1).tolist()
+    back = fam.join_conditioning([(json.loads(json.dumps(m)), t) for m, t in parts])  # metadata as JSON keeps it
+    for name in ("prompt_embeds", "prompt_mask", "image_slots", "reference_tokens"):
+        assert_same(name, getattr(back, name), getattr(b.cond, name))
+    assert back.reference_shapes == b.cond.reference_shapes and back.num_text_tokens == b.cond.num_text_tokens

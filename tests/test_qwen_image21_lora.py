@@ -10,6 +10,7 @@ from diffusers import QwenImage21Pipeline
 from diffusers.loaders.single_file_utils import convert_qwen_image21_transformer_checkpoint_to_diffusers
 from peft import LoraConfig
 
+from train.model import family
 from train.model.qwen_image21 import lora_keys as K
 from train.model.qwen_image21.tiny import build_transformer
 from train.runtime.exports import lora_state_dict, write_diffusers_lora
@@ -116,7 +117,8 @@ def test_pipeline_loads_diffusers_export_and_it_changes_the_output(tiny_21, tmp_
     base = sample(trained_pipe)
     with_random_lora(trained_pipe.transformer)
     trained = sample(trained_pipe)
-    write_diffusers_lora(lora_state_dict(trained_pipe.transformer), tmp_path, ALPHA, RANK)
+    keys = family.family_named("qwen_image21").lora  # written by the family's pipeline class
+    write_diffusers_lora(lora_state_dict(trained_pipe.transformer), tmp_path, ALPHA, RANK, keys=keys)
 
     pipe = load()
     pipe.load_lora_weights(tmp_path)

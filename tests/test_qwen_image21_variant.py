@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from train.model.components import ModelError
+from train.model.interface import ModelError
 from train.model.qwen_image21 import variant as V
 
 

@@ -102,7 +102,7 @@ def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_ed
     from diffusers import DiffusionPipeline
     from PIL import Image
 
-    from train.model.conditioning import pipeline_areas
+    from train.model.qwen_image.conditioning import pipeline_areas
 
     pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)

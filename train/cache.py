@@ -23,7 +23,7 @@ from model_parallel.plan import check_parallel
 from train import config
 from train.data import pairs
 from train.data.latent_cache import CacheError, cache_dir, ensure, read_index
-from train.model import components
+from train.model import family, support
 from train.runtime import engine
 from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build
@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         return engine.refuse_early(e, rank)
     code = 0
     try:
-        variant = components.detect_variant(cfg.project.model.path, cfg.project.model.variant)
+        fam, variant = family.detect(cfg.project.model.path, cfg.project.model.variant)
+        support.check_supported(fam, cfg.project, support.CACHE)
         rows, loader = build.build_data(cfg, d, variant)  # training's data pipeline: the cache holds what it reads
         before = read_index(cache_dir(cfg))
         index = ensure(cfg, d, variant, rows, loader.dataset, rebuild_stale=True)
         verb = "up to date" if index == before else "written"
         print0(f"cache {verb}: {cache_dir(cfg)} ({index['num_samples']} samples)", rank=d.rank)
-    except (pairs.BadRowsError, CacheError, components.ModelError) as e:
+    except (pairs.BadRowsError, CacheError, family.ModelError) as e:
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from train.model import family
 from train.runtime import exports
 
 
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit code 0 on success, 2 for a bad checkpoint or argument (message on stderr)."""
     args = parse_args(argv)
     try:
-        path = exports.export(args.checkpoint, args.out, args.format, args.dtype, args.model)
+        path = exports.export(args.checkpoint, args.out, args.format, args.dtype, args.model,
+                              family_of=family.family_for)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ import torch
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
-from train.model import components, lora_io, streaming
+from train.model import family, lora_io, streaming, support
 from train.plan.explain import PlanError
 from train.runtime import checkpoint, engine, outdir, preempt
 from train.runtime.console import prefix_rank_output, print0
@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
                                  num_gpus=torch.cuda.device_count(), check_parallel=check_parallel)
     except config.ConfigError as e:
         return engine.refuse_early(e, rank)
-    try:
-        components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
-    except components.ModelError as e:
+    try:  # fail before any process starts
+        fam, _ = family.detect(cfg.project.model.path, cfg.project.model.variant)
+        support.check_supported(fam, cfg.project, support.TRAIN, gpu=torch.cuda.is_available())
+    except family.ModelError as e:
         return engine.refuse_early(e, rank)
+    cfg = build.with_family_defaults(cfg, fam)
     try:
         if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
             import model_parallel

@@ -1,4 +1,5 @@
-"""Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline (train/model/tiny.py).
+"""Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline
+(train/model/qwen_image/tiny.py).
 
     python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i] [--num_samples N] [--size PX]
         [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N] [--full_size_configs [--num_layers N]]
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from train.model.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
+from train.model.qwen_image.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
 from train.trainer.pretrain import MIN_STEPS, Pretraining, final_loss, pretrain
 
 

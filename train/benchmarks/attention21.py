@@ -67,11 +67,11 @@ def build_layer(kind: str, width: int, heads: int, dtype, device):
     """One attention layer with `kind`'s processor; the flex one compiled (uncompiled it is a dense fp32 matrix)."""
     from diffusers.models.transformers import transformer_qwenimage21 as T
 
-    from train.model.qwen_image21.attention import SegmentedSDPAProcessor
+    from train.model import family
 
     processor = {
         "diffusers": T.QwenImage21AttnProcessor,
-        "segmented": SegmentedSDPAProcessor,
+        "segmented": family.family_named("qwen_image21").bench.attention_processor,
         "flex": T.QwenImage21FlexAttnProcessor,
     }[kind]()
     layer = T.QwenImage21Attention(width, heads, width // heads, processor=processor).to(device, dtype)

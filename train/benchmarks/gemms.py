@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from train.model import fp8
-from train.model.archs import FULL_ARCH
+from train.model import family, fp8
+
+# Qwen-Image-Edit's released transformer: its blocks' widths and depth
+FULL_ARCH = family.family_named("qwen_image").bench.released_config("edit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

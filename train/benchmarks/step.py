@@ -2,11 +2,11 @@
 train/bench.py; its arguments are parse_args's).
 
 What is timed is exactly what `train.trainer.loop.train` runs per micro-step: `train.trainer.loop.forward_loss` on a
-`train.data.sources.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and
+`train.data.sources.Batch` (the Qwen-Image family's conditioning inside), `engine.backward(loss)` and
 `engine.step()` on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is
 built from synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
-separately, and the latent/embedding cache (another issue) removes it from training altogether.
+separately, and the latent/embedding cache (train/data/latent_cache.py) removes it from training altogether.
 
 Default model: the full Qwen-Image-Edit transformer architecture (60 blocks, width 3072) at random init,
 built directly on the GPU in bf16 (no weights needed; `--num_layers` lowers the depth, e.g. so that full
@@ -58,9 +58,7 @@ import torch.distributed as dist
 from train.benchmarks import floor, fp8_impls, kernels, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
-from train.model import components, conditioning, rope
-from train.model.archs import FULL_ARCH
-from train.model.tiny import SCHEDULER_CONFIG
+from train.model import family, prepare
 from train.runtime import engine, steptime
 from train.runtime.collector import Collector
 from train.trainer import loop
@@ -70,6 +68,7 @@ ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 PEAK_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, per GPU (datasheet)
 SEED = 42
+FAMILY = family.family_named("qwen_image")  # the architecture measured here, and by the peer (DiffSynth's QwenImageDiT)
 LR = 1e-4
 # Which stream's tokens each nn.Linear sees; the first pattern that matches the module name wins.
 _STREAMS = (
@@ -101,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("lora", "full"), default="lora")
     p.add_argument("--lora_rank", type=int, default=64)
     p.add_argument("--lora_targets", choices=("attn", "default"), default="attn",
-                   help="attn: the 8 attention projections; default: train.config.LoraConfig().target_modules")
+                   help="attn: the 8 attention projections; default: the family's default targets (12)")
     p.add_argument("--checkpointing", choices=("none", "full"), default="none",
                    help="full: recompute every transformer block in backward")
     p.add_argument("--checkpoint_blocks", type=int, default=0,
@@ -121,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"compile or compile_dynamic (default {','.join(peer.DEFAULT_VARIANTS)})")
     p.add_argument("--complex_rope", action="store_true",
                    help="the project's step with diffusers' complex rotary embedding instead of real pairs "
-                        "(train/model/rope.py), to measure that lever")
+                        "(train/model/qwen_image/rope.py), to measure that lever")
     p.add_argument("--text_mask", action="store_true",
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
@@ -224,7 +223,7 @@ class Workload:
 
     @property
     def latent_hw(self) -> tuple[int, int]:
-        return self.height // conditioning.PIXELS_PER_LATENT, self.width // conditioning.PIXELS_PER_LATENT
+        return self.height // FAMILY.pixels_per_latent, self.width // FAMILY.pixels_per_latent
 
     @property
     def target_tokens(self) -> int:
@@ -266,24 +265,28 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def build_full_transformer(num_layers: int, device: torch.device | str, dtype: torch.dtype,
+def variant(zero_cond_t: bool) -> str:
+    """The variant measured: Qwen-Image-Edit, or 2511 (zero_cond_t)."""
+    return "edit_plus_2511" if zero_cond_t else "edit"
+
+
+def build_full_transformer(num_layers: int | None, device: torch.device | str, dtype: torch.dtype,
                            zero_cond_t: bool = False) -> torch.nn.Module:
-    """The Qwen-Image-Edit transformer at random init, created directly on `device` (also "meta") in `dtype`
-    (zero_cond_t: 2511's)."""
-    from diffusers import QwenImageTransformer2DModel
+    """The Qwen-Image-Edit transformer at random init, `num_layers` deep (None: the released depth), created
+    directly on `device` (also "meta") in `dtype` (zero_cond_t: 2511's)."""
+    import diffusers
 
     with torch.device(device), default_dtype(dtype):
-        return QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": num_layers, "zero_cond_t": zero_cond_t})
+        cls = getattr(diffusers, FAMILY.transformer_class)
+        return cls(**FAMILY.bench.released_config(variant(zero_cond_t), num_layers))
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Tiny (fp32) or full-architecture transformer on `device`, seeded alike on every rank."""
     torch.manual_seed(SEED)
-    if args.tiny:
-        from train.model.tiny import build_transformer
-
-        return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
-    return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)
+    if args.tiny:  # fp32 as built (dtype is float32 for --tiny)
+        return FAMILY.bench.tiny_transformer(variant(args.zero_cond_t)).to(device)
+    return build_full_transformer(args.num_layers, device, dtype, args.zero_cond_t)
 
 
 def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -293,15 +296,15 @@ def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Modul
     prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing, False,
                      args.checkpoint_blocks)
     if not args.complex_rope:
-        rope.use_real_pairs(model)
+        FAMILY.real_rope(model)
     if args.fp8_base:
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
     return model
 
 
 def lora_targets(kind: str) -> list[str]:
-    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the project's default 12."""
-    return list(ATTN_TARGETS) if kind == "attn" else LoraConfig().target_modules
+    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the family's default 12."""
+    return list(ATTN_TARGETS) if kind == "attn" else list(FAMILY.lora.targets)
 
 
 def lora_config(rank: int, targets: str) -> LoraConfig:
@@ -311,9 +314,9 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
                      compile_blocks: bool, checkpoint_blocks: int = 0, compile_mode: str | None = None) -> None:
-    """The trainer's own preparation (train.model.components.prepare_for_training, as train/main.py calls it), but with
+    """The trainer's own preparation (train.model.prepare.prepare_for_training, as train/main.py calls it), but with
     diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
-    components.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
+    prepare.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
                                 checkpoint_blocks=checkpoint_blocks, real_rope=False, compile_mode=compile_mode)
 
 
@@ -367,15 +370,8 @@ def mfu(flops_per_step: float, s_per_step: float, num_gpus: int, peak_tflops: fl
 def synthetic_batch(w: Workload, model: torch.nn.Module, device: torch.device, cond_dtype: torch.dtype,
                     text_mask: bool) -> sources.Batch:
     """A sources.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
-    g = torch.Generator(device).manual_seed(SEED)
-    channels, joint_dim = model.config.in_channels, model.config.joint_attention_dim
-    x0 = torch.randn(w.micro_batch, w.target_tokens, channels, generator=g, device=device)
-    refs = torch.randn(w.micro_batch, w.reference_tokens, channels, generator=g, device=device).to(cond_dtype)
-    embeds = torch.randn(w.micro_batch, w.text_tokens, joint_dim, generator=g, device=device).to(cond_dtype)
-    mask = torch.ones(w.micro_batch, w.text_tokens, dtype=torch.long, device=device) if text_mask else None
-    h, w_ = w.latent_hw
-    cond = conditioning.Conditioning(embeds, mask, refs, [(1, h // 2, w_ // 2)] * w.refs)
-    return sources.Batch(x0, (h, w_), cond)
+    return FAMILY.synthetic_batch(model, w.micro_batch, w.latent_hw, [w.latent_hw] * w.refs, w.text_tokens, device,
+                                  cond_dtype, text_mask, seed=SEED)
 
 
 def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype: torch.dtype) -> Config:
@@ -580,7 +576,7 @@ def project_step(eng, b: sources.Batch, cfg: Config, d: engine.Dist,
     def step(i: int) -> torch.Tensor:
         with record_function(PHASES[0]):
             generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-            loss = loop.forward_loss(eng, b, t, generator, SCHEDULER_CONFIG, dtype)
+            loss = loop.forward_loss(eng, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY)
         with record_function(PHASES[1]):
             eng.backward(loss)
         with record_function(PHASES[2]):
@@ -614,7 +610,7 @@ def baseline_step(model: torch.nn.Module, b: sources.Batch, opt: torch.optim.Opt
     def step(i: int) -> torch.Tensor:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss = loop.forward_loss(model, b, t, generator, SCHEDULER_CONFIG, dtype)
+            loss = loop.forward_loss(model, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -835,11 +831,11 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
     baseline = run_baseline(model, b, cfg, d, dtype, args, w) if args.baseline else None
-    # the trainer's rotary embedding (train.model.components.prepare_for_training's real_rope)
+    # the trainer's rotary embedding (train.model.prepare.prepare_for_training's real_rope)
     if not args.complex_rope:
-        rope.use_real_pairs(model)
+        FAMILY.real_rope(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base
-        components.check_fp8_device()
+        prepare.check_fp8_device()
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
@@ -848,7 +844,7 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
         add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
     if args.floor:  # after the step's timing, in the same process: its kernels alone at its shapes
         kwargs, _, _ = loop.noisy_inputs(b, cfg.project.train, loop.micro_batch_generator(SEED, 0, 0, 1, d, d.device),
-                                         SCHEDULER_CONFIG, dtype)
+                                         FAMILY.bench.SCHEDULER, dtype, FAMILY)
         meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
         median = project.stats(1.0)["median_s_per_step"]
         record.update(floor.measure(census_model(args, dtype), meta, project.s_per_step, median, d.device, dtype,

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import os
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -86,7 +87,8 @@ def _problem(path: tuple, error: dict, data) -> str:
 
 
 def _type_name(hint) -> str:
-    """'int', 'list[str]', 'dict[str, float]': a field's type as a message names it (a choice is a str)."""
+    """'int', 'list[str]', 'dict[str, float]', 'list[str] or null': a field's type as a message names it (a choice
+    is a str)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
         return "str"
@@ -94,6 +96,8 @@ def _type_name(hint) -> str:
         return _type_name(args[0])
     if origin in (list, dict):
         return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join("null" if arg is type(None) else _type_name(arg) for arg in args)
     return hint.__name__
 
 

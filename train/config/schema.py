@@ -45,8 +45,8 @@ class ModelConfig:
     vae_2d_frames: bool = True
     """The VAE runs an image (a video of one frame) as 2D convolutions: each causal 3x3x3 convolution's two taps on
     zero padding are skipped and the video chunk cache is not kept, so an encode is faster and needs less memory.
-    The same function as diffusers' (equal within 1e-5 in float32; train/model/vae_frames.py), for online encoding,
-    the cache build, validation and train.infer. false = diffusers' own path."""
+    The same function as diffusers' (equal within 1e-5 in float32; train/model/qwen_image/vae_frames.py), for online
+    encoding, the cache build, validation and train.infer. false = diffusers' own path."""
 
 
 @section
@@ -118,15 +118,11 @@ class LoraConfig:
     """LoRA alpha; the update is scaled by alpha / rank."""
     dropout: float = 0.0
     """Dropout on the LoRA branch."""
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-        ]
-    )
-    """Module names or name suffixes that get LoRA (default: the attention and MLP projections of every block).
-    More targets train more parameters and cost more optimizer state."""
+    target_modules: list[str] | None = None
+    """Module names or name suffixes that get LoRA; null = the model family's default, every linear layer of every
+    block (Qwen-Image: the attention and MLP projections of both streams, 12 a block; Qwen-Image-2.1: the attention
+    projections and the SwiGLU MLP, 7 a block), written out in the resolved config. More targets train more
+    parameters and cost more optimizer state."""
     init_from: str = ""
     """Path of a LoRA .safetensors to start from (diffusers, PEFT, DiffSynth-Studio, ComfyUI 'diffusion_model.' or
     kohya 'lora_unet_' keys, read as diffusers' load_lora_weights reads them); its rank must equal lora.rank, and

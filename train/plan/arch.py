@@ -2,8 +2,9 @@
 architecture goes through this module (the transformer on the meta device and its blocks, the linears an fp8 base
 converts and LoRA wraps, the small transformer the plan measures and its inputs for a workload, the prompt's token
 bound, the validation render's workload, the VAE's encode and decode, the encoders' byte counts). The rest of the
-plan works from the block list and the sizes these give. Today they are those of the Qwen-Image MMDiT, its
-Qwen2.5-VL encoder and its VAE."""
+plan works from the block list and the sizes these give. The architecture is reached through the family record
+(train/model/interface.py) of the run's model directory, variant or transformer, and the diffusers and transformers
+classes its config files name: this module names no family."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from train.config.files import transformer_class
+from train.model import family
 from train.plan.workload import Workload
 
 
@@ -27,15 +29,14 @@ def empty_transformer(model_dir: str | Path) -> torch.nn.Module:
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The transformer's repeated blocks, first to last (what checkpointing and offloading count in)."""
-    return model.transformer_blocks
+    return family.transformer_family(model).blocks(model)
 
 
-def fp8_kind_in_block(name: str) -> str | None:
-    """ "token" or "vector" for a linear of a block (its name within the block) that train.fp8_base converts, else
-    None."""
-    from train.model import fp8
-
-    return fp8._kind(f"transformer_blocks.0.{name}")
+def fp8_kind_in_block(model: torch.nn.Module, name: str) -> str | None:
+    """The kind, "token" or "vector", of a linear of one of `model`'s blocks (its name within the block) that
+    train.fp8_base converts; None for the others."""
+    fam = family.transformer_family(model)
+    return fam.fp8_kind(f"{fam.block_list}.0.{name}")
 
 
 def lora_linears(model: torch.nn.Module, target_modules: list[str]) -> Iterator[torch.nn.Linear]:
@@ -46,9 +47,7 @@ def lora_linears(model: torch.nn.Module, target_modules: list[str]) -> Iterator[
 
 
 def _transformer_config(model_dir: Path) -> dict:
-    from diffusers import QwenImageTransformer2DModel
-
-    return dict(QwenImageTransformer2DModel.load_config(model_dir / "transformer"))
+    return dict(transformer_class(model_dir / "transformer").load_config(model_dir / "transformer"))
 
 
 def attention_dims(model_dir: str | Path) -> tuple[int, int]:
@@ -60,8 +59,7 @@ def attention_dims(model_dir: str | Path) -> tuple[int, int]:
 def mini_transformer(model_dir: str | Path, num_layers: int, dtype: torch.dtype, device: torch.device):
     """The transformer of `model_dir` at its real width with only `num_layers` blocks, random weights (seed 0) in
     `dtype` on `device`: what the plan measures."""
-    from diffusers import QwenImageTransformer2DModel
-
+    cls = transformer_class(Path(model_dir) / "transformer")
     config = _transformer_config(Path(model_dir))
     config["num_layers"] = num_layers
     saved = torch.get_default_dtype()
@@ -69,34 +67,23 @@ def mini_transformer(model_dir: str | Path, num_layers: int, dtype: torch.dtype,
     try:
         with torch.device(device), torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
             torch.manual_seed(0)
-            return QwenImageTransformer2DModel.from_config(config)
+            return cls.from_config(config)
     finally:
         torch.set_default_dtype(saved)
 
 
 def block_inputs(model, w: Workload, dtype: torch.dtype, device: torch.device) -> dict:
-    """Keyword arguments of one forward of `model` (a mini_transformer) at workload `w`: random latents of the target
-    and its references (laid out as one near-square grid), random prompt embeddings, timestep 0.5."""
+    """Keyword arguments of one forward of `model` (a mini_transformer) at workload `w`, as the family's transformer
+    takes a batch (synthetic_batch, transformer_inputs): random latents of the target and its references (laid out
+    as one near-square grid of tokens), random prompt embeddings, noise level 0.5."""
+    fam = family.transformer_family(model)
+    patch = fam.patch_size
     h, wd = w.target_hw
-    target = (h // 2) * (wd // 2)
-    refs = w.image_tokens - target
+    refs = w.image_tokens - (h // patch) * (wd // patch)
     ref_h = max(1, int(round(math.sqrt(refs)))) if refs else 0
-    ref_w = refs // ref_h if refs else 0
-    shapes = [(1, h // 2, wd // 2)] + ([(1, ref_h, ref_w)] if refs else [])
-    tokens = target + ref_h * ref_w
-    g = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(w.batch, tokens, model.config.in_channels, generator=g, device=device, dtype=dtype)
-    text = torch.randn(
-        w.batch, w.text_tokens, model.config.joint_attention_dim, generator=g, device=device, dtype=dtype
-    )
-    return dict(
-        hidden_states=hidden,
-        timestep=torch.full((w.batch,), 0.5, device=device, dtype=dtype),
-        encoder_hidden_states=text,
-        encoder_hidden_states_mask=None,
-        img_shapes=[shapes] * w.batch,
-        return_dict=False,
-    )
+    reference_hws = [(ref_h * patch, refs // ref_h * patch)] if refs else []
+    b = fam.synthetic_batch(model, w.batch, w.target_hw, reference_hws, w.text_tokens, device, dtype)
+    return fam.transformer_inputs(b, b.x0, torch.full((w.batch,), 0.5, device=device), dtype)
 
 
 def prepare_for_training(
@@ -110,9 +97,9 @@ def prepare_for_training(
     fp8_fast_accum: bool = False,
 ) -> None:
     """`model` prepared as training prepares the transformer (LoRA or full, checkpointing, fp8, compiled)."""
-    from train.model import components
+    from train.model import prepare
 
-    components.prepare_for_training(
+    prepare.prepare_for_training(
         model,
         mode,
         lora,
@@ -126,16 +113,24 @@ def prepare_for_training(
 
 def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, vae_2d_frames: bool = True):
     """The VAE as training loads it (model.vae_2d_frames: the path its encode and decode take)."""
-    from train.model import components
-
-    return components.load_vae(model_dir, dtype, device, vae_2d_frames)
+    return family.family_of(model_dir).load_vae(model_dir, dtype, device, vae_2d_frames)
 
 
 def encoder_dtype(name: str, device: torch.device) -> torch.dtype:
     """qwen_edit.model.encoder_dtype resolved for `device`."""
-    from train.model import components
+    from train.model import loading
 
-    return components.encoder_dtype(name, device)
+    return loading.encoder_dtype(name, device)
+
+
+def _image_channels(vae) -> int:
+    """The VAE's image channels (RGB 3, RGBA 4), as its diffusers config names them."""
+    return vae.config.get("input_channels", vae.config.get("in_channels", 3))
+
+
+def _pixels_per_latent(vae) -> int:
+    """The VAE's spatial factor, as the pipelines compute it: 2 per downsampling stage."""
+    return 2 ** len(vae.config.temperal_downsample)
 
 
 def vae_decode(vae, latent_hw: tuple[int, int]) -> Callable[[], torch.Tensor]:
@@ -146,25 +141,27 @@ def vae_decode(vae, latent_hw: tuple[int, int]) -> Callable[[], torch.Tensor]:
 
 
 def vae_encode(vae, batch: int, latent_hw: tuple[int, int]) -> Callable[[], torch.Tensor]:
-    """A call that encodes `batch` zero images whose latents are `latent_hw` (8 pixels a latent)."""
+    """A call that encodes `batch` zero images whose latents are `latent_hw`."""
     h, w = latent_hw
-    pixels = torch.zeros(batch, 3, 1, h * 8, w * 8, device=vae.device, dtype=vae.dtype)
+    size = (h * _pixels_per_latent(vae), w * _pixels_per_latent(vae))
+    pixels = torch.zeros(batch, _image_channels(vae), 1, *size, device=vae.device, dtype=vae.dtype)
     return lambda: vae.encode(pixels).latent_dist.mode()
 
 
-def largest_bucket(bucket_keys: list[tuple[tuple[int, int], ...]], micro_batch: int, text_tokens: int) -> Workload:
+def largest_bucket(
+    bucket_keys: list[tuple[tuple[int, int], ...]], micro_batch: int, text_tokens: int, variant: str
+) -> Workload:
     """The bucket with the most image tokens (latent (h, w) per image, as the datasets' bucket_keys give them,
-    packed 2x2 a token)."""
+    packed as the variant's family packs them)."""
+    patch = family.variant_family(variant).patch_size
     key = max(bucket_keys, key=lambda k: sum(h * w for h, w in k))
-    tokens = sum((h // 2) * (w // 2) for h, w in key)
+    tokens = sum((h // patch) * (w // patch) for h, w in key)
     return Workload(micro_batch, tokens, key[0], text_tokens)
 
 
 def text_tokens_bound(variant: str, num_references: int, area: int, condition_area: int) -> int:
-    """Prompt embeddings per sample, bounded: the template and prompt text (at most ~320 tokens after the dropped
-    prefix) plus the VL image tokens of each reference (28 x 28 px each; v1 shows the VL its VAE-size copy)."""
-    vl_area = area if variant == "edit" else condition_area
-    return 320 + num_references * vl_area // (28 * 28)
+    """Prompt embeddings per sample, bounded (the family's bound for `num_references` at these areas)."""
+    return family.variant_family(variant).text_tokens_bound(variant, num_references, area, condition_area)
 
 
 def render_workload(
@@ -174,28 +171,27 @@ def render_workload(
     the other): the target, sized from the edit's last reference as the pipelines size it, and every reference at
     `area` (qwen_edit.inference.area), plus the prompt's bound for the most references. `reference_sizes`: per edit
     the (width, height) of its reference images; [] is a text-to-image sample (square)."""
-    from train.model import conditioning
-
-    def dims(width: int, height: int) -> tuple[int, int]:
-        return conditioning.dimensions(area, SimpleNamespace(width=width, height=height))
-
+    fam = family.variant_family(variant)
+    latent = fam.pixels_per_latent
+    pixels_per_token = latent * fam.patch_size
     best = None
     for sizes in reference_sizes or [[]]:
-        refs = [dims(w, h) for w, h in sizes]
-        target = refs[-1] if refs else dims(1, 1)
-        tokens = sum((w // 16) * (h // 16) for w, h in [target, *refs])
+        refs = [fam.image_size(area, w, h, 0) for w, h in sizes]
+        target = refs[-1] if refs else fam.image_size(area, 1, 1, 0)
+        tokens = sum((w // pixels_per_token) * (h // pixels_per_token) for w, h in [target, *refs])
         if best is None or tokens > best[0]:
             best = (tokens, target)
     most = max((len(sizes) for sizes in reference_sizes), default=0)
     tokens, (width, height) = best
-    return Workload(1, tokens, (height // 8, width // 8), text_tokens_bound(variant, most, area, condition_area))
+    bound = text_tokens_bound(variant, most, area, condition_area)
+    return Workload(1, tokens, (height // latent, width // latent), bound)
 
 
 def validation_reference_sizes(file: str | Path, seed: int) -> list[list[tuple[int, int]]]:
     """Per edit of a validation file, the (width, height) of its reference images (their headers read)."""
-    from train.model import images, pipelines
+    from train.model import images, renders
 
-    requests, _ = pipelines.read_requests(file, seed)
+    requests, _ = renders.read_requests(file, seed)
     return [[images.shown_size(path) for path in q.references] for q in requests]
 
 
@@ -220,31 +216,32 @@ def _numel_in_header(path: Path) -> int:
 
 
 def _numel_from_config(sub: Path) -> int:
-    """Parameter count of a component that has only its config (QWEN_EDIT_RANDOM_INIT directories)."""
+    """Parameter count of a component that has only its config (QWEN_EDIT_RANDOM_INIT directories): the VAE's
+    diffusers class, the text encoder's transformers VL model, as their configs name them."""
     from accelerate import init_empty_weights
 
-    if sub.name == "vae":
-        from diffusers import AutoencoderKLQwenImage
-
-        with init_empty_weights():
-            model = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(sub))
-    else:
-        from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-        with init_empty_weights():
-            model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(sub))
+    with init_empty_weights():
+        if sub.name == "vae":
+            model = transformer_class(sub).from_config(transformer_class(sub).load_config(sub))
+        else:
+            model = _vl_model(sub)
     return sum(t.numel() for t in model.parameters())
 
 
-def streamed_vl_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
-    """Qwen2.5-VL's bytes on the GPU while its blocks stream from host memory (components.stream_from_host): all
-    but the blocks' matrices (embeddings, lm_head, the ViT's patch embedding and merger, every vector) plus two
-    device slots per block list, each the size of its largest block's matrices; counted from its config on the
-    meta device."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+def _vl_model(sub: Path) -> torch.nn.Module:
+    """The VL text encoder of a config directory (its image-text-to-text class), built where the caller says."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
+    return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(sub))
+
+
+def streamed_vl_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
+    """The VL text encoder's bytes on the GPU while its blocks stream from host memory (the families' load_encoders
+    with stream_text_encoder): all but the blocks' matrices (embeddings, lm_head, the ViT's patch embedding and
+    merger, every vector) plus two device slots per block list, each the size of its largest block's matrices;
+    counted from its config on the meta device."""
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(Path(model_dir) / "text_encoder"))
+        model = _vl_model(Path(model_dir) / "text_encoder")
     moved, slots = 0, 0
     for blocks in (model.model.visual.blocks, model.model.language_model.layers):
         sizes = [sum(t.numel() for t in b.parameters() if t.dim() >= 2) for b in blocks]  # offload.moves

@@ -152,6 +152,7 @@ def run_workload(cfg, variant: str, bucket_keys: list) -> Workload:
         bucket_keys,
         cfg.micro_batch_size,
         arch.text_tokens_bound(variant, refs, project.data.area, project.data.condition_area),
+        variant,
     )
 
 

@@ -169,7 +169,7 @@ def count_sizes(
     fp8_params = token = 0
     for name, module in block.named_modules():
         if isinstance(module, torch.nn.Linear):
-            kind = arch.fp8_kind_in_block(name)
+            kind = arch.fp8_kind_in_block(model, name)
             fp8_params += module.weight.numel() if kind else 0
             token += module.weight.numel() if kind == "token" else 0
     lora, lora_numels = 0, []

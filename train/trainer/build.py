@@ -6,6 +6,7 @@ encoders), the transformer in its training form, the first writes into the outpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -14,8 +15,8 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
-from train.model import components, fp8, lora_io
-from train.model.conditioning import MODEL_NAMES
+from train.model import family, fp8, loading, lora_io, prepare
+from train.model.interface import ModelFamily
 from train.plan import run_plan
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
 from train.runtime.console import print0
@@ -23,14 +24,6 @@ from train.runtime.oom import out_of_memory
 from train.runtime.plot import write_loss_curve
 from train.runtime.record import Metrics, NullMetrics
 from train.trainer import loop, validation
-
-
-def vl_processor(model_dir: str):
-    """The model's Qwen2VLProcessor (for the pre-flight's prompt lengths), None for text-to-image models."""
-    from transformers import Qwen2VLProcessor
-
-    path = Path(model_dir) / "processor"
-    return Qwen2VLProcessor.from_pretrained(path, local_files_only=True) if path.is_dir() else None
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
@@ -41,7 +34,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
-                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path), steps=steps)
+                          condition_area=p.data.condition_area,
+                          tokens=family.variant_family(variant).prompt_tokenizer(p.model.path), steps=steps)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background, steps)
     loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
@@ -51,7 +45,7 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     without = sum(not r.references for r in rows)
     if without and variant != "t2i":
         print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
-               "reference; QwenImagePipeline's prompt template)", rank=d.rank)
+               "reference; the text-to-image pipeline's prompt template)", rank=d.rank)
     return rows, loader
 
 
@@ -65,7 +59,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     share = run_plan.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
     try:
-        transformer, offloader = components.load_for_training(
+        transformer, offloader = prepare.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
             share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
@@ -95,8 +89,9 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
     if cfg.project.data.cache != "off":
         return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
-    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
+    dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = family.variant_family(variant).load_encoders(p.model.path, dtype, d.device,
+                                                            vae_2d_frames=p.model.vae_2d_frames)
     if p.data.encode_ahead:  # resolved by load_config: never in the model-parallel mode
         print0("online encoding: one micro-batch ahead of the step, in a thread (data.encode_ahead)", rank=d.rank)
     return sources.online_source(loader, encoders, variant, p.data.encode_ahead)
@@ -107,7 +102,8 @@ def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step
     p = cfg.project
     metadata = exports.export_metadata(config.to_dict(cfg), variant, step)
     if p.train.mode == "lora":
-        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
+        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata,
+                                   keys=family.variant_family(variant).lora)
     return exports.export_full(module, out_dir, metadata)
 
 
@@ -156,12 +152,23 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
                 f.write(json.dumps({"step": start_step, "changes": changes}) + "\n")
 
 
+def with_family_defaults(cfg: config.Config, fam: ModelFamily) -> config.Config:
+    """`cfg` with the settings whose default is the model family's filled in (qwen_edit.lora.target_modules: null =
+    the family's default targets): once, by the command, before anything reads them or the resolved config is
+    written."""
+    lora = cfg.project.lora
+    if lora.target_modules is not None:
+        return cfg
+    lora = dataclasses.replace(lora, target_modules=list(fam.lora.targets))
+    return dataclasses.replace(cfg, project=dataclasses.replace(cfg.project, lora=lora))
+
+
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
-    variant = components.detect_variant(p.model.path, p.model.variant)
+    fam, variant = family.detect(p.model.path, p.model.variant)
     tag, start_step, saved = resume_point(p.output.dir, d, resume)
     rows, loader = build_data(cfg, d, variant)
-    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size}, "
+    print0(f"{len(rows)} rows, variant {variant} ({fam.variant(variant).title}), world size {d.world_size}, "
            f"precision {cfg.precision}", rank=d.rank)
     planned = run_plan.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
@@ -196,7 +203,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
 
         watch = preempt.Watch()
         timer = steptime.StepTimer(d.device)
-        steps = loop.train(cfg, d, eng, source, components.scheduler_config(p.model.path), metrics, trainer_state,
+        steps = loop.train(cfg, d, eng, source, loading.scheduler_config(p.model.path), metrics, trainer_state,
                            start_step, after_step=after_step, watch=watch, timer=timer)
     finally:
         metrics.close()

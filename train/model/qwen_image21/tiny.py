@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from train.model.qwen_image21.conditioning import SYSTEM_PROMPT
-from train.model.tiny import SPECIAL_TOKENS, build_tokenizer
+from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
 
 TEXT_DIM = 32  # hidden size of the tiny Qwen3-VL = context_in_dim of the tiny transformer
 LATENT_CHANNELS = 16  # the released VAE has 64; the tiny one fewer, the transformer reads them unpatched
@@ -69,7 +69,7 @@ def build_text_encoder(tokenizer):
     """Qwen3-VL at a tiny width: 2 text layers (interleaved M-RoPE), a 2-block ViT with one deepstack layer."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(tokenizer)
     config = Qwen3VLConfig(
         text_config=dict(
             hidden_size=TEXT_DIM,

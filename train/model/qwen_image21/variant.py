@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.model.components import ModelError
+from train.model.interface import ModelError
 
 VARIANT = "qwen_image_21"
 PIPELINE_CLASS = "QwenImage21Pipeline"

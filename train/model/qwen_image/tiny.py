@@ -18,17 +18,8 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-# Qwen2 special tokens the edit pipelines' templates use; they must be single tokens.
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
+from train.model.interface import TINY_INFO
+from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
 
 # Scheduler settings of the released Qwen-Image family (dynamic shift: about 2.0 at 1024^2).
 SCHEDULER_CONFIG = dict(
@@ -53,25 +44,6 @@ SHAPES = ("circle", "square")
 TEXT_DIM = 32  # hidden size of the tiny Qwen2.5-VL = joint_attention_dim of the tiny transformer
 
 
-def build_tokenizer(corpus: list[str]):
-    """A byte-level BPE in the Qwen2 format, trained on `corpus`, with the Qwen2 special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(corpus, trainer)
-    state = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=state["vocab"], merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    return tokenizer
-
-
 def build_processor(tokenizer, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280):
     """Qwen2VLProcessor with the released image-processor settings (14 px patches, 2x2 merge)."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
@@ -86,7 +58,7 @@ def build_processor(tokenizer, min_pixels: int = 56 * 56, max_pixels: int = 28 *
 def build_text_encoder(tokenizer):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(tokenizer)
     config = Qwen2_5_VLConfig(
         text_config=dict(
             hidden_size=TEXT_DIM,
@@ -113,9 +85,6 @@ def build_text_encoder(tokenizer):
 
 
 VAE_KINDS = ("random", "pooling")
-# OUT/model/tiny.json: what make_tiny built ({"variant", "vae", "transformer"}, and "pretrained" once
-# train/trainer/pretrain.py trained the transformer); the pipelines ignore it
-TINY_INFO = "tiny.json"
 
 
 def build_vae(kind: str = "random"):
@@ -283,7 +252,7 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from train.model.conditioning import PIPELINE_CLASSES
+    from train.model.qwen_image.conditioning import PIPELINE_CLASSES
 
     if variant not in VARIANTS:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -320,15 +289,15 @@ def make_tiny(out: str | Path, variant: str = "edit", num_samples: int = 32, siz
 
 def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None) -> None:
     """Turn a tiny model directory into a weightless one with the released architectures' configs: the Qwen-Image
-    transformer and Qwen2.5-VL-7B (train/model/archs.py, with the tiny tokenizer's token ids) and the default VAE; the
-    processor gets the released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (train.model.components builds
+    transformer and Qwen2.5-VL-7B (archs.py, with the tiny tokenizer's token ids) and the default VAE; the
+    processor gets the released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (components.py builds
     each model at random init on the device): for measuring the real trainer on full-size shapes without 58 GB of
     weights. `num_layers` (None = the released 60) keeps the released width with that many blocks, for the deepest
     full fine-tune a budget fits (docs/performance.md)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2Tokenizer
 
-    from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+    from train.model.qwen_image.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
 
     model_dir = Path(model_dir)
     for sub in ("transformer", "text_encoder", "vae"):
@@ -340,7 +309,7 @@ def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None
         QwenImageTransformer2DModel(**arch, zero_cond_t=zero_cond_t).save_config(model_dir / "transformer")
         AutoencoderKLQwenImage().save_config(model_dir / "vae")
     tokenizer = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(tokenizer)
     Qwen2_5_VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
         vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -245,16 +244,6 @@ def unpack(tokens_BLC: torch.Tensor, h: int, w: int) -> torch.Tensor:
     b, _, c4 = tokens_BLC.shape
     x = tokens_BLC.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c4 // 4, 1, h, w)
-
-
-@dataclass
-class Conditioning:
-    """Everything but the noisy target that the transformer takes for one micro-batch."""
-
-    prompt_embeds: torch.Tensor  # B T D
-    prompt_mask: torch.Tensor | None  # B T, None when nothing is padded
-    reference_tokens: torch.Tensor  # B Lr 4C: packed references, one after the other
-    reference_shapes: list[tuple[int, int, int]]  # (1, h/2, w/2) per reference
 
 
 def encode_references(vae, reference_pixels: list[torch.Tensor], batch_size: int = 1,
