@@ -19,9 +19,11 @@ from model_parallel import plan as placement
 from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
-from train.model import components, lora_io
-from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
+from train.model import family, loading, lora_io
+from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt, steptime
+from train.runtime.console import print0
+from train.runtime.plot import write_loss_curve
+from train.runtime.record import Metrics, NullMetrics
 from train.trainer import build, loop
 
 
@@ -51,14 +53,15 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
     saved, now = state.get("parallel"), parallel_layout(cfg.project.parallel, world_size)
     if saved != now:
         raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
-                                     "the same qwen_edit.parallel settings, or export and start anew (see README)")
+                                     "the same qwen_edit.parallel settings, or export and start anew "
+                                     "(see docs/checkpoints.md)")
     return tag, state, checkpoint.config_changes(state, config.to_dict(cfg), tag)
 
 
 def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links, watch: preempt.Watch) -> bool:
     """Feed this pipeline's decoder; returns whether a preemption stopped the run (then after its checkpoint)."""
     p = cfg.project
-    variant = components.detect_variant(p.model.path, p.model.variant)
+    _, variant = family.detect(p.model.path, p.model.variant)
     try:
         rows, loader = build.build_data(cfg, d, variant)
     except pairs.BadRowsError as e:  # tell the decoder, so that it stops with the same message
@@ -114,10 +117,10 @@ def _open_cut(gas: int, me: placement.Placement, links: worlds.Links) -> tuple[i
 
 
 def _receiving_source(cfg: config.Config, me: placement.Placement, links: worlds.Links, module: torch.nn.Module,
-                      device: torch.device, batches_per_epoch: int, start_step: int):
+                      device: torch.device, batches_per_epoch: int, start_step: int, join):
     """(micro-batches from the previous stage, validation conditioning or None, gradient converter or None).
     The first decoder stage receives the conditioning and tells the encoder where to start; a later stage sends
-    the gradients of what it received back along the cut."""
+    the gradients of what it received back along the cut. `join`: the family's join_conditioning."""
     p = cfg.project
     if me.is_first_decoder:
         # only the first decoder stage: the config refuses a decoder cut with validation
@@ -126,9 +129,11 @@ def _receiving_source(cfg: config.Config, me: placement.Placement, links: worlds
         convert = None
     else:
         conditioning = None
-        convert = pipeline.receiving_converter(module, device, transport.Sender(links.grads_to_prev, 0, 10**6))
+        convert = pipeline.receiving_converter(module, device, transport.Sender(links.grads_to_prev, 0, 10**6), join)
     source = stages.ReceivingSource(links.to_prev, 0, device, batches_per_epoch,
-                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth, convert,
+                                    stages.num_micro_batches(cfg, start_step), p.parallel.queue_depth,
+                                    convert or (lambda meta, tensors: transport.message_batch(meta, tensors, device,
+                                                                                              join)),
                                     overlap=p.parallel.overlap or not me.is_first_decoder)
     return source, conditioning, convert
 
@@ -146,13 +151,14 @@ def _close_links(source: stages.ReceivingSource, sender: transport.Sender | None
 
 
 def _summary(par: config.ParallelConfig, world_size: int, variant: str, steps: int, digests: list[str], wall: float,
-             source: stages.ReceivingSource, upstream_stats: dict, hook) -> dict:
-    """summary.json of a model-parallel run: steps, placement, the last stage's waits, the encoder's statistics,
-    and the largest validation render's GPU peak on this stage (decoder rank 0; None without renders or a GPU)."""
+             source: stages.ReceivingSource, upstream_stats: dict, hook, step_time: dict | None) -> dict:
+    """summary.json of a model-parallel run: steps, placement, the last stage's waits and step times, the encoder's
+    statistics, and the largest validation render's GPU peak on this stage (decoder rank 0; None without renders or a
+    GPU)."""
     waited = source.wait_s_total + source.first_wait_s
     render_peak = None if hook is None or hook.peak_bytes is None else hook.peak_bytes / 1e9
     return {"steps": steps, "world_size": world_size, "variant": variant, "replica_digests": digests,
-            "measured_render_peak_gb": render_peak,
+            "measured_render_peak_gb": render_peak, "step_time": step_time,
             "parallel": parallel_layout(par, world_size), "overlap": par.overlap,
             "decoder_wall_s": wall, "decoder_wait_s": waited, "decoder_wait_after_first_s": source.wait_s_total,
             "decoder_busy_fraction": 1 - waited / wall,
@@ -167,7 +173,7 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
     is raised."""
     p = cfg.project
     world_size = len(plan.placements)
-    variant = components.detect_variant(p.model.path, p.model.variant)
+    fam, variant = family.detect(p.model.path, p.model.variant)
     tag, state, changes = resume_point(cfg, world_size, resume)
     start_step = state["step"]
     batches_per_epoch, sender = _open_cut(cfg.deepspeed["gradient_accumulation_steps"], me, links)
@@ -184,20 +190,21 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
                      "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"],
                      "parallel": parallel_layout(cfg.project.parallel, world_size), "config": config.to_dict(cfg)}
     source, conditioning, convert = _receiving_source(cfg, me, links, eng.module, d.device, batches_per_epoch,
-                                                      start_step)
-    scheduler_cfg = components.scheduler_config(p.model.path)
+                                                      start_step, fam.join_conditioning)
+    scheduler_cfg = loading.scheduler_config(p.model.path)
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard) if d.is_main
                else NullMetrics())  # decoder rank 0 is the last stage of pipeline 0
     try:
         hook = mp_validation.decoder_hook(cfg, dp, eng.module, metrics, start_step, conditioning)
         t0 = time.perf_counter()
+        timer = steptime.StepTimer(d.device)  # the last stage's steps (decoder rank 0's, for summary.json)
         try:
             if me.is_last_decoder:
                 steps = loop.train(cfg, dp, eng, source, scheduler_cfg, metrics, trainer_state, start_step, hook,
-                                   watch=watch)
+                                   watch=watch, timer=timer)
             else:
                 steps = pipeline.run_upstream_stage(cfg, dp, eng, eng.module, source, links, sender, scheduler_cfg,
-                                                    trainer_state, start_step, watch=watch)
+                                                    trainer_state, start_step, fam, watch=watch)
         except preempt.Preempted:
             _close_links(source, sender, convert)
             raise
@@ -212,9 +219,10 @@ def run_decoder(cfg: config.Config, d: engine.Dist, plan: placement.Plan, me: pl
         raise RuntimeError(f"trainable weights differ between decoder replicas after training: {digests}")
     weights = exported_weights(transformer, p.train.mode, plan.num_stages > 2, me)
     if d.is_main:
+        step_time = build.step_times(cfg, timer, start_step, dp.world_size, d.rank)
         build.write_summary(p.output.dir, _summary(p.parallel, world_size, variant, steps, digests, wall, source,
-                                                        upstream_stats, hook))
-        export(cfg, transformer, weights, exports.export_metadata(config.to_dict(cfg), variant, steps))
+                                                        upstream_stats, hook, step_time))
+        export(cfg, transformer, weights, exports.export_metadata(config.to_dict(cfg), variant, steps), fam.lora)
 
 
 def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placement) -> dict | None:
@@ -233,17 +241,19 @@ def exported_weights(transformer, mode: str, is_cut: bool, me: placement.Placeme
     return {k: v for part in parts for k, v in part.items()}
 
 
-def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict[str, str]) -> None:
+def export(cfg: config.Config, transformer, weights: dict | None, metadata: dict[str, str], keys) -> None:
+    """The run's export (`keys`: the family's LoraKeys)."""
     p = cfg.project
     export_dir = Path(p.output.dir) / "export"
     if p.train.mode == "lora":
         if weights is None:
-            path = exports.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank, metadata)
+            path = exports.export_lora(transformer, export_dir, p.lora.alpha, p.lora.rank, metadata, keys=keys)
         else:
-            path = exports.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank, metadata=metadata)
+            path = exports.write_diffusers_lora(weights, export_dir, p.lora.alpha, p.lora.rank, metadata=metadata,
+                                                keys=keys)
     else:
         if weights is not None:  # a whole transformer again, from the base directory and every stage's weights
-            transformer = components.load_transformer(p.model, getattr(torch, cfg.precision))
+            transformer = loading.load_transformer(p.model, getattr(torch, cfg.precision))
             transformer.load_state_dict(weights)
         path = exports.export_full(transformer, export_dir, metadata)
     print0(f"exported {path}")

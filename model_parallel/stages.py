@@ -27,6 +27,7 @@ import torch
 from model_parallel import transport
 from train.config import Config
 from train.data import sources
+from train.runtime.collector import Collector
 from train.trainer import loop
 
 
@@ -90,25 +91,28 @@ def run_encoder(cfg: Config, source: sources.LoaderSource, link, peer: int,
     delay = slow_stage_s("encoder")
     busy = idle = 0.0
     sent, stopped = 0, False
-    for _ in range(remaining):
-        if watch is not None:
-            watch.asked()  # a SIGTERM seen here reaches the decoders through the store
-            if overlap and watch.stopping():
-                stopped = True
-                break
-        if not overlap:
-            kind, waited = _await_request(link, peer)
-            idle += waited
-            if kind == "stop":
-                stopped = True
-                break
-        t0 = time.perf_counter()
-        batch = next(batches)  # the frozen encoders run here
-        if delay:
-            time.sleep(delay)
-        busy += time.perf_counter() - t0
-        idle += sender.send(*transport.batch_message(batch))
-        sent += 1
+    with Collector(cfg.project.train.gc_every_steps, meta["start_step"]) as collector:
+        for _ in range(remaining):
+            if watch is not None:
+                watch.asked()  # a SIGTERM seen here reaches the decoders through the store
+                if overlap and watch.stopping():
+                    stopped = True
+                    break
+            if not overlap:
+                kind, waited = _await_request(link, peer)
+                idle += waited
+                if kind == "stop":
+                    stopped = True
+                    break
+            t0 = time.perf_counter()
+            batch = next(batches)  # the frozen encoders run here
+            if delay:
+                time.sleep(delay)
+            busy += time.perf_counter() - t0
+            idle += sender.send(*transport.batch_message(batch))
+            sent += 1
+            if sent % gas == 0:  # an optimizer step's micro-batches are out; this stage logs nothing, so every step
+                collector.after_step(meta["start_step"] + sent // gas, at_log=True)  # may take the full collection
     idle += sender.flush()
     stats = {"micro_batches": sent, "busy_s": busy, "idle_s": idle, "data_wait_s": source.take_wait_s(),
              "stopped": stopped}
@@ -148,10 +152,10 @@ class ReceivingSource:
     """
 
     def __init__(self, link, peer: int, device: torch.device, batches_per_epoch: int, total: int, queue_depth: int,
-                 convert=None, overlap: bool = True):
+                 convert, overlap: bool = True):
         self.link, self.peer = link, peer
         self.batches_per_epoch, self.total = batches_per_epoch, total
-        self.convert = convert or (lambda meta, tensors: transport.message_batch(meta, tensors, device))
+        self.convert = convert
         self.queue: queue.Queue = queue.Queue(maxsize=queue_depth)
         self.encoder_stats: dict = {}
         self._wait_s = 0.0

@@ -13,8 +13,7 @@ from collections import deque
 
 import torch
 
-from train.data.sources import Batch
-from train.model import conditioning
+from train.model.interface import Batch
 
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool,
                               torch.uint8)}
@@ -77,16 +76,18 @@ def recv(link, peer: int) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def batch_message(b: Batch) -> tuple[dict, dict[str, torch.Tensor | None]]:
-    """A Batch as (meta, tensors) for `Sender.send`."""
-    c = b.cond
-    meta = {"kind": "batch", "target_hw": list(b.target_hw), "reference_shapes": [list(s) for s in c.reference_shapes]}
-    return meta, {"x0": b.x0, "prompt_embeds": c.prompt_embeds, "prompt_mask": c.prompt_mask,
-                  "reference_tokens": c.reference_tokens}
+    """A Batch as (meta, tensors) for `Sender.send`: the target latents, and the conditioning per sample (its
+    family's parts, Conditioning.samples)."""
+    parts = b.cond.samples()
+    tensors = {f"{i}.{name}": t for i, (_, sample) in enumerate(parts) for name, t in sample.items()}
+    meta = {"kind": "batch", "target_hw": list(b.target_hw), "samples": [m for m, _ in parts],
+            "names": [list(sample) for _, sample in parts]}
+    return meta, {"x0": b.x0, **tensors}
 
 
-def message_batch(meta: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> Batch:
-    """Inverse of `batch_message`, moved to `device`."""
-    on = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
-    cond = conditioning.Conditioning(on["prompt_embeds"], on.get("prompt_mask"), on["reference_tokens"],
-                                     [tuple(s) for s in meta["reference_shapes"]])
-    return Batch(on["x0"], tuple(meta["target_hw"]), cond)
+def message_batch(meta: dict, tensors: dict[str, torch.Tensor], device: torch.device, join) -> Batch:
+    """Inverse of `batch_message`, moved to `device`; `join` is the family's join_conditioning."""
+    parts = [(m, {name: tensors[f"{i}.{name}"] for name in names})
+             for i, (m, names) in enumerate(zip(meta["samples"], meta["names"], strict=True))]
+    cond = join(parts).to(device)
+    return Batch(tensors["x0"].to(device, non_blocking=True), tuple(meta["target_hw"]), cond)

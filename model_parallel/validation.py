@@ -17,7 +17,8 @@ import torch
 
 from model_parallel import transport
 from train.config import Config, ValidationConfig
-from train.model import components
+from train.model import family, loading
+from train.model.interface import Encoders
 from train.runtime.engine import Dist
 from train.trainer import validation
 
@@ -55,15 +56,16 @@ def message_conditioning(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[i
     return recorded
 
 
-def encoder_opening(cfg: Config, d: Dist, encoders: components.Encoders | None) -> list[tuple[dict, dict]]:
+def encoder_opening(cfg: Config, d: Dist, encoders: Encoders | None) -> list[tuple[dict, dict]]:
     """The encoder stage's extra opening messages: its pipeline's share of the validation conditioning (none
     without validation.file). `encoders`: the stage's own, or None (a latent cache): then they load for this."""
     p = cfg.project
     if not p.validation.file:
         return []
     if encoders is None:
-        dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-        encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
+        dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
+        encoders = family.family_of(p.model.path, p.model.variant).load_encoders(
+            p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
     return [conditioning_message(validation.encode_requests(cfg, encoders, d.rank, d.world_size))]
 
 

@@ -19,7 +19,7 @@ TINY_CONFIG = REPO / "ds_configs" / "tiny_cpu.json"
 @pytest.fixture(scope="session")
 def tiny_edit(tmp_path_factory) -> Path:
     """Tiny Qwen-Image-Edit (v1) checkpoint + synthetic dataset: DIR/model, DIR/data."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_edit"), "edit", num_samples=32)
 
@@ -27,7 +27,7 @@ def tiny_edit(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_plus(tmp_path_factory) -> Path:
     """Tiny Qwen-Image-Edit-2509 checkpoint; its dataset has two references per row."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_plus"), "edit_plus", num_samples=16)
 
@@ -35,7 +35,7 @@ def tiny_plus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_2511(tmp_path_factory) -> Path:
     """Tiny Qwen-Image-Edit-2511: the 2509 checkpoint (same seed, so the same weights) with zero_cond_t set."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_2511"), "edit_plus_2511", num_samples=16)
 
@@ -43,7 +43,7 @@ def tiny_2511(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_t2i(tmp_path_factory) -> Path:
     """Tiny Qwen-Image (text-to-image, QwenImagePipeline, no processor/); its rows have no edit_image."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), "t2i", num_samples=16)
 
@@ -60,6 +60,25 @@ def small_tmpfs(path: Path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_21(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-2.1 checkpoint (QwenImage21Pipeline layout; no dataset): DIR is the model directory."""
+    from train.model.qwen_image21.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_21"))
+
+
+@pytest.fixture(scope="session")
+def released_model(tmp_path_factory) -> Path:
+    """A Qwen-Image-Edit-2509 model directory with the released architectures' configs and no weights (the
+    transformer counts on the meta device)."""
+    from train.model.qwen_image.tiny import make_tiny, write_full_size_configs
+
+    out = make_tiny(tmp_path_factory.mktemp("released"), "edit_plus", num_samples=2, size=64)
+    write_full_size_configs(out / "model")
+    return out / "model"
 
 
 def free_port() -> int:
@@ -151,3 +170,14 @@ class FakeCudaCounter:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": self.retries})
 
+
+
+def patch_family(monkeypatch, **changes) -> None:
+    """Replace fields of the registered Qwen-Image family's record for one test (the record is frozen; the generic
+    code finds it in train.model.family.FAMILIES), e.g. patch_family(monkeypatch, load_encoders=stub)."""
+    import dataclasses
+
+    from train.model import family
+
+    monkeypatch.setattr(family, "FAMILIES", tuple(dataclasses.replace(f, **changes) if f.name == "qwen_image" else f
+                                                  for f in family.FAMILIES))

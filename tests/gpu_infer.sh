@@ -5,7 +5,7 @@
 # Per budget it prints the plan's line and keeps OUT/infer_<budget>.log and OUT/infer_summary_<budget>.json:
 # seconds_per_image (the first includes the warm-up; with cpu_offload "blocks" the encoders ran before, and the log's
 # "encode" progress line has their time per row) and peak_memory_gb (torch's max allocated).
-# docs/performance.md "train.infer's placement" has the figures and the command.
+# docs/benchmarks.md says what it measures; docs/performance.md has the current figures.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/infer BUDGETS="141 24 64 48 16" STEPS=4 bash tests/gpu_infer.sh
 # SET='"cpu_offload": "model"' adds keys to each run's qwen_edit.inference section (to compare a placement).

@@ -2,8 +2,10 @@
 # Memory benchmark of the real entry point: the shipped default config with only qwen_edit.memory.budget_gb
 # changed, on full-size architectures at random init (no weights needed), one GPU. For each budget it records the
 # memory plan (choice, predicted peak), the measured peak (torch's max allocated, from metrics.jsonl; and its max
-# reserved, what the caching allocator held, which the budget's margin must cover), the median step time after the
-# first two steps, and per step its time, the allocator's cache flushes so far (alloc_retries), torch.compile's
+# reserved, what the caching allocator held, which the budget's margin must cover), the step-time summary of the steps
+# after the warm-up (train/runtime/steptime.py: the mean, its samples/s, the median, the slowest step and how many
+# took over 1.5x the median; from metrics.jsonl's per-step times, and the run's own from summary.json as
+# summary_step_time), and per step its time, the allocator's cache flushes so far (alloc_retries), torch.compile's
 # graphs so far (compiled_graphs), the share of the step spent waiting for data (data_wait), the seconds spent in
 # Python's garbage collector (gc_s), the GPU's lowest SM clock and mean power sampled once a second during the step
 # (sm_clock_mhz, power_w), the process's host RSS (host_rss_gb) and the pinned host memory torch's allocator holds
@@ -11,19 +13,19 @@
 # predicted_host_pinned_gb (buffers pinned in place with cudaHostRegister show in the RSS only), and over the whole
 # run the GPU's mean SM clock and power while busy beside its maximum clock (summary.json's gpus; its busy samples
 # include the plan's measurement and the first step's compile, so rows compare by median_step_sm_clock_mhz, the
-# median over the steps of median_step_s of each step's lowest clock).
-# docs/performance.md "Memory" has the figures and the command.
+# median over the timed steps of each step's lowest clock).
+# docs/benchmarks.md says what it measures; docs/performance.md has the current figures.
 # Usage (repo root, on a CUDA host with the project installed or a wheelhouse on PYTHONPATH):
 #   OUT=/tmp/mem VARIANT=edit_plus CACHE="auto off" BUDGETS="141 80 48 24 16" STEPS=8 bash tests/gpu_memory.sh
 # CONFIG=ds_configs/lora_fast.json starts from another shipped config (default zero2.json).
 # RUN_TIMEOUT (420 s) limits each run; on a fresh machine the first row needs ~230-260 s for 8 steps (the plan's
 # measurement compiles for ~65 s, the first step for ~70 s; an online first row had not reached step 1 after 200 s
-# in session 20, its plan alone 76 s), later rows ~145-225 s. A run still going at the limit
-# gets SIGTERM, then SIGKILL 20 s later: a SIGTERM during a compile can hang torch 2.11 (docs/performance.md "Memory").
+# once, its plan alone 76 s), later rows ~145-225 s. A run still going at the limit
+# gets SIGTERM, then SIGKILL 20 s later: a SIGTERM during a compile can hang torch 2.11 (docs/benchmarks.md).
 # SET="train.kept_attention_blocks=0 ..." also sets these qwen_edit keys (JSON values) in every generated config, for
 # a same-call comparison with a lever off; TAG=name is added to the records' names.
 # LAYERS=N builds the full-size transformer with N blocks (make_tiny --num_layers) in its own data directory: with
-# SET='train.mode="full"' it measures the deepest full fine-tune a budget fits (docs/performance.md "Memory").
+# SET='train.mode="full"' it measures the deepest full fine-tune a budget fits (docs/benchmarks.md).
 # VALIDATION=1 adds validation renders: a validation file of the first VAL_ROWS (2) rows of the dataset (their
 # references, their prompts) in the generated config, rendered before step 1 and after the last step with
 # VAL_STEPS (4) denoising steps (the memory does not depend on their number); the record then has the plan's
@@ -79,17 +81,18 @@ PY
     rc=0
     timeout -k 20 "${RUN_TIMEOUT:-420}" python train/main.py --ds_config "$cfg" --model "$data/model" \
       --data "$data/data" --output_dir "$run" > "$out/$name.log" 2>&1 || rc=$?
-    python - "$run" "$name" "$rc" "$(( $(date +%s) - start ))" >> "$out/memory.jsonl" <<'PY'
+    python - "$run" "$name" "$rc" "$(( $(date +%s) - start ))" "$cfg" >> "$out/memory.jsonl" <<'PY'
 import json, statistics, sys
 from pathlib import Path
+from train.runtime.steptime import step_time_stats, timed
 run, name, rc, wall = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+cfg = json.load(open(sys.argv[5]))
 rec = {"run": name, "rc": rc, "wall_s": wall}
 m = run / "metrics.jsonl"
 if m.is_file():
     rows = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
     rec["measured_peak_gb"] = max((r.get("peak_memory_gb", 0) for r in rows), default=None)
     rec["measured_reserved_gb"] = max((r.get("peak_reserved_gb", 0) for r in rows), default=None)
-    times = [r["step_time_s"] for r in rows if r["step"] > 2]
     rec["step_times_s"] = [round(r["step_time_s"], 3) for r in rows]  # every step's, the first (compiling) included
     rec["alloc_retries"] = [r.get("alloc_retries") for r in rows]  # the allocator's cache flushes so far, per step
     rec["compiled_graphs"] = [r.get("compiled_graphs") for r in rows]  # torch.compile's graphs so far, per step
@@ -99,8 +102,9 @@ if m.is_file():
     rec["power_w"] = [r.get("gpu0_power_w") for r in rows]  # the mean board power sampled in the step
     rec["host_rss_gb"] = [r.get("host_rss_gb") for r in rows]  # the process's resident host memory, per step
     rec["host_pinned_gb"] = [r.get("host_pinned_gb") for r in rows]  # torch's pinned host pool, per step
-    rec["median_step_s"] = statistics.median(times) if times else None
-    clocks = [r["gpu0_sm_clock_mhz"] for r in rows if r["step"] > 2 and r.get("gpu0_sm_clock_mhz")]
+    samples = cfg["train_micro_batch_size_per_gpu"] * cfg.get("gradient_accumulation_steps", 1)  # one GPU
+    rec.update(step_time_stats([r["step_time_s"] for r in rows], samples) or {})  # a record per step, step 1 first
+    clocks = [r["gpu0_sm_clock_mhz"] for r in timed(rows) if r.get("gpu0_sm_clock_mhz")]
     rec["median_step_sm_clock_mhz"] = statistics.median(clocks) if clocks else None  # the same steps' lowest clocks
 s = run / "summary.json"
 if s.is_file():
@@ -110,6 +114,7 @@ if s.is_file():
                                         "predicted_host_step_s", "predicted_host_pinned_gb", "render_tokens",
                                         "vae_tiling", "predicted_render_peak_gb")})
     rec["measured_render_peak_gb"] = summary.get("measured_render_peak_gb")
+    rec["summary_step_time"] = summary.get("step_time")  # the run's own: each step timed by CUDA events
     rec["gpus"] = summary.get("gpus")  # per GPU: mean utilisation, busy SM clock and power, maximum SM clock
     rec["plan_measured"] = plan.get("measured")  # A, S, T, ...: the prediction recomputes from these and the sizes
 print(json.dumps(rec))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speed benchmark in one GPU call (issue 16), one H200: the project's fastest step (docs/performance.md) against
+# Speed benchmark in one GPU call, one H200: the project's fastest step (docs/performance.md) against
 # DiffSynth-Studio's (the peer, train/benchmarks/peer.py) and against torchao's fp8 linears on the same workload,
 # the 2509 two-reference workload, micro-batch 2 in one bucket, and the 50-step loss curves of the kept levers
 # against the plain bf16 loop (with the tolerance). Each row is one `python -m train.bench` run: its record is
@@ -31,7 +31,7 @@ print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no
 PY
 
 # The project's fastest configuration (docs/performance.md), LoRA r64 on the 8 attention projections; `exact` is it
-# with the fp8 matmuls' exact accumulation (fast accumulation since 2026-12-04, docs/perf_notes.md lever 29).
+# with the fp8 matmuls' exact accumulation (the plan turns fast accumulation on: docs/levers.md, lever 29).
 exact=(--compile --fp8_base --fp8_transposed --zero_stage 1 --lora_targets attn)
 fast=("${exact[@]}" --fp8_fast_accum)
 timing=(--steps "$steps" --warmup "$warmup")
@@ -78,16 +78,21 @@ for row in $rows; do
       run_row z2511 200 "${fast[@]}" --zero_cond_t "${timing[@]}" --peer diffsynth --peer_variants bf16:compile ;;
     curves)  # 50 steps of the kept levers against the plain bf16 compiled loop, same seeds: the loss tolerance
       run_row curves 200 "${fast[@]}" --baseline --steps 45 --warmup 5 ;;
+    floor)  # the fastest configuration, then its attention and matmul kernels alone at its shapes (--floor), and
+      # its kernels by category under the profiler ($OUT/floor.project.txt): the step's distance to the floor
+      run_row floor 200 "${fast[@]}" "${timing[@]}" --floor --profile "$out/floor" ;;
+    floor_refs2)  # the same on the 2509 workload (two 1 MP references)
+      run_row floor_refs2 220 "${fast[@]}" --refs 2 "${timing[@]}" --floor --profile "$out/floor_refs2" ;;
     exact_accum)  # the fastest configuration with the fp8 matmuls' exact accumulation: with `fast`, lever 29's A/B
       run_row exact_accum 130 "${exact[@]}" "${timing[@]}" ;;
     microbatch2)  # two samples of one shape bucket per step
       run_row microbatch2 100 "${fast[@]}" --micro_batch 2 "${timing[@]}" ;;
     peer_more)  # the peer's other candidates: its compile_pipeline default (dynamic), fp8 and int8 weight-only.
-      # Last: on 2026-12-01 the fp8 weight-only variant did not finish 12 steps in ~6 minutes (docs/performance.md 6).
+      # Last: the fp8 weight-only variant once took over 6 minutes for 12 steps (docs/results/peer_h200_2026-12-01.md).
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
-            "curves exact_accum microbatch2 autotune peer_more)" ;;
+            "curves exact_accum microbatch2 autotune peer_more floor floor_refs2)" ;;
   esac
 done
 
@@ -119,6 +124,9 @@ for path in sorted(out.glob("*.jsonl")):
         else:
             print(f"{'':18s} {'peer ' + p['variant']:54s} {p['s_per_step']:8.4f} {100 * p['mfu']:5.1f}% "
                   f"{p['peak_memory_gb']:6.1f}  project is {p['s_per_step'] / r['s_per_step']:.3f}x faster")
+    if "floor_s" in r:
+        print(f"{'':18s} {'floor: attention + fp8 + dense matmuls alone':54s} {r['floor_s']:8.4f}   step/floor "
+              f"{r['floor_ratio']:.3f} (mean), {r['floor_ratio_median']:.3f} (median {r['floor_step_median_s']:.4f} s)")
     if "peer_ratio" in r:
         print(f"{'':18s} peer's fastest ({r['peer_fastest']}) / project = {r['peer_ratio']:.3f} (goal >= 1.3)")
 for name in ("failed.txt", "skipped.txt"):

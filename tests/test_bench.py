@@ -110,7 +110,7 @@ def _tokens_seen(name: str, image: int, text: int) -> int:
 
 def test_tiny_flops_follow_the_module():
     """The counter walks the module: the tiny model's count matches its own shapes, not the full model's."""
-    from train.model.tiny import build_transformer
+    from train.model.qwen_image.tiny import build_transformer
 
     tiny = build_transformer()  # 2 blocks, inner_dim 4 heads x 16 = 64
     image, text = 128, 32
@@ -122,7 +122,7 @@ def test_tiny_flops_follow_the_module():
 
 def test_compile_mode_reaches_every_block(monkeypatch):
     """--compile_mode is torch.compile's mode for each block (reduce-overhead: CUDA graphs); none: torch's default."""
-    from train.model.tiny import build_transformer
+    from train.model.qwen_image.tiny import build_transformer
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
@@ -165,18 +165,19 @@ def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypat
     import shutil
 
     from train.config import ModelConfig
-    from train.model import components
+    from train.model import loading
+    from train.model.qwen_image import components
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model_dir)
-    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    reference = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     for f in model_dir.glob("*/*.safetensors"):
         f.unlink()
-    monkeypatch.delenv(components.RANDOM_INIT_ENV, raising=False)
+    monkeypatch.delenv(loading.RANDOM_INIT_ENV, raising=False)
     with pytest.raises(OSError):
-        components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
-    monkeypatch.setenv(components.RANDOM_INIT_ENV, "1")
-    built = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+        loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    monkeypatch.setenv(loading.RANDOM_INIT_ENV, "1")
+    built = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
     encoders = components.load_encoders(model_dir, torch.float32, torch.device("cpu"))
     assert encoders.vae.config.z_dim == 16 and encoders.text_encoder.config.text_config.hidden_size == 32
@@ -187,7 +188,7 @@ def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypat
     assert torch.equal(torch.random.get_rng_state(), state)
     for a, b in ((encoders.text_encoder, again.text_encoder), (encoders.vae, again.vae), (encoders.vae, vae)):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    built_again = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    built_again = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     assert all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), built_again.state_dict().values(),
                                                  strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), reference.state_dict().values(),
@@ -199,7 +200,7 @@ def test_full_size_configs_describe_the_released_architectures(tiny_edit, tmp_pa
     import json
     import shutil
 
-    from train.model.tiny import write_full_size_configs
+    from train.model.qwen_image.tiny import write_full_size_configs
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model_dir)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, metrics, run_trainer, small_tmpfs, write_config
+from conftest import REPO, free_port, metrics, patch_family, run_trainer, small_tmpfs, write_config
 from safetensors.torch import load_file
 
 from train import config
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning
+from train.model.qwen_image import components, conditioning
 from train.runtime import engine
 
 WORLD_OF_ONE = engine.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -129,20 +129,20 @@ def test_streamed_text_encoder_encodes_the_same(built):
 
 
 def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
-    """When the memory plan says Qwen2.5-VL must stream (memory.stream_vl_for_cache, faked here: on a CPU it never
+    """When the memory plan says Qwen2.5-VL must stream (cache_plan.stream_vl_for_cache, faked here: on a CPU it never
     streams), the build loads it streamed and writes the same tensors as the resident build."""
     import dataclasses
 
-    from train.model import memory
+    from train.plan import cache_plan
 
     cfg, variant, rows, dataset, index = built
     p = dataclasses.replace(cfg.project, data=dataclasses.replace(cfg.project.data, cache_dir=str(tmp_path / "s")))
     streamed_cfg = dataclasses.replace(cfg, project=p)
-    assert not memory.stream_vl_for_cache(streamed_cfg, WORLD_OF_ONE, dataset.bucket_keys())  # CPU: never
+    assert not cache_plan.stream_vl_for_cache(streamed_cfg, WORLD_OF_ONE, dataset.bucket_keys())  # CPU: never
     loads = []
     real = components.load_encoders
-    monkeypatch.setattr(memory, "stream_vl_for_cache", lambda c, d, keys: True)
-    monkeypatch.setattr(components, "load_encoders", lambda *a, **k: loads.append(k) or real(*a, **k))
+    monkeypatch.setattr(cache_plan, "stream_vl_for_cache", lambda c, d, keys: True)
+    patch_family(monkeypatch, load_encoders=lambda *a, **k: loads.append(k) or real(*a, **k))
     latent_cache.build(streamed_cfg, WORLD_OF_ONE, variant, rows, dataset, index["depends_on"])
     assert loads == [{"stream_text_encoder": True, "vae_2d_frames": True}]  # model.vae_2d_frames passed on
     a = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
@@ -158,7 +158,7 @@ def test_out_of_memory_while_building_names_the_row(built, tmp_path, monkeypatch
     next run rebuilds the cache instead of reading a partial one."""
     import dataclasses
 
-    from train.model import memory
+    from train.runtime import oom
 
     cfg, variant, rows, dataset, index = built
     p = dataclasses.replace(cfg.project, data=dataclasses.replace(cfg.project.data, cache_dir=str(tmp_path / "c")))
@@ -174,14 +174,14 @@ def test_out_of_memory_while_building_names_the_row(built, tmp_path, monkeypatch
         return real(raw, encoders, variant)
 
     monkeypatch.setattr(sources, "encode_batch", encode_batch)
-    with pytest.raises(memory.OutOfMemory) as e:
+    with pytest.raises(oom.OutOfMemory) as e:
         latent_cache.build(dataclasses.replace(cfg, project=p), WORLD_OF_ONE, variant, rows, dataset,
                            index["depends_on"])
     message = str(e.value)
     h, w = dataset[2]["target"].shape[-2:]
     assert f"while building the cache, encoding row {calls[2]} (target {w}x{h} px" in message, message
     assert "tried to allocate 144.00 MiB; 12.54 GiB allocated and 2.35 GiB reserved but free" in message
-    assert message.endswith(memory.oom_advice("cache", 1)) and "python -m train.cache" in message
+    assert message.endswith(oom.oom_advice("cache", 1)) and "python -m train.cache" in message
     assert "micro_batch" not in message and e.value.without_traceback
     assert latent_cache.read_index(tmp_path / "c") is None
 
@@ -250,7 +250,7 @@ def test_snapped_sizes_are_a_dependency_and_older_caches_count_as_unsnapped(buil
 
 
 def test_changed_template_is_refused(built, monkeypatch):
-    """A different prompt template in train/model/conditioning.py: the cache is refused, naming the template."""
+    """A different prompt template in qwen_image/conditioning.py: the cache is refused, naming the template."""
     cfg, variant, rows, dataset, _ = built
     monkeypatch.setitem(conditioning.PROMPT_TEMPLATES, variant, conditioning.PROMPT_TEMPLATES[variant] + " ")
     message = refusal(cfg, variant, rows, dataset)

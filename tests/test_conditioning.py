@@ -1,9 +1,10 @@
-"""train/model/conditioning.py against diffusers' edit pipelines, on the tiny random checkpoints of train/make_tiny.
+"""train/model/qwen_image/conditioning.py against diffusers' edit pipelines, on the tiny random checkpoints of
+train/make_tiny.
 
 For the same images and prompts, the trainer's prompt embeds, prompt mask, packed reference latents and img_shapes
 must EQUAL what QwenImageEditPipeline (v1) and QwenImageEditPlusPipeline (2509) pass to their transformer. The
 pipeline side is recorded by a forward pre-hook on `pipe.transformer` at the first step of a real pipeline call; the
-trainer side is rebuilt only from train.model.conditioning functions (sharing the pipeline's frozen networks and
+trainer side is rebuilt only from qwen_image.conditioning functions (sharing the pipeline's frozen networks and
 processor, never its prompt/latent helpers). Everything runs in float32 on CPU and both sides make the same calls on
 the same batches, so the comparisons are exact (torch.equal), not approximate.
 """
@@ -20,8 +21,9 @@ from diffusers import DiffusionPipeline, QwenImageEditPipeline, QwenImageEditPlu
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 
-from train.model import conditioning as C
-from train.model.tiny import make_tiny
+from train.model.qwen_image import batches
+from train.model.qwen_image import conditioning as C
+from train.model.qwen_image.tiny import make_tiny
 
 AREA = 128 * 128  # target / VAE area the pipelines are shrunk to (instead of 1024^2)
 CONDITION_AREA = 96 * 96  # 2509's VL copies (instead of 384^2); 96^2 keeps a 96x64 image non-square (128x64)
@@ -189,10 +191,11 @@ def test_edit_plus_two_references_of_different_sizes_match_pipeline(edit_plus_pi
 def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_plus_pipe):
     """2511 (QwenImageEditPlusPipeline, transformer zero_cond_t): the trainer's conditioning equals the pipeline's,
     and the transformer called with the trainer's inputs (loop.noisy_inputs' layout: noisy target then the
-    references; img_shapes from train.model.conditioning) returns the pipeline's own prediction. The 2509 weights (the
+    references; img_shapes from qwen_image.conditioning) returns the pipeline's own prediction. The 2509 weights (the
     same tiny weights without zero_cond_t) predict something else for the same inputs, so the test sees the key."""
     from train.data import sources
-    from train.model import components
+    from train.model import family, loading
+    from train.model.qwen_image import components
     from train.trainer import loop
 
     pipe = load_pipeline(tiny_edit_plus_2511)
@@ -207,13 +210,14 @@ def test_edit_2511_inputs_and_output_match_pipeline(tiny_edit_plus_2511, edit_pl
 
     num_target = (hw[0] // 2) * (hw[1] // 2)
     noisy = recorded["hidden_states"][:, :num_target]  # the pipeline's own noise: loop draws its own
-    cond = C.Conditioning(ours["encoder_hidden_states"], ours["encoder_hidden_states_mask"], ours["reference_tokens"],
-                          ours["img_shapes"][0][1:])
+    cond = batches.Conditioning(ours["encoder_hidden_states"], ours["encoder_hidden_states_mask"],
+                                ours["reference_tokens"], ours["img_shapes"][0][1:])
     kwargs = {"hidden_states": torch.cat([noisy, cond.reference_tokens], dim=1), "timestep": recorded["timestep"],
               "encoder_hidden_states": cond.prompt_embeds, "encoder_hidden_states_mask": cond.prompt_mask,
               "img_shapes": C.img_shapes(hw, cond.reference_shapes, 1), "return_dict": False}
     layout, _, _ = loop.noisy_inputs(sources.Batch(noisy.float(), hw, cond), _tiny_train_config(), torch.Generator(),
-                                     components.scheduler_config(tiny_edit_plus_2511 / "model"), torch.float32)
+                                     loading.scheduler_config(tiny_edit_plus_2511 / "model"), torch.float32,
+                                     family.family_named("qwen_image"))
     assert layout.keys() == kwargs.keys() and layout["img_shapes"] == kwargs["img_shapes"]
     assert torch.equal(layout["hidden_states"][:, num_target:], kwargs["hidden_states"][:, num_target:])
     with torch.no_grad():

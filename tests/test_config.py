@@ -126,7 +126,7 @@ def test_minimal_setup_is_valid(setup):
 
 
 def test_relative_paths_are_relative_to_the_working_directory(setup, monkeypatch):
-    """README "Training your model": a relative path in the JSON is read from the directory the command starts
+    """docs/configuration.md: a relative path in the JSON is read from the directory the command starts
     in, not from the JSON file's folder."""
     setup.set(q("model.path"), "model").set(q("data.path"), "data").set(q("output.dir"), "out")
     (setup.root / "configs").mkdir()
@@ -226,11 +226,12 @@ def test_unknown_top_level_key(setup):
     ("lora.alpha", False, "expected float, got false"),
     ("data.pin_memory", 1, "expected bool, got 1"),
     ("model.path", 5, "expected str, got 5"),
-    ("lora.target_modules", "attn.to_q", 'expected list[str], got "attn.to_q"'),
-    ("lora.target_modules", ["attn.to_q", 3], 'expected list[str], got ["attn.to_q", 3]'),
+    ("lora.target_modules", "attn.to_q", 'expected list[str] or null, got "attn.to_q"'),
+    ("lora.target_modules", ["attn.to_q", 3], 'expected list[str] or null, got ["attn.to_q", 3]'),
     ("parallel.decoder_cuts", ["30"], 'expected list[int], got ["30"]'),
     ("data.category_weights", {"faces": "2"}, 'expected dict[str, float], got {"faces": "2"}'),
     ("train.mode", 1, "expected str, got 1"),
+    ("train.gc_every_steps", 1.5, "expected int, got 1.5"),
 ])
 def test_wrong_type(setup, key, value, want):
     """A value of the wrong JSON type names the key, the expected type, the value, the fix and the field's help
@@ -327,10 +328,17 @@ def test_area_of_one_tile_is_accepted(setup):
     ("data.bucket_aspect_steps", -1, "must be >= 0 (0 = the pipelines' own sizes, e.g. 8 = aspect ratios 9% apart), "
                                      "got -1"),
     ("train.kept_attention_blocks", -2, "must be >= -1 (-1 = every checkpointed block, 0 = none), got -2"),
+    ("train.gc_every_steps", -1, "must be >= 0 (0 = Python's automatic collection)"),
 ])
 def test_out_of_range(setup, key, value, want):
     """Other range checks name the key and the allowed range."""
     assert setup.set(q(key), value).problem() == f"{q(key)}: {want}"
+
+
+def test_gc_every_steps_takes_the_automatic_collector_or_a_cadence(setup):
+    """train.gc_every_steps: 0 keeps Python's automatic collection, N > 0 a young collection every N steps."""
+    assert setup.set(q("train.gc_every_steps"), 0).load().project.train.gc_every_steps == 0
+    assert setup.set(q("train.gc_every_steps"), 50).load().project.train.gc_every_steps == 50
 
 
 def test_fp8_transposed_needs_fp8_base(setup):

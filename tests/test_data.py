@@ -6,6 +6,7 @@ that a message naming "row 2" / "line 2" proves the number is the row's own 1-ba
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import random
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from train.data import pairs
 from train.data.pairs import (
     BadRowsError,
     EditDataset,
@@ -23,11 +25,13 @@ from train.data.pairs import (
     build_loader,
     check_row,
     collate,
-    misfit,
     preflight,
     read_rows,
 )
-from train.model import conditioning
+from train.model import family
+from train.model.qwen_image import conditioning
+
+misfit = functools.partial(pairs.misfit, fam=family.family_named("qwen_image"))  # on Qwen-Image's sizes
 
 AREA = 64 * 64
 CONDITION_AREA = 32 * 32

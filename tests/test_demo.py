@@ -62,7 +62,7 @@ def test_pretrained_base_copies_its_reference(tmp_path, capsys):
     know the recolouring); the checkpoint stays in the diffusers layout and tiny.json says what it learnt."""
     from diffusers import DiffusionPipeline
 
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
     from train.trainer.pretrain import Pretraining, pretrain
 
     make_tiny(tmp_path, "edit", num_samples=2, vae="pooling", transformer="demo")
@@ -106,7 +106,7 @@ def test_make_tiny_demo_builds_the_demos_base(tmp_path, monkeypatch):
 def test_pretrain_without_settings_uses_the_demos(tmp_path, monkeypatch):
     """pretrain(..., p=None) trains with Pretraining()'s defaults (the demo's 300 steps on 64 scenes); its refusals
     name the fix. The scenes, encoding and fitting are stubbed: only the defaults' path is under test."""
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
     from train.trainer import pretrain as pre
 
     seen = {}
@@ -146,7 +146,7 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     from PIL import Image
 
     from train.config import LoraConfig, ModelConfig
-    from train.model import components
+    from train.model import family, loading, prepare
     from train.runtime import exports
     from train.trainer import validation
 
@@ -160,13 +160,13 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     (work / "run").mkdir(parents=True)
     (work / "run" / "config.json").write_text(json.dumps({"qwen_edit": {"data": {"area": 128 * 128,
                                                                                   "condition_area": 64 * 64}}}))
-    transformer = components.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
-    components.add_lora(transformer, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0"]))
+    transformer = loading.load_transformer(ModelConfig(path=str(tiny_edit / "model")), torch.float32)
+    prepare.add_lora(transformer, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0"]))
     torch.manual_seed(0)
     for name, p in transformer.named_parameters():
         if ".lora_B." in name:
             p.data.normal_(0, 0.5)  # a LoRA that moves the output (a fresh one is zero)
-    exports.export_lora(transformer, work / "run" / "export", 4.0, 4)
+    exports.export_lora(transformer, work / "run" / "export", 4.0, 4, keys=family.family_named("qwen_image").lora)
     out, found = demo.render(work, num_rows=2, steps=2)
     grid = Image.open(out)
     cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]
@@ -215,7 +215,7 @@ def test_pooling_vae_decodes_what_it_encoded():
     import torch
     import torch.nn.functional as F
 
-    from train.model.tiny import build_vae
+    from train.model.qwen_image.tiny import build_vae
 
     x = torch.rand(2, 3, 1, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     vae = build_vae("pooling")

@@ -45,6 +45,7 @@ def _count_and_save(tiny: str, tmp: str, queue) -> None:
     import torch
 
     from train import config
+    from train.model import family
     from train.runtime import checkpoint, engine, exports
     from train.trainer import build
 
@@ -76,7 +77,8 @@ def _count_and_save(tiny: str, tmp: str, queue) -> None:
         eng.backward(sum(p.float().square().sum() for p in eng.module.parameters() if p.requires_grad))
         eng.step()  # Adam's moments exist from here on
         final = checkpoint.save(eng, out, 1, {"config": config.to_dict(cfg)})
-        written = (exports.export_lora(eng.module, out / "export", 16, 16) if mode == "lora"
+        keys = family.family_named("qwen_image").lora
+        written = (exports.export_lora(eng.module, out / "export", 16, 16, keys=keys) if mode == "lora"
                    else exports.export_full(eng.module, out / "export"))
         results[mode] = {"counted": one, "after_step": sum(diskspace.checkpoint_bytes(eng)), "export": export,
                          "written": sum(f.stat().st_size for f in final.iterdir()),

@@ -12,13 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import metrics, run_trainer, write_config
+from conftest import metrics, patch_family, run_trainer, write_config
 
 from train import config
 from train.data import sources
 from train.data.ahead import EncodeAhead
-from train.model import components, memory
+from train.model.qwen_image import components
 from train.runtime import engine
+from train.runtime.oom import OutOfMemory, oom_advice
 from train.trainer import build, validation
 
 CPU = torch.device("cpu")
@@ -125,7 +126,7 @@ def test_training_ahead_gives_the_losses_of_training_in_turn(tiny_edit, tmp_path
 
 @pytest.mark.parametrize("where", ["encode", "loader"])
 def test_an_error_of_the_thread_is_raised_in_the_loop(where, monkeypatch):
-    """An out-of-memory error while encoding micro-batch 2 reaches the loop as the memory.OutOfMemory that encoding
+    """An out-of-memory error while encoding micro-batch 2 reaches the loop as the OutOfMemory that encoding
     in turn raises, with the same message (its advice included); a loader's error as itself. Micro-batches 0 and 1
     arrive first."""
 
@@ -139,7 +140,7 @@ def test_an_error_of_the_thread_is_raised_in_the_loop(where, monkeypatch):
     def run(ahead: bool) -> tuple[list, BaseException]:
         loader = Loader(5, *((2, OSError("image 2 unreadable")) if where == "loader" else ()))
         got = []
-        with pytest.raises((memory.OutOfMemory, OSError)) as e:
+        with pytest.raises((OutOfMemory, OSError)) as e:
             source = sources.online_source(loader, CPU_ENCODERS, "edit", ahead)
             source.start_epoch(0, 0)
             for batch in source:
@@ -150,7 +151,7 @@ def test_an_error_of_the_thread_is_raised_in_the_loop(where, monkeypatch):
     assert got_ahead == got_in_turn == [0, 1]
     assert type(ahead) is type(in_turn) and str(ahead) == str(in_turn)
     if where == "encode":
-        assert "while encoding a micro-batch of" in str(ahead) and memory.oom_advice("encode", 1) in str(ahead)
+        assert "while encoding a micro-batch of" in str(ahead) and oom_advice("encode", 1) in str(ahead)
         assert "(torch: tried to allocate 2.00 GiB" in str(ahead)  # torch's own figures, shortened
         assert isinstance(ahead.__cause__, torch.cuda.OutOfMemoryError)
 
@@ -265,7 +266,7 @@ def test_the_config_key_reaches_the_source(tiny_edit, tmp_path, monkeypatch):
     """build_source: data.encode_ahead in the zero2 mode; never in the model-parallel mode (its encoder stage is
     ahead of its decoder already, and parallel.overlap false must encode each micro-batch only when asked). The
     default, auto, is on with a GPU and off on the CPU."""
-    monkeypatch.setattr(components, "load_encoders", lambda *a, **k: CPU_ENCODERS)
+    patch_family(monkeypatch, load_encoders=lambda *a, **k: CPU_ENCODERS)
 
     def ahead(**changes) -> bool:
         cfg = load_cfg(tiny_edit, tmp_path, **changes)

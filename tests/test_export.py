@@ -19,7 +19,7 @@ from test_train import check
 
 from train import export
 from train.config import LoraConfig, ModelConfig
-from train.model import components, lora_io
+from train.model import family, loading, lora_io, prepare
 from train.runtime import exports
 from train.runtime.exports import LORA_WEIGHT_NAME
 
@@ -40,6 +40,8 @@ FORMATS = {
     "kohya": ("lora_unet_{k}.lora_down.weight", "lora_unet_{k}.lora_up.weight", "lora_unet_{k}.alpha"),
 }
 
+QWEN_IMAGE = family.family_named("qwen_image")
+
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_edit, tmp_path_factory) -> Path:
@@ -59,7 +61,7 @@ def lora_exports(lora_run, tmp_path_factory) -> dict[str, Path]:
                            "--out", str(out / "diffusers")], cwd=REPO, capture_output=True, text=True, timeout=300)
     check(proc)
     assert f"exported {out / 'diffusers' / LORA_WEIGHT_NAME}" in proc.stdout
-    comfy = exports.export(lora_run / TAG, out / "comfyui", fmt="comfyui")
+    comfy = exports.export(lora_run / TAG, out / "comfyui", fmt="comfyui", family_of=family.family_for)
     return {"diffusers": out / "diffusers" / LORA_WEIGHT_NAME, "comfyui": comfy}
 
 
@@ -74,8 +76,8 @@ def full_run(tiny_edit, tmp_path_factory) -> Path:
 
 def fresh_transformer(tiny: Path, **lora_changes):
     """The tiny transformer with a freshly initialised adapter of the tiny config (fields overridable)."""
-    transformer = components.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
-    components.add_lora(transformer, LoraConfig(**{**TINY_LORA, **lora_changes}))
+    transformer = loading.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
+    prepare.add_lora(transformer, LoraConfig(**{**TINY_LORA, **lora_changes}))
     return transformer
 
 
@@ -171,7 +173,7 @@ def test_exports_follow_a_non_default_umask(tmp_path):
         assert exports.user_umask() == 0o027 and umask() == 0o027
         path = exports.write_diffusers_lora({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 4),
                                              "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(4, 2)},
-                                            tmp_path, alpha=2.0, rank=2)
+                                            tmp_path, alpha=2.0, rank=2, keys=QWEN_IMAGE.lora)
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, oct(path.stat().st_mode)
     finally:
         os.umask(old)
@@ -214,7 +216,7 @@ def test_full_export_loads_and_equals_consolidated_weights(full_run, tiny_edit, 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from diffusers import QwenImageTransformer2DModel
 
-    path = exports.export(full_run / TAG, tmp_path)
+    path = exports.export(full_run / TAG, tmp_path, family_of=family.family_for)
     assert path == tmp_path / "transformer"
     loaded = QwenImageTransformer2DModel.from_pretrained(path).state_dict()
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(full_run), tag=TAG, exclude_frozen_parameters=True)
@@ -430,8 +432,10 @@ def test_alpha_other_than_rank_keeps_the_update(known, tiny_edit, tmp_path):
 
     layers = {f"{m}.{s}.weight": w for m, ab in known.items() for s, w in zip(("lora_A", "lora_B"), ab, strict=True)}
     rank = TINY_LORA["rank"]
-    paths = {"diffusers": exports.write_diffusers_lora(layers, tmp_path / "d", 2 * rank, rank, torch.float32),
-             "comfyui": exports.write_comfyui_lora(layers, tmp_path / "c", 2 * rank, torch.float32)}
+    paths = {"diffusers": exports.write_diffusers_lora(layers, tmp_path / "d", 2 * rank, rank, torch.float32,
+                                                       keys=QWEN_IMAGE.lora),
+             "comfyui": exports.write_comfyui_lora(layers, tmp_path / "c", 2 * rank, torch.float32,
+                                                   keys=QWEN_IMAGE.lora)}
     pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
     for name, path in paths.items():
         pipe.load_lora_weights(path.parent, weight_name=path.name, adapter_name=name)
@@ -542,7 +546,7 @@ def test_damaged_checkpoint_names_the_file_and_the_previous_one(lora_run, tmp_pa
         if how == "truncate":  # export names the file too, and the complete checkpoint to export instead
             instead = re.escape(f"export the previous complete checkpoint instead: --checkpoint {out}/global_step2")
             with pytest.raises(checkpoint.CheckpointFileError, match=f"{re.escape(str(victim))}: damaged.*{instead}"):
-                exports.export(out / TAG, tmp_path / "x")
+                exports.export(out / TAG, tmp_path / "x", family_of=family.family_for)
 
 
 def spoil(sd: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], str]:

@@ -13,9 +13,10 @@ import torch
 
 from train.config import Config, ProjectConfig
 from train.data.sources import Batch
-from train.model import conditioning, memory
+from train.model.qwen_image import batches
 from train.runtime import faults
 from train.runtime.engine import Dist
+from train.runtime.oom import OutOfMemory
 from train.trainer import loop
 
 
@@ -83,7 +84,7 @@ class Source:
 
     def __init__(self, num: int):
         g = torch.Generator().manual_seed(0)
-        cond = conditioning.Conditioning(torch.randn(1, 3, 8, generator=g), None, torch.zeros(1, 0, 16), [])
+        cond = batches.Conditioning(torch.randn(1, 3, 8, generator=g), None, torch.zeros(1, 0, 16), [])
         self.batches = [Batch(torch.randn(1, 4, 16, generator=g), (2, 2), cond) for _ in range(num)]
 
     def __len__(self):
@@ -167,7 +168,7 @@ def test_requested_nan_loss_fires_at_its_step_only(monkeypatch):
 
 def test_requested_oom_fires_at_its_step(monkeypatch):
     """QWEN_EDIT_OOM_AT=2: the first micro-batch of step 2 raises, reported as the trainer's OutOfMemory."""
-    with pytest.raises(memory.OutOfMemory, match="CUDA out of memory at step 2: micro-batch 1"):
+    with pytest.raises(OutOfMemory, match="CUDA out of memory at step 2: micro-batch 1"):
         run(monkeypatch, {faults.OOM_AT: "2"}, max_steps=4)
 
 

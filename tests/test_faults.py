@@ -165,10 +165,11 @@ def test_schedule_note_warns_with_both_rates():
     assert note == ("warning: resume: train.max_steps is 200, the checkpoint's run had 100; DeepSpeed's "
                     "WarmupCosineLR is re-stretched over 200 steps, so the learning rate of step 101 is "
                     f"{now:.3g} instead of 1e-05 on the saved curve ({now / 1e-5:.3g}x). To keep the saved curve, "
-                    "resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
+                    "resume with the old --max_steps; to go on at a fixed rate, see docs/checkpoints.md, "
+                    "'Extending a run'")
     assert resumed.total_num_steps == 200 and resumed.get_lr()[0] == now
-    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
-    assert f"`{note[:note.index('. To keep')]}`" in readme  # README 'Extending a run' quotes this warning
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md").read_text().split())
+    assert f"`{note[:note.index('. To keep')]}`" in page  # the page the warning points at quotes it
     assert schedule_note(state, 100, 50, _cosine(100, 50)) is None  # same length
     constant = {"config": {**state["config"], "scheduler": {"type": "WarmupLR"}}}
     assert schedule_note(constant, 200, 100, resumed) is None  # its rate does not depend on max_steps
@@ -176,8 +177,8 @@ def test_schedule_note_warns_with_both_rates():
 
 
 def test_readme_fixed_rate_extension_resumes_at_that_rate():
-    """README 'Extending a run': resuming a cosine run with WarmupLR (min = max = R, 1 warmup step) in its place
-    loads the saved position and trains on at R (the end rate of the saved curve here)."""
+    """docs/checkpoints.md 'Extending a run': resuming a cosine run with WarmupLR (min = max = R, 1 warmup step) in
+    its place loads the saved position and trains on at R (the end rate of the saved curve here)."""
     import torch
     from deepspeed.runtime.lr_schedules import WarmupLR
 

@@ -8,8 +8,10 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.model import components, fp8
-from train.model.tiny import build_transformer
+from train.model import family, fp8, prepare
+from train.model.qwen_image.tiny import build_transformer
+
+KIND = family.family_named("qwen_image").fp8_kind
 
 
 def _linear(n_in: int, n_out: int, seed: int = 0) -> torch.nn.Linear:
@@ -52,9 +54,9 @@ def test_convert_swaps_frozen_block_linears_and_keeps_lora():
     """Under LoRA the blocks' 12 token linears (peft's base_layer where wrapped) and 2 modulation linears become
     e4m3; embeddings/output stay; only LoRA trains; checkpoints (state_dict) hold no fp8 buffers."""
     model = build_transformer()
-    components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
+    prepare.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k"]))
     before = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert fp8.convert_frozen_linears(model) == len(model.transformer_blocks) * 14
+    assert fp8.convert_frozen_linears(model, KIND) == len(model.transformer_blocks) * 14
     block = model.transformer_blocks[0]
     assert isinstance(block.attn.to_q.base_layer, fp8.Float8FrozenLinear)  # wrapped by LoRA
     assert isinstance(block.img_mlp.net[2], fp8.Float8FrozenLinear)  # not wrapped
@@ -72,12 +74,12 @@ def test_lora_learns_through_fp8_base(zero_cond_t):
 
     torch.manual_seed(0)
     model = build_transformer(zero_cond_t)
-    components.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
+    prepare.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v"]))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     reference = copy.deepcopy(model)
-    fp8.convert_frozen_linears(model)
+    fp8.convert_frozen_linears(model, KIND)
     inputs = transformer_inputs(model)
     grads = []
     for m in (model, reference):
@@ -90,7 +92,7 @@ def test_lora_learns_through_fp8_base(zero_cond_t):
 def test_fp8_refuses_a_trainable_base():
     model = build_transformer().requires_grad_(True)
     with pytest.raises(ValueError, match="frozen base"):
-        fp8.convert_frozen_linears(model)
+        fp8.convert_frozen_linears(model, KIND)
 
 
 @pytest.mark.parametrize("count, expected", [(0, 2), (1, 1)])
@@ -102,7 +104,7 @@ def test_checkpoint_first_recomputes_only_the_first_blocks(monkeypatch, count, e
     real = ckpt.checkpoint
     monkeypatch.setattr(ckpt, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
     model = build_transformer()
-    components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
+    prepare.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q"]),
                                 gradient_checkpointing=True, compile_blocks=False, checkpoint_blocks=count)
     model.train()
     out = model(**transformer_inputs(model))[0]
@@ -142,7 +144,8 @@ def test_fast_accumulation_reaches_both_matmuls(monkeypatch, fast):
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     torch.manual_seed(0)
     model = build_transformer()
-    components.prepare_for_training(model, "lora", LoraConfig(rank=4, alpha=4.0), False, False, fp8_base=True,
+    lora = LoraConfig(rank=4, alpha=4.0, target_modules=list(family.family_named("qwen_image").lora.targets))
+    prepare.prepare_for_training(model, "lora", lora, False, False, fp8_base=True,
                                     real_rope=False, fp8_fast_accum=fast)
     linears = [m for m in model.modules() if isinstance(m, fp8.Float8FrozenLinear)]
     assert [m.fast_accum for m in linears] == [fast and m.kind == "token" for m in linears]
@@ -151,3 +154,22 @@ def test_fast_accumulation_reaches_both_matmuls(monkeypatch, fast):
     loss.backward()  # an input gradient wherever the input needs one (not block 0's text stream: 15 of 24 here)
     assert forward == sum(m.kind == "token" for m in linears) and len(calls) > forward, (forward, len(calls))
     assert set(calls) == {fast}
+
+
+def test_qwen_image21_blocks_convert_by_its_record():
+    """Qwen-Image-2.1's record names its 7 block linears (attention and SwiGLU MLP, all token linears; the shared
+    modulation is outside the blocks): under its default LoRA they become e4m3 and the output stays close."""
+    from copy import deepcopy as model_copy
+
+    from train.model.qwen_image21.tiny import build_transformer as build_21
+
+    fam = family.family_named("qwen_image21")
+    torch.manual_seed(0)
+    model = build_21()
+    prepare.add_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=list(fam.lora.targets)))
+    assert [fam.fp8_kind(n) for n, _ in model.named_modules() if n.startswith("modulation")] == [None, None, None]
+    reference = model_copy(model)
+    assert fp8.convert_frozen_linears(model, fam.fp8_kind) == len(model.transformer_blocks) * 7
+    x = torch.randn(1, 64, 64)
+    ours, theirs = model.transformer_blocks[0].img_mlp(x), reference.transformer_blocks[0].img_mlp(x)
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 0.1

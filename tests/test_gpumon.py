@@ -7,7 +7,7 @@ import time
 import types
 
 from train.runtime import gpumon
-from train.runtime.metrics import Metrics
+from train.runtime.record import Metrics
 
 
 class FakeNvml(types.SimpleNamespace):

@@ -14,7 +14,7 @@ from PIL import Image
 
 from train.data.pairs import EditDataset, preflight
 from train.data.rows import BadRowsError
-from train.model import images, pipelines
+from train.model import images, renders
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -66,12 +66,12 @@ def test_rendering_checks_decode_as_the_readers_do(tmp_path):
     rotated phone JPEG passes, a corrupt file gets the pre-flight's reason."""
     rotated_jpeg(tmp_path / "phone.jpg")
     (tmp_path / "noise.png").write_bytes(b"not an image" * 40)
-    fine = pipelines.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
-    bad = pipelines.EditRequest(0, 2, [tmp_path / "noise.png"], "edit", 0, "out")
-    assert pipelines.check_request(fine, "edit", 32 * 48) is None
+    fine = renders.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
+    bad = renders.EditRequest(0, 2, [tmp_path / "noise.png"], "edit", 0, "out")
+    assert renders.check_request(fine, "edit", 32 * 48) is None
     with pytest.raises(images.ImageProblem) as reason:
         images.decoded_size(tmp_path / "noise.png")
-    assert pipelines.check_request(bad, "edit") == f"{tmp_path / 'noise.png'}: {reason.value}"
+    assert renders.check_request(bad, "edit") == f"{tmp_path / 'noise.png'}: {reason.value}"
     assert "cannot be decoded (UnidentifiedImageError" in str(reason.value) and "re-save it as PNG/JPEG" in str(
         reason.value)
 
@@ -202,8 +202,8 @@ def test_dataset_and_preflight_see_the_shown_image(tmp_path):
 def test_inference_references_oriented(tmp_path):
     """train.infer and validation open references the same way as the training data."""
     rotated_jpeg(tmp_path / "phone.jpg")
-    request = pipelines.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
-    (ref,) = pipelines.open_references(request)
+    request = renders.EditRequest(0, 1, [tmp_path / "phone.jpg"], "edit", 0, "out")
+    (ref,) = renders.open_references(request)
     assert ref.size == (32, 48)
 
 

@@ -1,4 +1,4 @@
-"""Batch inference (train/infer.py, train/model/pipelines.py) on the tiny model: process-count independence, resume,
+"""Batch inference (train/infer.py, qwen_image/pipelines.py) on the tiny model: process-count independence, resume,
 bad rows, LoRAs, the device/dtype bridge, argument errors."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, free_port
+from conftest import REPO, TINY_CONFIG, free_port, patch_family
 
 from train import config, infer
 from train import main as trainer
-from train.model import components, pipelines
+from train.model import family, loading, placement, prepare, renders
+from train.model.qwen_image import components, pipelines
 from train.runtime import engine
 
 SETTINGS = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
@@ -161,7 +162,7 @@ def test_weightless_directory_stops_both_commands_or_renders_at_random_init(tiny
     cfg = tmp_path / "infer.json"
     cfg.write_text(json.dumps({"qwen_edit": {"inference": SETTINGS}}))
     argv = ["--model", str(model), "--input", str(edits), "--out", str(tmp_path / "out"), "--config", str(cfg)]
-    monkeypatch.delenv(components.RANDOM_INIT_ENV, raising=False)
+    monkeypatch.delenv(loading.RANDOM_INIT_ENV, raising=False)
     message = f"{str(model)!r} has no weights in transformer/, vae/, text_encoder/: transformer/ and vae/ need"
     assert infer.main(argv) == 2
     assert f"--model: {message}" in capsys.readouterr().err and not (tmp_path / "out").exists()
@@ -169,7 +170,7 @@ def test_weightless_directory_stops_both_commands_or_renders_at_random_init(tiny
                          str(tiny_edit / "data"), "--output_dir", str(tmp_path / "run")]) == 2
     assert f"qwen_edit.model.path: {message}" in capsys.readouterr().err
 
-    monkeypatch.setenv(components.RANDOM_INIT_ENV, "1")
+    monkeypatch.setenv(loading.RANDOM_INIT_ENV, "1")
     args = infer.parse_args(argv)
     assert infer.check_args(args, world_size=1) == []
     code = infer.run(args, config.inference_settings(cfg), engine.Dist(0, 1, 0, torch.device("cpu")))
@@ -191,12 +192,12 @@ def test_random_models_are_built_where_the_placement_keeps_them(tiny_edit, monke
     """QWEN_EDIT_RANDOM_INIT=1: host memory for CPU offload, cuda:1 for the split transformer, else the device; none
     without the variable (from_pretrained then loads the weights)."""
     calls = []
-    monkeypatch.setattr(components, "random_pipeline_models", lambda *a: calls.append(a[2:]) or {"built": a})
+    patch_family(monkeypatch, random_pipeline_models=lambda *a: calls.append(a[2:]) or {"built": a})
     settings, gpu = config.ProjectConfig(), torch.device("cuda", 0)
     args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", "x", "--out", "y"])
-    monkeypatch.delenv(components.RANDOM_INIT_ENV, raising=False)
+    monkeypatch.delenv(loading.RANDOM_INIT_ENV, raising=False)
     assert infer.random_models(args, settings, gpu, torch.bfloat16) == {} and not calls
-    monkeypatch.setenv(components.RANDOM_INIT_ENV, "1")
+    monkeypatch.setenv(loading.RANDOM_INIT_ENV, "1")
     for offload in ("none", "model", "sequential"):
         settings.inference.cpu_offload = offload
         infer.random_models(args, settings, gpu, torch.bfloat16)
@@ -215,7 +216,7 @@ def test_read_requests_seeds_names_and_problems(tmp_path):
         '{"edit_image": "a.png", "prompt": "t", "output": "../up"}\n'
         '[1]\n'
     )
-    requests, problems = pipelines.read_requests(tmp_path / "edits.jsonl", base_seed=10)
+    requests, problems = renders.read_requests(tmp_path / "edits.jsonl", base_seed=10)
     assert [(q.index, q.line, q.seed, q.name) for q in requests] == [(0, 1, 10, "000000"), (1, 3, 5, "x")]
     assert requests[1].references == [tmp_path / "a.png", tmp_path / "b.png"]
     assert [(i, line) for i, line, _ in problems] == [(2, 4), (3, 5), (4, 6), (5, 7)]
@@ -223,9 +224,9 @@ def test_read_requests_seeds_names_and_problems(tmp_path):
 
 
 def test_parse_lora():
-    assert pipelines.parse_lora("a/b.safetensors") == (Path("a/b.safetensors"), 1.0)
-    assert pipelines.parse_lora("a/b.safetensors:0.5") == (Path("a/b.safetensors"), 0.5)
-    assert pipelines.parse_lora("c:/x.safetensors") == (Path("c:/x.safetensors"), 1.0)
+    assert placement.parse_lora("a/b.safetensors") == (Path("a/b.safetensors"), 1.0)
+    assert placement.parse_lora("a/b.safetensors:0.5") == (Path("a/b.safetensors"), 0.5)
+    assert placement.parse_lora("c:/x.safetensors") == (Path("c:/x.safetensors"), 1.0)
 
 
 def test_bridge_moves_and_casts_inputs_and_outputs():
@@ -242,7 +243,7 @@ def test_bridge_moves_and_casts_inputs_and_outputs():
             return (self.linear(hidden_states),)
 
     module = Wrapped()
-    hooks = pipelines.bridge(module, torch.device("cpu"), torch.float64, torch.device("cpu"), torch.float32)
+    hooks = placement.bridge(module, torch.device("cpu"), torch.float64, torch.device("cpu"), torch.float32)
     out = module(hidden_states=torch.ones(2, 4), mask=torch.ones(2, dtype=torch.long))[0]
     assert out.dtype == torch.float32
     for hook in hooks:
@@ -256,13 +257,13 @@ def trained_looking_lora(tiny: Path, folder: Path) -> Path:
     from train.config import LoraConfig, ModelConfig
     from train.runtime import exports
 
-    transformer = components.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
-    components.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
+    transformer = loading.load_transformer(ModelConfig(path=str(tiny / "model")), torch.float32)
+    prepare.add_lora(transformer, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
     torch.manual_seed(0)
     for name, p in transformer.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.5)
-    return exports.export_lora(transformer, folder, alpha=4, rank=4)
+    return exports.export_lora(transformer, folder, alpha=4, rank=4, keys=family.family_named("qwen_image").lora)
 
 
 def test_loras_load_with_weights(tiny_edit, tmp_path):
@@ -272,7 +273,7 @@ def test_loras_load_with_weights(tiny_edit, tmp_path):
     lora = trained_looking_lora(tiny_edit, tmp_path)
     settings = InferenceConfig(**SETTINGS)
     pipe = pipelines.load_pipeline(tiny_edit / "model", torch.float32)
-    pipelines.place(pipe, settings, torch.device("cpu"))
+    placement.place(pipe, settings, torch.device("cpu"))
     from PIL import Image
 
     image = [Image.open(tiny_edit / "data" / "0000_ref.png").convert("RGB")]
@@ -281,7 +282,7 @@ def test_loras_load_with_weights(tiny_edit, tmp_path):
         return torch.tensor(list(pipelines.edit(pipe, "edit", image, "make it red", 3, settings).getdata()))
 
     base = edit()
-    pipelines.load_loras(pipe, [(lora, 1.0)])
+    placement.load_loras(pipe, [(lora, 1.0)])
     assert not torch.equal(edit(), base)
     pipe.set_adapters(["lora0"], adapter_weights=[0.0])
     assert torch.equal(edit(), base)
@@ -297,7 +298,8 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
     import numpy as np
     from PIL import Image
 
-    from train.model import memory, offload
+    from train.model import offload
+    from train.plan.inference import InferencePlacement
 
     lora = trained_looking_lora(tiny_edit, tmp_path)
     folder = write_edits(tmp_path / "edits", tiny_edit)
@@ -319,7 +321,7 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
                                  "--lora", f"{lora}:0.8"])
         settings = config.inference_settings(args.config)
         settings.inference.cpu_offload = how
-        monkeypatch.setattr(infer, "plan", lambda *a, how=how: memory.InferencePlacement(how, 2, True))
+        monkeypatch.setattr(infer, "plan", lambda *a, how=how: InferencePlacement(how, 2, True))
         assert infer.run(args, settings, cpu) == 0
         out[how] = outputs(tmp_path / how)
         summary = json.loads((tmp_path / how / "summary.json").read_text())
@@ -336,19 +338,19 @@ def test_streamed_blocks_render_the_same_images(tiny_edit, tmp_path, monkeypatch
 
 
 def test_a_placement_that_cannot_fit_stops_before_loading(tiny_edit, tmp_path, monkeypatch, capsys):
-    """The plan's refusal (memory.PlanError) ends train.infer with exit 2 and its message, no traceback, nothing
+    """The plan's refusal (explain.PlanError) ends train.infer with exit 2 and its message, no traceback, nothing
     loaded and no image written."""
-    from train.model import memory
+    from train.plan import explain
 
     folder = write_edits(tmp_path / "edits", tiny_edit)
     args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(folder / "edits.jsonl"),
                              "--out", str(tmp_path / "out"), "--config", str(folder / "infer.json")])
 
     def refuse(*_):
-        raise memory.PlanError("train.infer: the models do not fit; raise qwen_edit.memory.budget_gb")
+        raise explain.PlanError("train.infer: the models do not fit; raise qwen_edit.memory.budget_gb")
 
     monkeypatch.setattr(infer, "plan", refuse)
-    monkeypatch.setattr(pipelines, "load_pipeline", lambda *a, **k: pytest.fail("a model loaded"))
+    patch_family(monkeypatch, load_pipeline=lambda *a, **k: pytest.fail("a model loaded"))
     code = infer.run(args, config.inference_settings(args.config), engine.Dist(0, 1, 0, torch.device("cpu")))
     err = capsys.readouterr().err
     assert code == 2 and "error: train.infer: the models do not fit" in err and "Traceback" not in err

@@ -1,5 +1,5 @@
 """Checkpointed blocks that keep their attention output (train/model/kept_attention.py), on the tiny model, fp32 CPU,
-and the memory plan's choice of how many keep it (train/model/memory.py)."""
+and the memory plan's choice of how many keep it (train/plan/choice.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,20 @@ import dataclasses
 import pytest
 import torch
 from conftest import transformer_inputs
-from test_memory import GB, measured
+from plan_helpers import measured, plan
+from recorded_plans import RELEASED
 
 from train.config import LoraConfig
-from train.model import components, kept_attention, memory
-from train.model.tiny import build_transformer
+from train.model import family, kept_attention, prepare
+from train.model.qwen_image.tiny import build_transformer
+from train.plan.explain import describe
+from train.plan.keys import config_values
+from train.plan.measure import Measured
+from train.plan.predict import Choice, predict
+from train.plan.run_plan import gpu_margin
+from train.plan.sizes import GB
 
+QWEN = family.family_named("qwen_image")
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k", "attn.add_v_proj", "img_mlp.net.2"])
 
 
@@ -34,7 +42,7 @@ def kernel_calls(monkeypatch):
 def _prepared(kept: int, checkpoint_blocks: int = 0, offload: set[int] | None = None):
     torch.manual_seed(0)
     model = build_transformer(num_layers=3)
-    components.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+    prepare.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
                                     offload=offload, kept_attention_blocks=kept)
     return model.train()
 
@@ -117,22 +125,14 @@ def test_kept_bytes_count_the_output_and_the_log_sum_exp():
 
 # ---------------------------------------------------------------- the plan
 
-def sizes() -> memory.Sizes:
-    """The released transformer as memory.count_sizes counts it (tests/test_memory.py checks those counts), with
-    LoRA r64 on the default targets."""
-    return memory.Sizes(num_blocks=60, block_params=339_831_296, block_matrix_params=339_738_624,
-                        block_fp8_params=339_738_624, block_token_params=226_492_416, other_params=40_523_328,
-                        lora_params=424_673_280)
-
-
-def _kept(m: memory.Measured, x_gb: float = 0.08, recompute_share: float = 0.6) -> memory.Measured:
+def _kept(m: Measured, x_gb: float = 0.08, recompute_share: float = 0.6) -> Measured:
     return dataclasses.replace(m, kept_bytes=x_gb * GB, kept_recompute_s=recompute_share * m.fwd_s)
 
 
 def test_keeping_is_counted_in_the_peak_and_the_step():
-    s, m = sizes(), _kept(measured(12_544))
-    c = memory.Choice(True, False, 30, 10, True)
-    plain, kept = memory.predict(s, m, c), memory.predict(s, m, dataclasses.replace(c, kept_attention=20))
+    s, m = RELEASED, _kept(measured(12_544))
+    c = Choice(True, False, 30, 10, True)
+    plain, kept = predict(s, m, c), predict(s, m, dataclasses.replace(c, kept_attention=20))
     assert kept.peak_bytes == pytest.approx(plain.peak_bytes + 20 * m.kept_bytes)
     assert kept.step_s == pytest.approx(plain.step_s - 20 * (m.fwd_s - m.kept_recompute_s))
 
@@ -140,32 +140,32 @@ def test_keeping_is_counted_in_the_peak_and_the_step():
 @pytest.mark.parametrize("budget_gb", [141, 80, 48, 24])
 def test_the_plan_keeps_as_many_as_fit(budget_gb):
     """Each checkpointed block that can keep its attention within the budget does; one more would not fit."""
-    s, m = sizes(), _kept(measured(12_544))
+    s, m = RELEASED, _kept(measured(12_544))
     budget = budget_gb * GB
-    room = budget - memory.margin_bytes(0, budget)
-    c, p = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {}, True, False)
+    room = budget - gpu_margin(0, budget)
+    c, p = plan(s, m, budget, gpu_margin(0, budget), {}, True, False)
     assert p.fit_bytes <= room
     if c.checkpointed and c.kept_attention < c.checkpointed:
-        more = memory.predict(s, m, dataclasses.replace(c, kept_attention=c.kept_attention + 1))
+        more = predict(s, m, dataclasses.replace(c, kept_attention=c.kept_attention + 1))
         assert more.fit_bytes > room
-    assert memory.settings(c, s.num_blocks)["train.kept_attention_blocks"] == c.kept_attention
+    assert config_values(c, s.num_blocks)["train.kept_attention_blocks"] == c.kept_attention
 
 
 def test_keeping_makes_the_low_budgets_faster():
-    s = sizes()
+    s = RELEASED
     without, with_kept = measured(12_544), _kept(measured(12_544))
     budget = 48 * GB
-    _, slow = memory.choose(s, without, budget, memory.margin_bytes(0, budget), {}, True, False)
-    c, fast = memory.choose(s, with_kept, budget, memory.margin_bytes(0, budget), {}, True, False)
+    _, slow = plan(s, without, budget, gpu_margin(0, budget), {}, True, False)
+    c, fast = plan(s, with_kept, budget, gpu_margin(0, budget), {}, True, False)
     assert c.kept_attention > 0 and fast.step_s < slow.step_s
-    assert "keep their attention output" in memory.describe(c, s.num_blocks)
+    assert "keep their attention output" in describe(c, s.num_blocks)
 
 
 def test_a_set_count_is_kept_as_set():
-    s, m = sizes(), _kept(measured(12_544))
+    s, m = RELEASED, _kept(measured(12_544))
     budget = 48 * GB
     for value, want in ((0, lambda c: 0), (-1, lambda c: c.checkpointed), (5, lambda c: min(5, c.checkpointed))):
-        c, _ = memory.choose(s, m, budget, memory.margin_bytes(0, budget), {"train.kept_attention_blocks": value},
+        c, _ = plan(s, m, budget, gpu_margin(0, budget), {"train.kept_attention_blocks": value},
                              True, False)
         assert c.checkpointed and c.kept_attention == want(c), value
 
@@ -182,7 +182,7 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
     from torch.utils.checkpoint import checkpoint
 
     kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    kept_attention.install()
+    kept_attention.install(QWEN.attention_module)
     kept_attention._backends.clear()
     try:
         with sdpa_kernel([kind]):
@@ -244,7 +244,7 @@ def test_compiled_blocks_keep_and_skip_like_eager_ones(kernel_calls):
     def prepared(compile_blocks: bool):
         torch.manual_seed(0)
         model = build_transformer(num_layers=2)
-        components.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
+        prepare.prepare_for_training(model, "lora", LORA, True, compile_blocks, kept_attention_blocks=1)
         return model.train()
 
     eager_loss, eager_grads = _loss_and_grads(prepared(False))
@@ -263,13 +263,13 @@ def test_the_gemm_probe_covers_the_converted_linears():
     from diffusers import QwenImageTransformer2DModel
 
     from train.benchmarks import gemms
-    from train.model import fp8
-    from train.model.archs import FULL_ARCH
+    from train.model import family
+    from train.model.qwen_image.archs import FULL_ARCH
 
     with torch.device("meta"):
         model = QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": 1})
     converted = sorted((m.in_features, m.out_features) for name, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and fp8._kind(name) == "token")
+                       if isinstance(m, torch.nn.Linear) and family.transformer_family(model).fp8_kind(name) == "token")
     assert converted == sorted(2 * [(k, n) for _, k, n in gemms.linears()])
     row = {"m": 8, "k": 3072, "n": 3072, "fwd_ms_exact": 1.0, "fwd_ms_fast": 0.75, "bwd_ms_exact": 1.0,
            "bwd_ms_fast": 0.75, "fwd_error_exact": 1e-3, "fwd_error_fast": 2e-3, "bwd_error_exact": 1e-3,

@@ -1,5 +1,6 @@
-"""Progress output of train/runtime/metrics.py: a tqdm bar on a terminal, started by the first step; one plain line per
-logged step elsewhere (a file, a pipe, a batch job)."""
+"""The run's metrics: progress output (train/runtime/console.py, record.py: a tqdm bar on a terminal, started by the
+first step; one plain line per logged step elsewhere, a file, a pipe, a batch job), the probes logged with each record
+(probes.py) and the loss curve (plot.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 
 import pytest
 
-from train.runtime.metrics import Metrics, progress_line
+from train.runtime.console import progress_line
+from train.runtime.record import Metrics
 
 RECORD = {"step": 20, "epoch": 1, "loss": 0.123456, "lr": 1e-4, "grad_norm": 0.5, "step_time_s": 0.5,
           "samples_per_s": 4.0}
@@ -55,7 +57,7 @@ def test_loss_curve_png_falls_with_the_loss(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from train.runtime.metrics import plot_loss
+    from train.runtime.plot import plot_loss
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 21)))
@@ -75,7 +77,7 @@ def test_loss_curve_has_round_grid_lines_and_survives_odd_records(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from train.runtime.metrics import nice_ticks, plot_loss
+    from train.runtime.plot import nice_ticks, plot_loss
 
     assert nice_ticks(0, 1) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
     assert nice_ticks(1, 200) == [50, 100, 150, 200]
@@ -100,38 +102,38 @@ def test_peak_meter_measures_a_part_and_leaves_the_runs_peak(monkeypatch):
     import torch
     from conftest import FakeCudaCounter
 
-    from train.runtime import metrics
+    from train.runtime import probes
 
-    monkeypatch.setattr(metrics, "_peak_floor", {})
-    monkeypatch.setattr(metrics, "_reserved_floor", {})
+    monkeypatch.setattr(probes, "_peak_floor", {})
+    monkeypatch.setattr(probes, "_reserved_floor", {})
     cuda = FakeCudaCounter()
     cuda.install(monkeypatch)
     gpu = torch.device("cuda", 0)
     cuda.allocate(50)
     cuda.free(40)  # a plan measurement: gone by the reset
-    metrics.reset_peak_memory(gpu)
-    assert metrics.peak_memory_gb(gpu) == 10 / 1e9
+    probes.reset_peak_memory(gpu)
+    assert probes.peak_memory_gb(gpu) == 10 / 1e9
     cuda.allocate(30)
     cuda.free(30)  # a step peaking at 40
-    with metrics.PeakMeter(gpu) as first:
+    with probes.PeakMeter(gpu) as first:
         cuda.allocate(15)
         cuda.free(15)  # a render peaking at 25, below the step's 40
-    assert first.bytes == 25 and metrics.peak_memory_gb(gpu) == 40 / 1e9
-    with metrics.PeakMeter(gpu) as second:
+    assert first.bytes == 25 and probes.peak_memory_gb(gpu) == 40 / 1e9
+    with probes.PeakMeter(gpu) as second:
         cuda.allocate(45)
         cuda.free(45)  # a render above the step peak: the run's peak includes it, as without a meter
-    assert second.bytes == 55 and metrics.peak_memory_gb(gpu) == 55 / 1e9
-    assert metrics.peak_reserved_gb(gpu) == 55 / 1e9  # the allocator kept what the render took
+    assert second.bytes == 55 and probes.peak_memory_gb(gpu) == 55 / 1e9
+    assert probes.peak_reserved_gb(gpu) == 55 / 1e9  # the allocator kept what the render took
     cuda.allocate(50)
     cuda.free(50)
-    assert metrics.peak_memory_gb(gpu) == 60 / 1e9 and metrics.peak_reserved_gb(gpu) == 60 / 1e9
-    metrics.reset_peak_memory(gpu)
-    assert metrics.peak_memory_gb(gpu) == 10 / 1e9
-    assert metrics.peak_reserved_gb(gpu) == 60 / 1e9  # reserved, not allocated: the cache still holds it
-    with metrics.PeakMeter(torch.device("cpu")) as cpu:
+    assert probes.peak_memory_gb(gpu) == 60 / 1e9 and probes.peak_reserved_gb(gpu) == 60 / 1e9
+    probes.reset_peak_memory(gpu)
+    assert probes.peak_memory_gb(gpu) == 10 / 1e9
+    assert probes.peak_reserved_gb(gpu) == 60 / 1e9  # reserved, not allocated: the cache still holds it
+    with probes.PeakMeter(torch.device("cpu")) as cpu:
         pass
-    assert cpu.bytes is None and metrics.peak_memory_gb(torch.device("cpu")) == 0.0
-    assert metrics.peak_reserved_gb(torch.device("cpu")) == 0.0
+    assert cpu.bytes is None and probes.peak_memory_gb(torch.device("cpu")) == 0.0
+    assert probes.peak_reserved_gb(torch.device("cpu")) == 0.0
 
 
 def test_alloc_retries_counts_the_allocators_cache_flushes(monkeypatch):
@@ -141,22 +143,22 @@ def test_alloc_retries_counts_the_allocators_cache_flushes(monkeypatch):
     import torch
     from conftest import FakeCudaCounter
 
-    from train.runtime import metrics
+    from train.runtime import probes
 
     assert '"num_alloc_retries"' in torch.cuda.memory_stats.__doc__
-    monkeypatch.setattr(metrics, "_reserved_floor", {})
+    monkeypatch.setattr(probes, "_reserved_floor", {})
     cuda = FakeCudaCounter()
     cuda.install(monkeypatch)
     gpu = torch.device("cuda", 0)
     cuda.allocate(30)
     cuda.free(20)
-    assert metrics.alloc_retries(gpu) == 0 and cuda.reserved == 30
+    assert probes.alloc_retries(gpu) == 0 and cuda.reserved == 30
     cuda.flush()
     cuda.flush()
-    assert metrics.alloc_retries(gpu) == 2 and cuda.reserved == 10
-    assert metrics.peak_reserved_gb(gpu) == 30 / 1e9  # the logged peak keeps its high-water mark: only
+    assert probes.alloc_retries(gpu) == 2 and cuda.reserved == 10
+    assert probes.peak_reserved_gb(gpu) == 30 / 1e9  # the logged peak keeps its high-water mark: only
     # alloc_retries shows that the allocator ran into its cap
-    assert metrics.alloc_retries(torch.device("cpu")) == 0
+    assert probes.alloc_retries(torch.device("cpu")) == 0
 
 
 def test_compiled_graphs_counts_what_torch_compile_builds():
@@ -164,17 +166,17 @@ def test_compiled_graphs_counts_what_torch_compile_builds():
     recompiles), and not when a compiled graph runs again: a slow step with it unchanged did not compile."""
     import torch
 
-    from train.runtime import metrics
+    from train.runtime import probes
 
     torch._dynamo.reset()
-    before = metrics.compiled_graphs()
+    before = probes.compiled_graphs()
     double = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
     double(torch.ones(3))
-    first = metrics.compiled_graphs()
+    first = probes.compiled_graphs()
     double(torch.ones(3) * 5)
-    assert first == before + 1 and metrics.compiled_graphs() == first
+    assert first == before + 1 and probes.compiled_graphs() == first
     double(torch.ones(2, 2))  # a new shape recompiles
-    assert metrics.compiled_graphs() == first + 1
+    assert probes.compiled_graphs() == first + 1
 
 
 def test_gc_seconds_adds_up_the_collectors_time(monkeypatch):
@@ -182,35 +184,35 @@ def test_gc_seconds_adds_up_the_collectors_time(monkeypatch):
     summed, so a collection of much cyclic garbage raises it and nothing else does."""
     import gc
 
-    from train.runtime import metrics
+    from train.runtime import probes
 
-    before = metrics.gc_seconds()
-    assert metrics.gc_seconds() == before  # reading it collects nothing
+    before = probes.gc_seconds()
+    assert probes.gc_seconds() == before  # reading it collects nothing
     cycles = [[] for _ in range(200_000)]
     for c in cycles:
         c.append(c)  # each list holds itself: only the cyclic collector frees it
     del cycles
     gc.collect()
-    after = metrics.gc_seconds()
+    after = probes.gc_seconds()
     assert after > before
     gc.disable()  # no real collection between the two callbacks below
     try:
         clock = iter([10.0, 10.25])
-        monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
-        metrics._time_collections("start", {"generation": 2})
-        metrics._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
-        assert metrics.gc_seconds() - after == 0.25
-        window = metrics.GcWindow()  # a log window: the seconds since its start, then since its last take
+        monkeypatch.setattr(probes.time, "perf_counter", lambda: next(clock))
+        probes._time_collections("start", {"generation": 2})
+        probes._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+        assert probes.gc_seconds() - after == 0.25
+        window = probes.GcWindow()  # a log window: the seconds since its start, then since its last take
         clock = iter([20.0, 20.5, 30.0, 30.125])
-        metrics._time_collections("start", {"generation": 2})
-        metrics._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+        probes._time_collections("start", {"generation": 2})
+        probes._time_collections("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
         assert window.take() == 0.5 and window.take() == 0.0
-        metrics._time_collections("start", {"generation": 0})
-        metrics._time_collections("stop", {"generation": 0, "collected": 0, "uncollectable": 0})
+        probes._time_collections("start", {"generation": 0})
+        probes._time_collections("stop", {"generation": 0, "collected": 0, "uncollectable": 0})
         assert window.take() == 0.125
     finally:
         gc.enable()
-    assert gc.callbacks.count(metrics._time_collections) == 1  # installed once, however often it is read
+    assert gc.callbacks.count(probes._time_collections) == 1  # installed once, however often it is read
 
 
 def test_host_memory_is_the_rss_and_torchs_pinned_pool(monkeypatch):
@@ -219,19 +221,19 @@ def test_host_memory_is_the_rss_and_torchs_pinned_pool(monkeypatch):
     rounded to a power of two, not only the active ones. 0 on a CPU and with a torch without host_memory_stats."""
     import torch
 
-    from train.runtime import metrics
+    from train.runtime import probes
 
-    before = metrics.host_rss_gb()
+    before = probes.host_rss_gb()
     filled = torch.ones(2**28 // 4)  # 0.27 GB, every page written
-    assert metrics.host_rss_gb() - before > 0.2 and before > 0
+    assert probes.host_rss_gb() - before > 0.2 and before > 0
     del filled
     assert '"allocated_bytes.{current,' in torch.cuda.host_memory_stats.__doc__
     pool = {"allocated_bytes.current": 3 * 2**30, "active_bytes.current": 2**30}  # 1 GiB in use, 2 GiB cached
     monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: pool)
-    assert metrics.host_pinned_gb(torch.device("cuda", 0)) == 3 * 2**30 / 1e9
-    assert metrics.host_pinned_gb(torch.device("cpu")) == 0.0
+    assert probes.host_pinned_gb(torch.device("cuda", 0)) == 3 * 2**30 / 1e9
+    assert probes.host_pinned_gb(torch.device("cpu")) == 0.0
     monkeypatch.delattr(torch.cuda, "host_memory_stats")
-    assert metrics.host_pinned_gb(torch.device("cuda", 0)) == 0.0
+    assert probes.host_pinned_gb(torch.device("cuda", 0)) == 0.0
 
 
 class _Clock:
@@ -246,7 +248,8 @@ class _Clock:
 
 def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, capsys):
     """loop.train: a checkpoint save (50 s) and a validation render (100 s) after step 2 are not step time; every
-    step takes 1 s, and both windows' step_time_s, samples/s and ETA say so (before, the second said 76 s)."""
+    step takes 1 s, and both windows' step_time_s, samples/s and ETA say so (before, the second said 76 s), as do
+    the per-step times of the run's summary (steptime.StepTimer)."""
     from types import SimpleNamespace
 
     import torch
@@ -254,12 +257,13 @@ def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, 
     from test_fault_injection import Source
 
     from train.config import Config, ProjectConfig
-    from train.runtime import metrics as metrics_module
+    from train.runtime import record, steptime
     from train.runtime.engine import Dist
     from train.trainer import loop
 
     clock = _Clock()
-    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(record, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(steptime, "time", SimpleNamespace(perf_counter=clock))
 
     class Engine(_Engine):
         def forward(self, hidden_states, **kwargs):
@@ -280,9 +284,11 @@ def test_saves_and_renders_are_left_out_of_the_step_time(tmp_path, monkeypatch, 
     cfg = Config(ProjectConfig(), deepspeed={"gradient_accumulation_steps": 1})
     cfg.project.train.max_steps, cfg.project.output.log_every_steps, cfg.project.output.save_every_steps = 4, 2, 2
     metrics = Metrics(tmp_path, total_steps=4, tensorboard=False, interactive=False)
+    timer = steptime.StepTimer(torch.device("cpu"))
     loop.train(cfg, Dist(0, 1, 0, torch.device("cpu")), Engine(), Source(8), {}, metrics, {"variant": "edit"},
-               after_step=render)
+               after_step=render, timer=timer)
     metrics.close()
+    assert timer.seconds() == [1.0] * 4
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["step_time_s"], r["samples_per_s"]) for r in records] == [(2, 1.0, 1.0), (4, 1.0, 1.0)]
     lines = capsys.readouterr().out.splitlines()
@@ -317,11 +323,11 @@ def test_progress_off_a_terminal_prints_whole_lines(monkeypatch):
 
     from tqdm import tqdm
 
-    from train.runtime import metrics as metrics_module
+    from train.runtime import console
 
     clock = _Clock()
     log = io.StringIO()
-    bar = metrics_module.progress(desc="encoding", unit="sample", total=100, file=log, interval_s=30.0)
+    bar = console.progress(desc="encoding", unit="sample", total=100, file=log, interval_s=30.0)
     bar._time = clock
     bar.start_t = bar.last_print_t = clock()
     for _ in range(100):
@@ -338,7 +344,7 @@ def test_progress_off_a_terminal_prints_whole_lines(monkeypatch):
         def isatty(self):
             return True
 
-    on_terminal = metrics_module.progress(desc="encoding", unit="sample", total=3, file=Terminal())
+    on_terminal = console.progress(desc="encoding", unit="sample", total=3, file=Terminal())
     assert type(on_terminal) is tqdm
     on_terminal.close()
 
@@ -350,7 +356,7 @@ def test_library_bars_turned_off_only_off_a_terminal(monkeypatch):
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    from train.runtime.metrics import library_bars_off_terminal
+    from train.runtime.console import library_bars_off_terminal
 
     calls = []
     monkeypatch.setattr(transformers_logging, "disable_progress_bar", lambda: calls.append("transformers"))
@@ -364,30 +370,30 @@ def test_library_bars_turned_off_only_off_a_terminal(monkeypatch):
     assert library_bars_off_terminal(io.StringIO()) and calls == ["transformers", "diffusers"]
 
 
-def test_readme_shows_the_plain_progress_line():
-    """README's Console paragraph quotes the line progress_line prints for RECORD."""
+def test_the_console_docs_show_the_plain_progress_line():
+    """docs/checkpoints.md's console paragraph quotes the line progress_line prints for RECORD."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert f"`{progress_line(RECORD, 200)}`" in readme
+    page = (Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md").read_text()
+    assert f"`{progress_line(RECORD, 200)}`" in page
 
 
 def test_write_loss_curve_prints_its_path_and_never_raises(tmp_path, capsys, monkeypatch):
     """The runs call write_loss_curve on the way out of training (finished, preempted or failed): it prints the
     PNG's path, says when nothing was logged, and turns a write error into a line instead of masking the run's own
     outcome."""
-    from train.runtime import metrics as metrics_module
+    from train.runtime import plot
 
-    assert metrics_module.write_loss_curve(tmp_path) is None  # no metrics.jsonl: stopped before any log
+    assert plot.write_loss_curve(tmp_path) is None  # no metrics.jsonl: stopped before any log
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 0.5}) + "\n")
-    assert metrics_module.write_loss_curve(tmp_path) == tmp_path / "loss.png"
+    assert plot.write_loss_curve(tmp_path) == tmp_path / "loss.png"
     assert (tmp_path / "loss.png").is_file()
 
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(metrics_module, "plot_loss", full_disk)
-    assert metrics_module.write_loss_curve(tmp_path) is None
+    monkeypatch.setattr(plot, "plot_loss", full_disk)
+    assert plot.write_loss_curve(tmp_path) is None
     assert capsys.readouterr().out.splitlines() == [
         "loss curve: no step was logged", f"loss curve: {tmp_path / 'loss.png'}",
         "loss curve: not written ([Errno 28] No space left on device)"]
@@ -402,7 +408,7 @@ def test_a_terminal_of_no_width_gets_plain_lines():
     import struct
     import termios
 
-    from train.runtime.metrics import is_terminal
+    from train.runtime.console import is_terminal
 
     leader, follower = os.openpty()
     try:

@@ -67,7 +67,8 @@ def test_cut_transformer_matches_the_whole(tiny_name, request):
 
     from model_parallel.split import DecoderStage
     from train.config import LoraConfig
-    from train.model import components, conditioning
+    from train.model import prepare
+    from train.model.qwen_image import conditioning
 
     tiny_edit = request.getfixturevalue(tiny_name)
 
@@ -76,7 +77,7 @@ def test_cut_transformer_matches_the_whole(tiny_name, request):
         t = QwenImageTransformer2DModel.from_pretrained(tiny_edit / "model", subfolder="transformer")
         assert t.config.zero_cond_t == (tiny_name == "tiny_2511")
         targets = ["attn.to_q", "img_in", "proj_out", "txt_mlp.net.2"]
-        components.prepare_for_training(t, "lora", LoraConfig(rank=4, alpha=4, target_modules=targets), checkpointing,
+        prepare.prepare_for_training(t, "lora", LoraConfig(rank=4, alpha=4, target_modules=targets), checkpointing,
                                     False)
         for n, p in t.named_parameters():  # LoRA B starts at zero: make gradients reach A too
             if "lora_B" in n:
@@ -197,6 +198,7 @@ def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, refer
     `python -m train.export` of the last checkpoint (one file set per stage) merges the stages into the
     end-of-training export, tensor for tensor (fp32 on CPU: the module weights are the fp32 masters)."""
     from train import export
+    from train.model import family
     from train.runtime import exports
 
     out = tmp_path / "out"
@@ -215,7 +217,7 @@ def test_decoder_cut_in_two_trains_like_one_process_and_exports(tiny_edit, refer
     assert any(".transformer_blocks.0." in k for k in merged) and any(".transformer_blocks.1." in k for k in merged)
     (out / "global_step6" / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(ValueError, match="a decoder cut over 2 stages saves"):
-        exports.export(out / "global_step6", tmp_path / "broken")
+        exports.export(out / "global_step6", tmp_path / "broken", family_of=family.family_for)
 
 
 @pytest.mark.slow

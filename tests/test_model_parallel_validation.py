@@ -16,9 +16,10 @@ from test_validation import TINY_INFERENCE, check_validated_run
 from model_parallel import plan
 from train import config
 from train.config import Config, ProjectConfig
-from train.model import components
+from train.model import loading
+from train.model.qwen_image import components
 from train.runtime.engine import Dist
-from train.runtime.metrics import NullMetrics
+from train.runtime.record import NullMetrics
 from train.trainer import validation
 
 
@@ -51,7 +52,7 @@ def test_replayed_conditioning_renders_what_the_encoders_render(variant, num_ref
     p.inference = config.InferenceConfig(**{**TINY_INFERENCE, "true_cfg_scale": 2.0})
     d = Dist(0, 1, 0, torch.device("cpu"))
     torch.manual_seed(0)
-    transformer = components.load_transformer(p.model, torch.float32)
+    transformer = loading.load_transformer(p.model, torch.float32)
     encoders = components.load_encoders(p.model.path, torch.float32, d.device)
 
     recorded = validation.encode_requests(cfg, encoders, 0, 1)

@@ -72,7 +72,7 @@ def test_other_ranks_lines_carry_their_rank_and_node(monkeypatch, capsys):
     libraries' noise is filtered.)"""
     import sys
 
-    from train.runtime.metrics import prefix_rank_output
+    from train.runtime.console import prefix_rank_output
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored afterwards: prefix_rank_output replaces them
     monkeypatch.setattr(sys, "stderr", sys.stderr)

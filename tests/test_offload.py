@@ -8,8 +8,8 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig, ModelConfig
-from train.model import components, fp8, streaming
-from train.model.tiny import build_transformer
+from train.model import family, fp8, loading, prepare, streaming
+from train.model.qwen_image.tiny import build_transformer
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0", "img_mlp.net.2"])
 
@@ -17,7 +17,7 @@ LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_out.0
 def _prepared(num_layers: int, offload: set[int], checkpoint_blocks: int = 0):
     torch.manual_seed(0)
     model = build_transformer(num_layers=num_layers)
-    offloader = components.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
+    offloader = prepare.prepare_for_training(model, "lora", LORA, True, False, checkpoint_blocks=checkpoint_blocks,
                                             offload=offload)
     return model.train(), offloader
 
@@ -114,7 +114,7 @@ def test_the_host_buffer_is_pinned_in_place_at_its_size(monkeypatch, capsys, ref
 
 def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
     model_dir = tiny_edit / "model"
-    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    reference = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
     streamed, quantized = streaming.load(model_dir, streaming.Placement(torch.device("cpu"), torch.float32),
                                          frozen=True)
     assert not quantized
@@ -123,17 +123,18 @@ def test_streamed_weights_equal_from_pretrained(tiny_edit, tmp_path):
     for name, t in ref_state.items():
         assert torch.equal(t, got_state[name]) and got_state[name].dtype == t.dtype, name
     # bf16 as from_pretrained(torch_dtype=bfloat16) casts
-    ref16 = components.load_transformer(ModelConfig(path=str(model_dir)), torch.bfloat16).state_dict()
+    ref16 = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.bfloat16).state_dict()
     got16, _ = streaming.load(model_dir, streaming.Placement(torch.device("cpu"), torch.bfloat16), frozen=True)
     assert all(torch.equal(t, got16.state_dict()[n]) for n, t in ref16.items())
 
 
 def test_streamed_fp8_and_offloaded_placement(tiny_edit):
     model_dir = tiny_edit / "model"
-    placement = streaming.Placement(torch.device("cpu"), torch.float32, fp8=True, offload={1})
+    kind = family.family_named("qwen_image").fp8_kind
+    placement = streaming.Placement(torch.device("cpu"), torch.float32, fp8=kind, offload={1})
     streamed, quantized = streaming.load(model_dir, placement, frozen=True)
-    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
-    names = [n for n, m in reference.named_modules() if fp8._kind(n)]
+    reference = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    names = [n for n, m in reference.named_modules() if kind(n)]
     assert sorted(quantized) == sorted(names)
     for name in names:
         q, scale = fp8.quantize_weight(reference.get_submodule(name).weight.detach())
@@ -148,10 +149,10 @@ def test_load_for_training_matches_the_from_pretrained_path(tiny_edit):
     as from_pretrained + prepare_for_training without offloading."""
     model_dir = tiny_edit / "model"
     torch.manual_seed(3)
-    reference = components.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
-    components.prepare_for_training(reference, "lora", LORA, True, False, fp8_base=True)
+    reference = loading.load_transformer(ModelConfig(path=str(model_dir)), torch.float32)
+    prepare.prepare_for_training(reference, "lora", LORA, True, False, fp8_base=True)
     torch.manual_seed(3)
-    streamed, offloader = components.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
+    streamed, offloader = prepare.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
                                                    True, False, fp8_base=True, offload_blocks=1)
     assert offloader is not None and sorted(offloader.blocks) == [0]
     for (na, a), (nb, b) in zip(reference.named_parameters(), streamed.named_parameters(), strict=True):
@@ -195,11 +196,11 @@ def _shared_rank(rank: int, world: int, port: int, model_dir: str, queue) -> Non
         return build(self, share)
 
     offload.BlockOffloader._shared_buffers = recording
-    from train.model import memory
+    from train.plan import run_plan
 
-    share = memory.offload_share(model_dir, LORA, 2, True, 4)  # as the trainer decides it (fp32 here)
+    share = run_plan.offload_share(model_dir, LORA, 2, True, 4)  # as the trainer decides it (fp32 here)
     torch.manual_seed(3)
-    model, offloader = components.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
+    model, offloader = prepare.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA,
                                                     True, False, fp8_base=True, offload_blocks=2, share=share)
     loss, grads = _loss_and_grads(model.train(), steps=1)
     queue.put((rank, {"shared": offloader.shared, "loaded": loaded, "loss": loss.item(),
@@ -222,7 +223,7 @@ def test_node_shares_one_copy_of_offloaded_blocks(tiny_edit):
         pytest.skip("no /dev/shm with room on this machine")
     model_dir = tiny_edit / "model"
     torch.manual_seed(3)
-    reference, _ = components.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA, True,
+    reference, _ = prepare.load_for_training(model_dir, torch.float32, torch.device("cpu"), "lora", LORA, True,
                                                 False, fp8_base=True)
     loss, grads = _loss_and_grads(reference.train(), steps=1)
     ctx = mp.get_context("spawn")

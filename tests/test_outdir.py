@@ -15,7 +15,7 @@ from conftest import REPO
 
 from train import config
 from train.runtime import outdir
-from train.runtime.metrics import Metrics
+from train.runtime.record import Metrics
 
 
 def test_second_claim_is_refused_until_the_first_ends(tmp_path):
@@ -200,7 +200,7 @@ def end(procs: list[subprocess.Popen]) -> None:
 
 
 def test_node_local_storage_locks_every_nodes_directory(tmp_path):
-    """Which process holds the lock (README 'Multi-node'): with checkpoint.use_node_local_storage each node's
+    """Which process holds the lock (docs/checkpoints.md): with checkpoint.use_node_local_storage each node's
     local rank 0 holds its own disk's directory (rank 0's lock cannot be seen on another node's disk, and each
     node writes its own checkpoint copy there), so a second run on either node is refused; with shared storage
     only global rank 0 holds the one directory every node sees. A used directory on one node's disk alone

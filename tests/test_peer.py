@@ -16,7 +16,7 @@ from conftest import transformer_inputs
 from train.benchmarks import fp8_impls, peer
 from train.benchmarks import step as bench
 from train.model import fp8
-from train.model.tiny import build_transformer
+from train.model.qwen_image.tiny import build_transformer
 
 CPU = torch.device("cpu")
 LATENT_HW, TEXT_TOKENS = (16, 16), 8  # 8x8 patches per image

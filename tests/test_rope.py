@@ -1,4 +1,4 @@
-"""train.model.rope: real (cos, sin) rotary pairs give diffusers' complex rotation, forward and backward."""
+"""train.model.qwen_image.rope: real (cos, sin) rotary pairs give diffusers' complex rotation, forward and backward."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from conftest import transformer_inputs
 from diffusers.models.transformers import transformer_qwenimage
 
-from train.model import rope
-from train.model.tiny import build_transformer
+from train.model.qwen_image import rope
+from train.model.qwen_image.tiny import build_transformer
 
 
 def _complex_freqs(seq: int, half: int, seed: int = 0) -> torch.Tensor:

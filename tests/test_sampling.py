@@ -6,6 +6,7 @@ Pure Python on synthetic bucket keys except where a dataset or the loader is the
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -295,7 +296,7 @@ def test_snapped_sizes_are_a_fixed_set_that_similar_ratios_share():
     1 - 2^(-1/16) of one side, at the centre."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
 
-    from train.model import conditioning
+    from train.model.qwen_image import conditioning
 
     area = 1024 * 1024
     for w, h in ASSORTED + [(4032, 3024), (3000, 2000), (1, 7)]:
@@ -387,8 +388,11 @@ def test_a_category_too_light_for_one_micro_batch_is_named():
 def test_snapped_pairs_stay_aligned_and_the_vl_copy_is_the_crop(tmp_path):
     """A target and a reference of one size get the same crop (their pixels stay equal); 2509's VL copy of a
     reference is made from that crop; the pre-flight's alignment check compares the snapped sizes."""
-    from train.data.pairs import misfit
-    from train.model import conditioning
+    from train.data import pairs
+    from train.model import family
+    from train.model.qwen_image import conditioning
+
+    misfit = functools.partial(pairs.misfit, fam=family.family_named("qwen_image"))
 
     png(tmp_path / "a.png", size=(160, 100), seed=1)
     shutil.copy(tmp_path / "a.png", tmp_path / "b.png")

@@ -11,7 +11,7 @@ from test_data import good, png, write_jsonl
 
 from train.config import textfile
 from train.data.pairs import BadRowsError, preflight, read_rows
-from train.model import pipelines
+from train.model import renders
 
 
 def test_line_numbers_are_an_editors(tmp_path):
@@ -64,7 +64,7 @@ def test_output_names_that_name_one_file_are_duplicates(tmp_path):
     outputs = ["x", "./x", "x.png", "a//b", "a/./b", "a/b/", "bad\x00name", "y" * 300, "ok/name"]
     (tmp_path / "edits.jsonl").write_text("".join(json.dumps({"edit_image": "a.png", "prompt": "p", "output": o}) + "\n"
                                                   for o in outputs))
-    requests, problems = pipelines.read_requests(tmp_path / "edits.jsonl")
+    requests, problems = renders.read_requests(tmp_path / "edits.jsonl")
     assert [(q.line, q.name) for q in requests] == [(1, "x"), (4, "a/b"), (9, "ok/name")]
     msgs = {line: msg for _, line, msg in problems}
     assert "'x' is already used by line 1" in msgs[2] and "'x' is already used by line 1" in msgs[3]
@@ -81,8 +81,8 @@ def test_inference_skips_bombs_and_images_that_resize_to_nothing(tmp_path, monke
                                                   for name in ("fine.png", "strip.png", "bomb.png")))
     png(tmp_path / "bomb.png", size=(256, 256))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 256 * 256 // 3)  # 256x256 is then over twice the limit
-    requests, _ = pipelines.read_requests(tmp_path / "edits.jsonl")
-    found = [pipelines.check_request(q, "edit") for q in requests]
+    requests, _ = renders.read_requests(tmp_path / "edits.jsonl")
+    found = [renders.check_request(q, "edit") for q in requests]
     assert found[0] is None
     assert "strip.png: 8192x1 px resizes to a side below 32 px" in found[1]
     assert "bomb.png: too large to decode safely" in found[2]
@@ -116,7 +116,7 @@ def test_prompt_length_is_what_the_processor_encodes(tiny_edit, variant):
     expansion of the template with real images, minus the dropped prefix."""
     from transformers import Qwen2VLProcessor
 
-    from train.model import conditioning
+    from train.model.qwen_image import conditioning
 
     processor = Qwen2VLProcessor.from_pretrained(tiny_edit / "model" / "processor", local_files_only=True)
     images = [Image.new("RGB", size) for size in ((320, 192), (224, 224))][: 1 if variant == "edit" else 2]
@@ -153,7 +153,7 @@ def test_inference_skips_a_prompt_longer_than_the_text_positions(tmp_path, tiny_
     png(tmp_path / "a.png")
     (tmp_path / "edits.jsonl").write_text("".join(json.dumps({"edit_image": "a.png", "prompt": p}) + "\n"
                                                   for p in ("make it red", "make the sky a deep red and " * 1000)))
-    requests, _ = pipelines.read_requests(tmp_path / "edits.jsonl")
-    found = [pipelines.check_request(q, "edit", 128 * 128, 64 * 64, processor) for q in requests]
+    requests, _ = renders.read_requests(tmp_path / "edits.jsonl")
+    found = [renders.check_request(q, "edit", 128 * 128, 64 * 64, processor) for q in requests]
     assert found[0] is None
     assert "the prompt takes" in found[1] and "the transformer has 4092; shorten the prompt by" in found[1], found[1]

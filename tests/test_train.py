@@ -64,6 +64,17 @@ def test_zero2_ranks_hold_identical_weights(zero2_run):
     assert len(digests) == 2 and digests[0] == digests[1], digests
 
 
+def test_zero2_summary_times_the_steps(zero2_run):
+    """summary.json's step_time: the 55 steps after the 5 warm-up ones, samples/s from their mean over both ranks'
+    samples; the same summary is the console's end-of-run line."""
+    from train.runtime import steptime
+
+    stats = json.loads((zero2_run / "summary.json").read_text())["step_time"]
+    assert stats["timed_steps"] == 55 and stats["first_timed_step"] == 6 and 6 <= stats["slowest_step"] <= 60
+    assert stats["samples_per_s"] == pytest.approx(2 / stats["mean_s_per_step"])
+    assert steptime.describe(stats) in (zero2_run / "stdout.txt").read_text()
+
+
 def test_zero2_outputs(zero2_run):
     """Resolved config, metrics fields, one optimizer shard per rank, the LoRA export."""
     resolved = json.loads((zero2_run / "config.json").read_text())
@@ -113,7 +124,7 @@ def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_ed
     from diffusers import DiffusionPipeline
     from PIL import Image
 
-    from train.model.conditioning import pipeline_areas
+    from train.model.qwen_image.conditioning import pipeline_areas
 
     pipe = DiffusionPipeline.from_pretrained(tiny_edit / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)

@@ -1,4 +1,4 @@
-"""train/model/vae_frames.py: an image through the VAE as 2D convolutions, without the video chunk cache, gives
+"""qwen_image/vae_frames.py: an image through the VAE as 2D convolutions, without the video chunk cache, gives
 diffusers' own encode and decode (float32, within 1e-5 of the largest value), tiled too; videos keep their path."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.model import components, pipelines, tiny, vae_frames
+from train.model.qwen_image import components, pipelines, tiny, vae_frames
 
 
 def _vaes(full_width: bool = False):

@@ -151,7 +151,7 @@ def before_images_harness(cfg, monkeypatch):
     """render_before on a Validator of `cfg` whose renders, adapter switches and messages are recorded: returns
     (events, before), before(start_step) running render_before on a new Validator and returning it."""
     from train.runtime.engine import Dist
-    from train.runtime.metrics import NullMetrics
+    from train.runtime.record import NullMetrics
 
     events = []
 
@@ -214,7 +214,7 @@ def test_before_images_keyed_on_what_produced_them(tiny_edit, tmp_path, monkeypa
     import time
 
     from train.runtime.engine import Dist
-    from train.runtime.metrics import NullMetrics
+    from train.runtime.record import NullMetrics
 
     model = tmp_path / "model"
     shutil.copytree(tiny_edit / "model", model)
@@ -323,7 +323,7 @@ def test_render_peaks_are_measured_and_reported(monkeypatch):
     the run's logged peak is the one it would be without the measurement. Without a GPU or renders: None."""
     from conftest import FakeCudaCounter
 
-    from train.runtime import metrics as run_metrics
+    from train.runtime import probes as run_metrics
 
     monkeypatch.setattr(run_metrics, "_peak_floor", {})
     monkeypatch.setattr(run_metrics, "_reserved_floor", {})

@@ -18,8 +18,9 @@ import torch
 from conftest import transformer_inputs
 
 from train.config import LoraConfig
-from train.model import components, pipelines, vae_frames
-from train.model.tiny import build_transformer
+from train.model import family, loading, prepare, renders
+from train.model.qwen_image import components, pipelines, vae_frames
+from train.model.qwen_image.tiny import build_transformer
 
 
 def model_dir(tmp: Path, pipeline: str, **transformer_config) -> Path:
@@ -108,12 +109,12 @@ def test_trainer_stops_on_an_unsupported_config_key(tiny_2511, tmp_path, capsys)
 
 def _lora_transformer(zero_cond_t: bool, **options):
     """The tiny transformer (fixed seed) with LoRA on the attention and MLP projections, B initialised non-zero so
-    gradients reach every factor, prepared by components.prepare_for_training with `options`."""
+    gradients reach every factor, prepared by prepare.prepare_for_training with `options`."""
     torch.manual_seed(0)
     model = build_transformer(zero_cond_t)
     lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_v", "img_mlp.net.2", "txt_mlp.net.2"])
     settings = dict(gradient_checkpointing=False, compile_blocks=False, real_rope=False) | options
-    components.prepare_for_training(model, "lora", lora, **settings)
+    prepare.prepare_for_training(model, "lora", lora, **settings)
     for i, (name, p) in enumerate(model.named_parameters()):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(i))
@@ -177,16 +178,16 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     index = latent_cache.ensure(cfg, WORLD_OF_ONE, variant, rows, dataset, rebuild_stale=True)
     assert index["variant"] == variant
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
-    transformer = components.load_transformer(cfg.project.model, torch.float32)
+    transformer = loading.load_transformer(cfg.project.model, torch.float32)
     assert transformer.config.zero_cond_t == (variant == "edit_plus_2511")
-    scheduler = components.scheduler_config(cfg.project.model.path)
+    scheduler = loading.scheduler_config(cfg.project.model.path)
     cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     online = sources.encode_batch(pairs.collate([dataset[0]]), encoders, variant)
     got = latent_cache.to_batch(latent_cache.collate([cached[0]]), torch.device("cpu"))
     assert len(got.cond.reference_shapes) == num_refs
     assert got.cond.reference_tokens.shape[1] == sum(h * w for _, h, w in got.cond.reference_shapes)
     losses = [loop.forward_loss(transformer, b, cfg.project.train, torch.Generator().manual_seed(5), scheduler,
-                                torch.float32) for b in (online, got)]
+                                torch.float32, family.family_named("qwen_image")) for b in (online, got)]
     assert torch.equal(losses[0], losses[1])
 
 
@@ -194,7 +195,7 @@ def _plain_pipeline_images(model: Path, edits: list[dict], inf) -> list[np.ndarr
     """diffusers' QwenImageEditPlusPipeline straight from the directory, called as the pipeline's docs show."""
     from PIL import Image
 
-    from train.model import conditioning
+    from train.model.qwen_image import conditioning
 
     pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -232,7 +233,7 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
     from train import config
     from train.config import Config, ProjectConfig
     from train.runtime.engine import Dist
-    from train.runtime.metrics import NullMetrics
+    from train.runtime.record import NullMetrics
     from train.trainer import validation
 
     edits_file, edits = _edits(tiny_2511, tmp_path)
@@ -244,14 +245,14 @@ def test_2511_validation_and_infer_render_what_the_pipeline_renders(tiny_2511, t
     assert not np.array_equal(expected[0], expected[1])
 
     d = Dist(0, 1, 0, torch.device("cpu"))
-    transformer = components.load_transformer(p.model, torch.float32)
+    transformer = loading.load_transformer(p.model, torch.float32)
     encoders = components.load_encoders(p.model.path, torch.float32, d.device)
     rendered = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()
     pipe = pipelines.load_pipeline(p.model.path, torch.float32)
     assert isinstance(pipe, diffusers.QwenImageEditPlusPipeline) and pipe.transformer.config.zero_cond_t
-    requests, problems = pipelines.read_requests(edits_file)
+    requests, problems = renders.read_requests(edits_file)
     assert not problems
-    inferred = [pipelines.edit(pipe, "edit_plus_2511", pipelines.open_references(r), r.prompt, r.seed, p.inference)
+    inferred = [pipelines.edit(pipe, "edit_plus_2511", renders.open_references(r), r.prompt, r.seed, p.inference)
                 for r in requests]
     for want, got_validation, got_infer in zip(expected, rendered, inferred, strict=True):
         assert np.array_equal(np.asarray(got_validation), want)
@@ -281,5 +282,5 @@ def test_infer_without_references_renders_qwen_image_pipeline(tiny_name, request
     want = direct(prompt="a red circle on grey", negative_prompt=inf.negative_prompt, true_cfg_scale=2.0, height=128,
                   width=128, num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(5)).images[0]
     assert np.array_equal(np.asarray(got), np.asarray(want))
-    assert pipelines.check_request(pipelines.EditRequest(0, 1, [Path("a.png")], "p", 0, "x"), "t2i").startswith(
+    assert renders.check_request(renders.EditRequest(0, 1, [Path("a.png")], "p", 0, "x"), "t2i").startswith(
         "has edit_image but the t2i variant")

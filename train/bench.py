@@ -4,9 +4,12 @@
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
     python -m train.bench --block_probe [...]          # the memory plan's block measurement, kept attention or not
     python -m train.bench --gemm_probe [...]           # one block's fp8 matmuls, fast accumulation off and on
+    python -m train.bench --floor [...]                # + the step's attention and matmuls alone: its floor ratio
+    python -m train.bench --scaling --model M --data D [...]  # train/main.py on 1 and N GPUs, three ZeRO settings
 
 What is timed and how MFU is counted: train/benchmarks/step.py; the block probe: train/benchmarks/blocks.py; the
-matmul probe: train/benchmarks/gemms.py.
+matmul probe: train/benchmarks/gemms.py; the floor: train/benchmarks/floor.py; the scaling harness:
+train/benchmarks/scaling.py.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
-from train.benchmarks import blocks, gemms
+from train.benchmarks import blocks, gemms, scaling
 from train.benchmarks.step import append_json, format_report, parse_args, run
 from train.runtime import engine
-from train.runtime.metrics import prefix_rank_output
+from train.runtime.console import prefix_rank_output
 
 BLOCK_PROBE = "--block_probe"
 GEMM_PROBE = "--gemm_probe"
+SCALING = "--scaling"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return probe(blocks, [a for a in argv if a != BLOCK_PROBE])
     if GEMM_PROBE in argv:
         return probe(gemms, [a for a in argv if a != GEMM_PROBE])
+    if SCALING in argv:  # launches train/main.py itself: no process group here
+        return probe(scaling, [a for a in argv if a != SCALING])
     prefix_rank_output()  # as train/main.py: other ranks' lines carry their rank
     args = parse_args(argv)
     d = engine.init_distributed()
@@ -48,13 +54,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def probe(module, argv: list[str]) -> int:
     """A one-process probe, run, reported, its JSON appended: --block_probe (train/benchmarks/blocks.py, the memory
-    plan's block measurement with and without kept attention) or --gemm_probe (train/benchmarks/gemms.py)."""
+    plan's block measurement with and without kept attention), --gemm_probe (train/benchmarks/gemms.py) or
+    --scaling (train/benchmarks/scaling.py); exit code 1 when the record counts failed runs."""
     args = module.parse_args(argv)
     record = module.run(args)
     print(module.format_report(record), flush=True)
     if args.json:
         append_json(args.json, record)
-    return 0
+    return 1 if record.get("failed") else 0
 
 
 if __name__ == "__main__":

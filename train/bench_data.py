@@ -17,7 +17,7 @@ import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before
 from train.benchmarks.inputs import format_report, parse_args, run
 from train.benchmarks.step import append_json
 from train.runtime import engine
-from train.runtime.metrics import prefix_rank_output
+from train.runtime.console import prefix_rank_output
 
 
 def main(argv: list[str] | None = None) -> int:

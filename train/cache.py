@@ -24,18 +24,21 @@ from model_parallel.plan import check_parallel
 from train import config
 from train.data import pairs
 from train.data.latent_cache import CacheError, cache_dir, ensure, read_index
-from train.model import components
+from train.model import family, support
 from train.runtime import engine
-from train.runtime.metrics import prefix_rank_output, print0
+from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build
+
+DESCRIPTION = (
+    "Build the latent and prompt-embedding cache of a training run of Qwen-Image-Edit (v1, 2509, 2511) or Qwen-Image "
+    "(2512) (the arguments of train/main.py), so that training loads only the transformer"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or rebuild, when stale) the cache for a training config; 0 done, 2 bad configuration or data."""
     prefix_rank_output()
-    args = config.parse_args(argv, description="Build the latent and prompt-embedding cache of a training run "
-                                                "(the arguments of train/main.py), so that training loads only the "
-                                                "transformer")
+    args = config.parse_args(argv, description=DESCRIPTION)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         engine.check_processes(rank)
@@ -48,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         return engine.refuse_early(e, rank)
     code = 0
     try:
-        variant = components.detect_variant(cfg.project.model.path, cfg.project.model.variant)
+        fam, variant = family.detect(cfg.project.model.path, cfg.project.model.variant)
+        support.check_supported(fam, cfg.project, support.CACHE)
         rows, loader = build.build_data(cfg, d, variant)  # training's data pipeline: the cache holds what it reads
         before = read_index(cache_dir(cfg))
         index = ensure(cfg, d, variant, rows, loader.dataset, rebuild_stale=True)
         verb = "up to date" if index == before else "written"
         print0(f"cache {verb}: {cache_dir(cfg)} ({index['num_samples']} samples)", rank=d.rank)
-    except (pairs.BadRowsError, CacheError, components.ModelError) as e:
+    except (pairs.BadRowsError, CacheError, family.ModelError) as e:
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     engine.teardown()

@@ -23,9 +23,9 @@ from pathlib import Path
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_VAE = "pooling"  # train.model.tiny's averaging autoencoder: the decoded images show what the model learnt
-DEMO_TRANSFORMER = "demo"  # train.model.tiny.TRANSFORMER_SIZES: wider heads whose RoPE tells positions apart
-TINY_INFO = "tiny.json"  # train.model.tiny.TINY_INFO (not imported here: it pulls in torch)
+DEMO_VAE = "pooling"  # qwen_image.tiny's averaging autoencoder: the decoded images show what the model learnt
+DEMO_TRANSFORMER = "demo"  # qwen_image.tiny.TRANSFORMER_SIZES: wider heads whose RoPE tells positions apart
+TINY_INFO = "tiny.json"  # train.model.qwen_image.tiny.TINY_INFO (not imported here: it pulls in torch)
 
 
 # The demo's changes to ds_configs/tiny_cpu.json (the tests' config): latents and prompt embeddings are encoded
@@ -33,7 +33,7 @@ TINY_INFO = "tiny.json"  # train.model.tiny.TINY_INFO (not imported here: it pul
 # base rank 16 levelled off at a loss of ~0.5 where 64 went on falling); and 8 rows per micro-batch (16 per step
 # over the 2 processes): a CPU step's cost is mostly fixed, so 8 rows cost ~2.3x a row's step time. On the
 # pre-trained base, 600 steps (100 s with launch and cache on 2 CPU cores) bring the loss from 0.31 to 0.021 and
-# the edited pixels' distance to the targets on new scenes from the base's 76.0 to 22.6 (README "The two commands").
+# the edited pixels' distance to the targets on new scenes from the base's 76.0 to 22.6 (docs/performance.md, the demo).
 DEMO_DS_CHANGES = {"train_micro_batch_size_per_gpu": 8}
 DEMO_CHANGES = {"data": {"cache": "auto"}, "lora": {"rank": 64, "alpha": 64}}
 
@@ -81,8 +81,8 @@ def edit_all(pipe, rows: list[dict], references: list[list], targets: list, area
     (QwenImagePipeline) is generated at its target's size."""
     import torch
 
-    from train.model.conditioning import pipeline_areas
-    from train.runtime.metrics import progress
+    from train.model.qwen_image.conditioning import pipeline_areas
+    from train.runtime.console import progress
 
     outs = []
     for row, images, target in progress(list(zip(rows, references, targets, strict=True)), desc=desc, unit="image",
@@ -105,9 +105,9 @@ def new_scenes(workdir: Path, num_rows: int) -> Path:
     so that the picture shows the edit learnt rather than rows remembered."""
     import shutil
 
-    from train.model.components import detect_variant
     from train.model.images import shown_size
-    from train.model.tiny import make_dataset
+    from train.model.qwen_image.components import detect_variant
+    from train.model.qwen_image.tiny import make_dataset
 
     first = json.loads((workdir / "data" / "metadata.jsonl").read_text().splitlines()[0])
     size = shown_size(workdir / "data" / first["image"])[0]
@@ -195,7 +195,7 @@ def figures_lines(found: dict[str, dict]) -> list[str]:
 
 def unlike_the_demo(model_dir: Path, variant: str) -> str | None:
     """What makes a tiny model built before other than the demo's (of `variant`), None when nothing does."""
-    from train.model.components import detect_variant
+    from train.model.qwen_image.components import detect_variant
 
     built = detect_variant(model_dir, "auto")
     info = json.loads((model_dir / TINY_INFO).read_text()) if (model_dir / TINY_INFO).is_file() else {}
@@ -238,7 +238,7 @@ def build_model(workdir: Path, variant: str) -> None:
     (train/trainer/pretrain.py; a text-to-image base has no reference to copy and stays random)."""
     import time
 
-    from train.model.tiny import make_tiny
+    from train.model.qwen_image.tiny import make_tiny
     from train.trainer.pretrain import Pretraining, final_loss, pretrain
 
     make_tiny(workdir, variant, vae=DEMO_VAE, transformer=DEMO_TRANSFORMER)
@@ -258,13 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default=str(REPO / "demo_out"))
     parser.add_argument("--max_steps", type=int, default=600)
-    from train.model.tiny import VARIANTS
+    from train.model.qwen_image.tiny import VARIANTS
 
     parser.add_argument("--variant", default="edit", choices=VARIANTS)
     args = parser.parse_args(argv)
     import torch
 
-    from train.runtime.metrics import prefix_rank_output
+    from train.runtime.console import prefix_rank_output
 
     prefix_rank_output()  # off a terminal, the libraries' own bars stay out of the log
     workdir = Path(args.workdir).resolve()

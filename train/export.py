@@ -13,6 +13,7 @@ import argparse
 import sys
 
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
+from train.model import family
 from train.runtime import exports
 
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit code 0 on success, 2 for a bad checkpoint or argument (message on stderr)."""
     args = parse_args(argv)
     try:
-        path = exports.export(args.checkpoint, args.out, args.format, args.dtype, args.model, args.overwrite)
+        path = exports.export(args.checkpoint, args.out, args.format, args.dtype, args.model, args.overwrite,
+                              family_of=family.family_for)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

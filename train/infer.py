@@ -33,9 +33,13 @@ import torch
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train import config
 from train.config import files
-from train.model import components, lora_io, memory, pipelines
+from train.model import family, loading, lora_io, placement, renders, support
+from train.model.interface import Encoders
+from train.plan import inference
+from train.plan.explain import PlanError
+from train.plan.host import Host, node_host
 from train.runtime import engine, gpumon
-from train.runtime.metrics import prefix_rank_output, print0, progress
+from train.runtime.console import prefix_rank_output, print0, progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,11 +69,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
         problems.append(f"--input: {args.input!r} does not exist")
     else:
         try:
-            pipelines.read_requests(args.input)
+            renders.read_requests(args.input)
         except ValueError as e:  # a file that is not UTF-8 text
             problems.append(f"--input: {e}")
     for spec in args.lora:
-        path, weight = pipelines.parse_lora(spec)
+        path, weight = placement.parse_lora(spec)
         if not path.is_file():
             problems.append(f"--lora: {str(path)!r} is not a file (FILE[:WEIGHT], e.g. export/lora.safetensors:0.8)")
         elif not math.isfinite(weight):
@@ -90,23 +94,23 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
 def build_pipeline(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist):
     """(pipeline, variant) on this process's device(s), LoRAs loaded, memory options applied (inference.cpu_offload
     as the plan set it)."""
-    variant = components.detect_variant(args.model, settings.model.variant)
+    fam, variant = family.detect(args.model, settings.model.variant)
     device = torch.device("cuda", 0) if args.placement == "split" else d.device
-    dtype = components.encoder_dtype(args.dtype, device)
-    pipe = pipelines.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype),
-                                  settings.model.vae_2d_frames)
-    pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
-    pipelines.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
+    dtype = loading.encoder_dtype(args.dtype, device)
+    pipe = fam.load_pipeline(args.model, dtype, variant, random_models(args, settings, device, dtype),
+                             settings.model.vae_2d_frames)
+    placement.load_loras(pipe, [placement.parse_lora(spec) for spec in args.lora])
+    placement.place(pipe, settings.inference, device, args.placement, torch.device("cuda", 1))
     return pipe, variant
 
 
-def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> memory.InferencePlacement:
+def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist) -> inference.InferencePlacement:
     """The memory plan's placement on this process's device (printed), which sets inference.cpu_offload."""
-    host = memory.node_host(d.world_size) if d.device.type == "cuda" else memory.Host()  # a collective
-    requests, _ = pipelines.read_requests(args.input, args.seed)
+    host = node_host(d.world_size) if d.device.type == "cuda" else Host()  # a collective
+    requests, _ = renders.read_requests(args.input, args.seed)
     most = max((len(q.references) for q in requests), default=0)
-    line, placed = memory.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host,
-                                         most)
+    line, placed = inference.plan_inference(args.model, settings, config.explicit_keys(args.config), d.device, host,
+                                            most)
     if line:
         print0(line, rank=d.rank)
     return placed
@@ -114,23 +118,23 @@ def plan(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dis
 
 def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list, variant: str,
                 stream: bool):
-    """cpu_offload "blocks", first phase: the encoders alone on the device (Qwen2.5-VL streamed when `stream`)
+    """cpu_offload "blocks", first phase: the encoders alone on the device (the VL encoder streamed when `stream`)
     record every row's conditioning as validation records it; the text encoder then leaves. Returns (the VAE,
     {index: recording in host memory}, bad rows as (line, problem))."""
     from train.trainer import validation
 
-    dtype = components.encoder_dtype(args.dtype, d.device)
-    encoders = components.load_encoders(args.model, dtype, d.device, stream_text_encoder=stream,
-                                        vae_2d_frames=settings.model.vae_2d_frames)
-    pipe = pipelines.pipeline_from_components(args.model, variant, validation.shape_only_transformer(args.model),
-                                              encoders)
+    fam = family.variant_family(variant)
+    dtype = loading.encoder_dtype(args.dtype, d.device)
+    encoders = fam.load_encoders(args.model, dtype, d.device, stream_text_encoder=stream,
+                                 vae_2d_frames=settings.model.vae_2d_frames)
+    pipe = fam.pipeline_from_components(args.model, variant, validation.shape_only_transformer(args.model), encoders)
     recorded, bad = {}, []
     with validation.preserved_training_state(encoders.vae, encoders.vae, settings.inference.vae_tiling,
                                              settings.inference.vae_slicing):
         for request in progress(todo, desc=f"encode (rank 0 of {d.world_size})", unit="row",
                                 disable=not d.is_main, file=sys.stdout):
-            problem = pipelines.check_request(request, variant, settings.inference.area,
-                                              settings.inference.condition_area, encoders.processor)
+            problem = renders.check_request(request, variant, settings.inference.area,
+                                             settings.inference.condition_area, encoders.processor)
             if problem is None:  # kept in host memory until its render (replay moves it back)
                 recorded[request.index] = [(name, _to_host(out)) for name, out in validation.record_conditioning(
                     pipe, variant, request, settings.inference, settings.data.alpha_background)]
@@ -165,26 +169,28 @@ def streaming_pipeline(args: argparse.Namespace, variant: str, vae, offload: int
     from train.model import offload as offloading
     from train.model import streaming
 
-    dtype = components.encoder_dtype(args.dtype, d.device)
+    fam = family.variant_family(variant)
+    dtype = loading.encoder_dtype(args.dtype, d.device)
     blocks = set(range(offload))
-    transformer, _ = components.streamed_transformer(args.model, streaming.Placement(d.device, dtype,
-                                                                                       offload=blocks), frozen=True)
-    encoders = components.Encoders(text_encoder=None, processor=None, vae=vae)
-    pipe = pipelines.pipeline_from_components(args.model, variant, transformer, encoders)
-    pipelines.load_loras(pipe, [pipelines.parse_lora(spec) for spec in args.lora])
+    transformer, _ = loading.streamed_transformer(args.model, streaming.Placement(d.device, dtype, offload=blocks),
+                                                  frozen=True)
+    encoders = Encoders(text_encoder=None, processor=None, vae=vae)
+    pipe = fam.pipeline_from_components(args.model, variant, transformer, encoders)
+    placement.load_loras(pipe, [placement.parse_lora(spec) for spec in args.lora])
     transformer.requires_grad_(False).eval()
     if blocks:
         transformer.block_offloader = offloading.BlockOffloader(
-            {i: transformer.transformer_blocks[i] for i in sorted(blocks)}, d.device)
+            {i: fam.blocks(transformer)[i] for i in sorted(blocks)}, d.device)
     return pipe
 
 
-def _replayed(recorded: dict, device: torch.device, pipe, request: pipelines.EditRequest):
-    """Inside, `pipe` replays the request's recorded conditioning (moved to `device`) instead of encoding."""
+def _replayed(recorded: dict, device: torch.device, fam, pipe, request: renders.EditRequest):
+    """Inside, `pipe` (of family `fam`) replays the request's recorded conditioning (moved to `device`) instead of
+    encoding."""
     from train.trainer import validation
 
-    return validation.replayed_conditioning(validation.sampling_pipeline(pipe, request), recorded[request.index],
-                                            device)
+    return validation.replayed_conditioning(fam.sampling_pipeline(pipe, bool(request.references)),
+                                            recorded[request.index], device)
 
 
 STREAMED_CHUNK_ROWS = 256  # rows encoded, then rendered, at a time: their recordings wait in host memory (~16 MB
@@ -192,10 +198,10 @@ STREAMED_CHUNK_ROWS = 256  # rows encoded, then rendered, at a time: their recor
 
 
 def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist, todo: list,
-                    placed: memory.InferencePlacement):
+                    placed: inference.InferencePlacement):
     """cpu_offload "blocks": chunk by chunk (STREAMED_CHUNK_ROWS), encode the rows, then render them with the
     recorded conditioning; returns (written, bad rows as (line, problem), seconds per image rendered)."""
-    variant = components.detect_variant(args.model, settings.model.variant)
+    fam, variant = family.detect(args.model, settings.model.variant)
     written, bad, seconds = 0, [], []
     for start in range(0, len(todo), STREAMED_CHUNK_ROWS):
         chunk = todo[start:start + STREAMED_CHUNK_ROWS]
@@ -208,7 +214,7 @@ def render_streamed(args: argparse.Namespace, settings: config.ProjectConfig, d:
         if settings.inference.vae_slicing:
             vae.enable_slicing()
         done, bad_images, times = render_rows(pipe, variant, [q for q in chunk if q.index in recorded], args,
-                                              settings, d, functools.partial(_replayed, recorded, vae.device))
+                                              settings, d, functools.partial(_replayed, recorded, vae.device, fam))
         written, bad, seconds = written + done, bad + bad_rows + bad_images, seconds + times
         del pipe, vae, recorded
         _free(d.device)
@@ -219,24 +225,25 @@ def random_models(args: argparse.Namespace, settings: config.ProjectConfig, devi
                   dtype: torch.dtype) -> dict:
     """Under QWEN_EDIT_RANDOM_INIT=1 the pipeline's models at random init, each built where `place` will keep it
     (host memory for CPU offload, cuda:1 for the split transformer), as training builds them; else none ({})."""
-    if not components.random_init():
+    if not files.random_init():
         return {}
     split = args.placement == "split"
     on_host = not split and settings.inference.cpu_offload != "none" and device.type == "cuda"
-    return components.random_pipeline_models(args.model, dtype, device, torch.device("cuda", 1) if split else device,
-                                             on_host)
+    fam = family.family_of(args.model, settings.model.variant)
+    return fam.random_pipeline_models(args.model, dtype, device, torch.device("cuda", 1) if split else device,
+                                      on_host)
 
 
 def select_rows(args: argparse.Namespace, d: engine.Dist):
     """This rank's share: (requests to render, already done count, bad rows as (line, problem))."""
-    requests, problems = pipelines.read_requests(args.input, args.seed)
+    requests, problems = renders.read_requests(args.input, args.seed)
     bad = [(line, msg) for index, line, msg in problems if index % d.world_size == d.rank]
     mine = [q for q in requests if q.index % d.world_size == d.rank]
     todo = [q for q in mine if not output_path(args.out, q).is_file()]
     return todo, len(mine) - len(todo), bad
 
 
-def output_path(out_dir: str, request: pipelines.EditRequest) -> Path:
+def output_path(out_dir: str, request: renders.EditRequest) -> Path:
     return Path(out_dir) / f"{request.name}.png"
 
 
@@ -246,18 +253,19 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
     rendered). replay: (pipe, request) -> the context in which the pipeline replays the request's recorded
     conditioning (None: the pipeline encodes)."""
     written, bad, seconds = 0, [], []
+    fam = family.variant_family(variant)
     for request in progress(todo, desc=f"infer (rank 0 of {d.world_size})", unit="image", disable=not d.is_main,
                             file=sys.stdout):
-        problem = pipelines.check_request(request, variant, settings.inference.area,
-                                          settings.inference.condition_area, getattr(pipe, "processor", None))
+        problem = renders.check_request(request, variant, settings.inference.area,
+                                         settings.inference.condition_area, getattr(pipe, "processor", None))
         if problem is None:
-            images = pipelines.open_references(request, settings.data.alpha_background)
+            images = renders.open_references(request, settings.data.alpha_background)
             start = time.perf_counter()
             with (replay(pipe, request) if replay else contextlib.nullcontext()):
-                image = pipelines.edit(pipe, variant, images, request.prompt, request.seed, settings.inference)
+                image = fam.sample(pipe, variant, images, request.prompt, request.seed, settings.inference)
             seconds.append(time.perf_counter() - start)
             try:
-                pipelines.save_png_atomic(image, output_path(args.out, request))
+                renders.save_png_atomic(image, output_path(args.out, request))
                 written += 1
             except OSError as e:  # a name the file system refuses (or a full disk): this row only
                 problem = f"cannot write {output_path(args.out, request)} ({e.strerror or e})"
@@ -279,7 +287,7 @@ def run(args: argparse.Namespace, settings: config.ProjectConfig, d: engine.Dist
         written, seconds = 0, []
         try:  # on every rank, with rows to render or not: the host's count is a collective
             placed = plan(args, settings, d) if args.placement == "single" else None
-        except memory.PlanError as e:  # the same on every rank, before anything loads: no traceback
+        except PlanError as e:  # the same on every rank, before anything loads: no traceback
             print0(f"error: {e}", rank=d.rank, file=sys.stderr)
             return 2
         if todo:
@@ -328,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         problems += e.problems
     if not problems:
         try:
-            components.detect_variant(args.model, settings.model.variant)
-        except components.ModelError as e:
+            fam, _ = family.detect(args.model, settings.model.variant)
+            problems += support.unsupported(fam, settings, support.INFER)
+        except family.ModelError as e:
             problems.append(str(e))
     if problems:
         print0("error: " + "\n  - ".join(["invalid arguments:", *problems]), rank=rank, file=sys.stderr)

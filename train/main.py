@@ -21,9 +21,10 @@ import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
-from train.model import components, lora_io, memory, streaming
+from train.model import family, lora_io, streaming, support
+from train.plan.explain import PlanError
 from train.runtime import checkpoint, engine, outdir, preempt
-from train.runtime.metrics import prefix_rank_output, print0
+from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build, loop
 
 
@@ -40,10 +41,12 @@ def main(argv: list[str] | None = None) -> int:
                                  num_gpus=torch.cuda.device_count(), check_parallel=check_parallel)
     except (engine.TooManyProcessesError, config.ConfigError) as e:
         return engine.refuse_early(e, rank)
-    try:
-        components.detect_variant(cfg.project.model.path, cfg.project.model.variant)  # fail before any process starts
-    except components.ModelError as e:
+    try:  # fail before any process starts
+        fam, _ = family.detect(cfg.project.model.path, cfg.project.model.variant)
+        support.check_supported(fam, cfg.project, support.TRAIN, gpu=torch.cuda.is_available())
+    except family.ModelError as e:
         return engine.refuse_early(e, rank)
+    cfg = build.with_family_defaults(cfg, fam)
     try:
         if cfg.project.parallel.mode == "model_parallel":  # stages in separate processes: model_parallel/
             import model_parallel
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                           outdir.is_holder(cfg.deepspeed, d)):
             build.run(cfg, d, args.resume, args.overwrite)
     except (pairs.BadRowsError, latent_cache.CacheError, checkpoint.ResumeError, lora_io.LoraFileError,
-            outdir.OutputDirError, memory.PlanError, streaming.WeightsError) as e:  # on all ranks
+            outdir.OutputDirError, PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
     except loop.NonFiniteError as e:  # on all ranks at the same step

@@ -1,4 +1,5 @@
-"""Build a tiny Qwen-Image-Edit or Qwen-Image checkpoint and a synthetic edit dataset, offline (train/model/tiny.py).
+"""Build a tiny Qwen-Image-Edit or Qwen-Image checkpoint and a synthetic edit dataset, offline
+(train/model/qwen_image/tiny.py).
 
     python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i] [--num_samples N] [--size PX]
         [--demo | --vae random|pooling --transformer tests|demo --pretrain_steps N]
@@ -14,8 +15,8 @@ from __future__ import annotations
 import argparse
 
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
-from train.model.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
-from train.runtime.metrics import prefix_rank_output
+from train.model.qwen_image.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
+from train.runtime.console import prefix_rank_output
 from train.trainer.pretrain import MIN_STEPS, Pretraining, final_loss, pretrain
 
 

@@ -1,13 +1,13 @@
-"""The memory plan's block measurement alone (train/model/memory.py `measure`), with and without kept attention.
+"""The memory plan's block measurement alone (train/plan/measure.py `measure`), with and without kept attention.
 
     python -m train.bench --block_probe [--image_tokens 12288 --target 64x64 --text_tokens 696] [--json J]
 
-One- and two-block transformers of the released width (train/model/archs.py), prepared as training prepares them
+One- and two-block transformers of the released width (Qwen-Image-Edit's), prepared as training prepares them
 (LoRA r64 on the default targets, fp8 base, compiled), run forward and backward at one micro-batch's tokens, plain
 and checkpointed, as the plan measures them at the start of a run: first with checkpointed blocks that keep their
 attention output (train.kept_attention_blocks, train/model/kept_attention.py), then with blocks that recompute it.
 The report gives the plan's figures for both, so the lever's memory (X) and the recomputation it saves come from one
-process on one GPU. The default workload is the 2509 one of docs/performance.md "Memory" (a 1024^2 target, two 1 MP
+process on one GPU. The default workload is the 2509 one of docs/performance.md (a 1024^2 target, two 1 MP
 references, the text bound: 12,984 tokens).
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from train.config import LoraConfig
-from train.model import memory
+from train.plan.measure import measure
+from train.plan.workload import Workload
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,24 +38,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from diffusers import QwenImageTransformer2DModel
-
-    from train.model.archs import FULL_ARCH
+    from train.benchmarks.step import FAMILY, build_full_transformer
 
     if not torch.cuda.is_available():
         raise SystemExit("--block_probe needs a CUDA GPU (the plan measures nothing on the CPU)")
     device = torch.device("cuda", torch.cuda.current_device())
     h, w = (int(n) for n in args.target.lower().split("x"))
-    work = memory.Workload(1, args.image_tokens, (2 * h, 2 * w), args.text_tokens)
-    lora = LoraConfig(rank=args.rank, alpha=float(args.rank))
+    work = Workload(1, args.image_tokens, (2 * h, 2 * w), args.text_tokens)
+    lora = LoraConfig(rank=args.rank, alpha=float(args.rank), target_modules=list(FAMILY.lora.targets))
     record = {"benchmark": "block_probe", "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "tokens": work.image_tokens + work.text_tokens, "rank": args.rank}
     with tempfile.TemporaryDirectory(prefix="block_probe_") as model_dir:
-        with torch.device("meta"):
-            QwenImageTransformer2DModel(**FULL_ARCH).save_config(Path(model_dir) / "transformer")
+        build_full_transformer(None, "meta", torch.bfloat16).save_config(Path(model_dir) / "transformer")
         for kept in (True, False):
-            m = memory.measure(model_dir, work, torch.bfloat16, device, "lora", lora, True, True, kept=kept)
+            m = measure(model_dir, work, torch.bfloat16, device, "lora", lora, True, True, kept=kept)
             record["kept" if kept else "recomputed"] = dataclasses.asdict(m)
     return record
 

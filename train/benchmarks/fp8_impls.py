@@ -24,23 +24,25 @@ from __future__ import annotations
 
 import torch
 
-from train.model import fp8
+from train.model import family, fp8
 
 IMPLS = ("ours", "torchao_training", "torchao_inference")
 
 
 def frozen_linears(model: torch.nn.Module, kind: str) -> list[str]:
     """Names of the plain nn.Linear modules (peft's base layers included) that train/model/fp8.py converts as `kind`
-    ("token" or "vector")."""
+    ("token" or "vector"), as the model's family names them."""
+    kind_of = family.transformer_family(model).fp8_kind
     return [name for name, module in model.named_modules()
             if type(module) is torch.nn.Linear and ".lora_" not in name
-            and fp8._kind(name.removesuffix(".base_layer")) == kind]
+            and kind_of(name.removesuffix(".base_layer")) == kind]
 
 
 def convert(model: torch.nn.Module, impl: str, keep_transposed: bool = False, fast_accum: bool = False) -> int:
     """Put the frozen block linears of `model` (LoRA already added) in fp8 the `impl` way; returns how many."""
     if impl == "ours":
-        return fp8.convert_frozen_linears(model, keep_transposed=keep_transposed, fast_accum=fast_accum)
+        return fp8.convert_frozen_linears(model, family.transformer_family(model).fp8_kind,
+                                          keep_transposed=keep_transposed, fast_accum=fast_accum)
     if keep_transposed or fast_accum:
         raise ValueError(f"--fp8_transposed and --fp8_fast_accum are train/model/fp8.py's; --fp8_impl {impl} has "
                          "neither")

@@ -20,11 +20,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 
-from train.model import fp8
-from train.model.archs import FULL_ARCH
+from train.model import family, fp8
+
+# Qwen-Image-Edit's released transformer: its blocks' widths and depth
+FULL_ARCH = family.family_named("qwen_image").bench.released_config("edit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,17 +48,25 @@ def linears() -> list[tuple[str, int, int]]:
             ("mlp_down", 4 * dim, dim)]
 
 
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(5):
+def median_ms(fn, repeats: int, device: torch.device, warmup: int = 5) -> float:
+    """Median milliseconds of `repeats` calls of `fn` after `warmup` calls: each call between two CUDA events on a
+    GPU, between two reads of the host clock on a CPU (where a call ends when it returns). The benchmarks' timer of
+    single kernels (this probe and the floor of train/benchmarks/floor.py)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -62,32 +74,55 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+@dataclass(frozen=True)
+class Fp8Operands:
+    """One token linear's fp8 operands as training makes them (train/model/fp8.py): the input x quantised per row,
+    the e4m3 weight with its row scales and its transposed copy (train.fp8_transposed's), and the output gradient
+    dy with the weight's row scales folded in, quantised per row, as the backward does."""
+
+    x8: torch.Tensor
+    x_scale: torch.Tensor
+    w8: torch.Tensor
+    w_scale: torch.Tensor
+    w8_t: torch.Tensor
+    g8: torch.Tensor
+    g_scale: torch.Tensor
+    ones: torch.Tensor
+    dtype: torch.dtype = torch.bfloat16  # of the activations: the matmuls' output dtype
+
+    def forward(self, fast: bool) -> torch.Tensor:
+        """x @ W^T: the forward matmul."""
+        return fp8.scaled_mm(self.x8, self.x_scale, self.w8, self.w_scale, self.dtype, fast)
+
+    def input_grad(self, fast: bool) -> torch.Tensor:
+        """dy @ W: the backward's input-gradient matmul (on the transposed copy)."""
+        return fp8.scaled_mm(self.g8, self.g_scale, self.w8_t, self.ones, self.dtype, fast)
+
+
+def fp8_operands(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Fp8Operands:
+    """Random operands of an m-row input through a k -> n token linear, activations in `dtype` (weights at the
+    released init's std 0.02)."""
+    g = torch.Generator(device=device).manual_seed(m * 7 + k * 3 + n)
+    x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
+    w8, w_scale = fp8.quantize_weight(0.02 * torch.randn(n, k, device=device, generator=g))
+    dy = torch.randn(m, n, device=device, dtype=dtype, generator=g)
+    g8, g_scale = fp8.quantize_rows(dy * w_scale.view(1, -1))  # W's row scales folded into dy, as the backward
+    return Fp8Operands(*fp8.quantize_rows(x), w8, w_scale, w8.t().contiguous(), g8, g_scale,
+                       torch.ones(k, dtype=torch.float32, device=device), dtype)
+
+
 def measure(m: int, k: int, n: int, device: torch.device, repeats: int) -> dict:
     """One linear with m rows of input: the forward and input-gradient matmuls, fast accumulation off and on."""
-    g = torch.Generator(device=device).manual_seed(m * 7 + k * 3 + n)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
-    w8, w_scale = fp8.quantize_weight(0.02 * torch.randn(n, k, device=device, generator=g))
-    w8_t = w8.t().contiguous()  # train.fp8_transposed's copy
-    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=g)
-    ones = torch.ones(k, dtype=torch.float32, device=device)
-    x8, x_scale = fp8.quantize_rows(x)
-    g8, g_scale = fp8.quantize_rows(dy * w_scale.view(1, -1))  # W's row scales folded into dy, as the backward
-    ref_fwd = (x8.float() * x_scale) @ (w8.float() * w_scale[:, None]).t()
-    ref_bwd = (g8.float() * g_scale) @ w8.float()
+    ops = fp8_operands(m, k, n, device)
+    ref_fwd = (ops.x8.float() * ops.x_scale) @ (ops.w8.float() * ops.w_scale[:, None]).t()
+    ref_bwd = (ops.g8.float() * ops.g_scale) @ ops.w8.float()
     row = {"m": m, "k": k, "n": n}
     for fast in (False, True):
         tag = "fast" if fast else "exact"
-
-        def fwd(fast=fast):
-            return fp8.scaled_mm(x8, x_scale, w8, w_scale, torch.bfloat16, fast)
-
-        def bwd(fast=fast):
-            return fp8.scaled_mm(g8, g_scale, w8_t, ones, torch.bfloat16, fast)
-
-        row[f"fwd_ms_{tag}"] = _median_ms(fwd, repeats)
-        row[f"bwd_ms_{tag}"] = _median_ms(bwd, repeats)
-        row[f"fwd_error_{tag}"] = _error(fwd(), ref_fwd)
-        row[f"bwd_error_{tag}"] = _error(bwd(), ref_bwd)
+        row[f"fwd_ms_{tag}"] = median_ms(lambda fast=fast: ops.forward(fast), repeats, device)
+        row[f"bwd_ms_{tag}"] = median_ms(lambda fast=fast: ops.input_grad(fast), repeats, device)
+        row[f"fwd_error_{tag}"] = _error(ops.forward(fast), ref_fwd)
+        row[f"bwd_error_{tag}"] = _error(ops.input_grad(fast), ref_bwd)
     return row
 
 

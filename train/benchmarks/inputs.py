@@ -16,7 +16,7 @@ raise (goal: cached >= 1.2x online on the 1024^2 Edit v1 workload). The encoders
 a GPU the allocated memory they give back when freed) is reported too.
 
 Default models: Qwen2.5-VL-7B (8.3 B; the released text and vision sizes), the released VAE architecture and,
-with --train_step, the full Qwen-Image transformer (train/model/archs.py), all at random init, built directly
+with --train_step, the full Qwen-Image transformer (the family's released sizes), all at random init, built directly
 on the device in bf16; nothing is downloaded. The processor is the released one's settings with a small BPE
 tokenizer trained here (prompts tokenise into more, shorter tokens than with Qwen's vocabulary).
 """
@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from train.benchmarks import step as bench
+from train.config.files import transformer_class
 from train.data import latent_cache, pairs, sources
-from train.model import components, conditioning, memory, tiny, vae_frames
-from train.model.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISION
+from train.model import family
+from train.model.interface import Encoders
+from train.plan.measure import peak_above
 from train.runtime import engine
 from train.trainer import loop
 
@@ -69,40 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- models and data
 
 
-def full_encoders(tokenizer, device: torch.device, dtype: torch.dtype, vae_2d_frames: bool) -> components.Encoders:
-    """Qwen2.5-VL-7B and the released VAE architecture at random init, created on `device` in `dtype` (the VAE
-    with train/model/vae_frames.py's 2D path when vae_2d_frames, as components.load_vae gives it)."""
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
-    vl_config = Qwen2_5_VLConfig(
-        text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
-        vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
-    with torch.device(device), bench.default_dtype(dtype):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(vl_config)
-        vae = AutoencoderKLQwenImage()
-    processor = tiny.build_processor(tokenizer, **VL_PIXELS)
-    for module in (text_encoder, vae):
-        module.requires_grad_(False).eval()
-    if vae_2d_frames:
-        vae_frames.apply(vae)
-    return components.Encoders(text_encoder, processor, vae)
-
-
 def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dtype: torch.dtype):
-    """(rows, dataset, encoders, transformer or None): synthetic edits at the workload size and the models."""
+    """(rows, dataset, encoders, transformer or None): synthetic edits at the workload size and the models (the
+    tiny checkpoint's, or the released encoders' sizes at random init)."""
     num_rows, side = args.warmup + args.samples, bench.make_workload(args.area, 1, 1, 1).width
+    fam = family.variant_family(args.variant)
     if args.tiny:
-        tiny.make_tiny(work, args.variant, num_samples=num_rows, size=side)
-        encoders = components.load_encoders(work / "model", dtype, device, vae_2d_frames=args.vae_2d_frames == "on")
+        fam.make_tiny(work, args.variant, num_samples=num_rows, size=side)
+        encoders = fam.load_encoders(work / "model", dtype, device, vae_2d_frames=args.vae_2d_frames == "on")
     else:
-        tiny.make_dataset(work / "data", args.variant, num_rows, side)
-        prompts = [json.loads(line)["prompt"] for line in (work / "data" / "metadata.jsonl").read_text().splitlines()]
-        encoders = full_encoders(tiny.build_tokenizer([*conditioning.PROMPT_TEMPLATES.values(), *prompts]),
-                                 device, dtype, args.vae_2d_frames == "on")
+        fam.make_dataset(work / "data", args.variant, num_rows, side)
+        encoders = fam.bench.full_encoders(work / "data", device, dtype, args.vae_2d_frames == "on")
     rows, _ = pairs.read_rows(work / "data")
     dataset = pairs.EditDataset(work / "data", rows, args.variant, args.area, 384 * 384 if not args.tiny else 64 * 64)
     transformer = build_transformer(args, work, device, dtype) if args.train_step else None
@@ -113,16 +91,15 @@ def build_transformer(args: argparse.Namespace, work: Path, device: torch.device
     """The transformer with LoRA r64 on the attention projections (as train.bench), seeded."""
     torch.manual_seed(bench.SEED)
     if args.tiny:
-        from diffusers import QwenImageTransformer2DModel
-
-        model = QwenImageTransformer2DModel.from_pretrained(work / "model", subfolder="transformer").to(device)
+        model = transformer_class(work / "model" / "transformer").from_pretrained(work / "model",
+                                                                                  subfolder="transformer").to(device)
     else:
-        model = bench.build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype)
+        model = bench.build_full_transformer(args.num_layers, device, dtype)
     bench.prepare_training(model, "lora", bench.lora_config(64, "attn"), "none", False)
     return model
 
 
-def encoder_stats(encoders: components.Encoders) -> dict:
+def encoder_stats(encoders: Encoders) -> dict:
     params = sum(p.numel() for m in (encoders.text_encoder, encoders.vae) for p in m.parameters())
     nbytes = sum(p.numel() * p.element_size() for m in (encoders.text_encoder, encoders.vae) for p in m.parameters())
     return {"encoder_params": params, "encoder_weights_gb": nbytes / 1e9}
@@ -154,7 +131,7 @@ def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Name
 
     def step(b: sources.Batch, i: int) -> None:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-        eng.backward(loop.forward_loss(eng, b, t, generator, tiny.SCHEDULER_CONFIG, dtype))
+        eng.backward(loop.forward_loss(eng, b, t, generator, bench.FAMILY.bench.SCHEDULER, dtype, bench.FAMILY))
         eng.step()
         bench._sync(d.device)
 
@@ -175,35 +152,24 @@ def time_source(source: sources.LoaderSource, step, warmup: int, samples: int) -
     return {"samples_per_s": samples / elapsed, "data_wait_fraction": source.take_wait_s() / elapsed}
 
 
-def time_encode_parts(dataset, encoders: components.Encoders, variant: str, device: torch.device,
-                      repeats: int) -> dict:
+def time_encode_parts(dataset, encoders: Encoders, variant: str, device: torch.device, repeats: int) -> dict:
     """Seconds per micro-batch of each part of online encoding (sources.encode_batch) on the first row, the mean of
     `repeats` after one warm-up, synchronised: Qwen2.5-VL (processor included), its processor alone (tokenising,
     resizing and patching the images on the host, then the copy to the device), the VAE on the target, on the
     references, and all of encode_batch; then the two VAE parts again with model.vae_2d_frames on (`*_2d_s`) and
     off (`*_3d_s`, diffusers' own path), in the same process, and on a GPU each way's encode peak above the
     allocated memory (`*_peak_gb`)."""
-    raw = pairs.collate([dataset[0]])
-    texts = conditioning.prompt_texts(raw["prompts"], len(raw["vl_images"][0]), variant)
-    flat = [im for sample in raw["vl_images"] for im in sample]
-    parts = {
-        "encode_vl_s": lambda: conditioning.encode_prompts(encoders.text_encoder, encoders.processor, raw["prompts"],
-                                                           raw["vl_images"], variant),
-        "encode_vl_processor_s": lambda: encoders.processor(text=texts, images=flat, padding=True,
-                                                            return_tensors="pt").to(encoders.text_encoder.device),
-        "encode_vae_target_s": lambda: conditioning.encode_latents(encoders.vae, raw["target"]),
-        "encode_vae_references_s": lambda: conditioning.encode_references(encoders.vae, raw["reference_pixels"]),
-        "encode_batch_s": lambda: sources.encode_batch(raw, encoders, variant),
-    }
+    hooks = family.variant_family(variant).bench
+    parts = hooks.encode_parts(pairs.collate([dataset[0]]), encoders, variant)
     out = time_calls(parts, device, repeats)
     vae_parts = {name: parts[f"{name}_s"] for name in ("encode_vae_target", "encode_vae_references")}
-    configured = vae_frames.is_applied(encoders.vae)
-    for suffix, switch in (("2d", vae_frames.apply), ("3d", vae_frames.remove)):
+    configured = hooks.vae_path(encoders.vae)
+    for suffix, switch in hooks.VAE_PATHS.items():
         switch(encoders.vae)
         out.update(time_calls({f"{name}_{suffix}_s": call for name, call in vae_parts.items()}, device, repeats))
         if device.type == "cuda":
-            out[f"encode_vae_target_{suffix}_peak_gb"] = memory.peak_above(device, vae_parts["encode_vae_target"]) / 1e9
-    (vae_frames.apply if configured else vae_frames.remove)(encoders.vae)
+            out[f"encode_vae_target_{suffix}_peak_gb"] = peak_above(device, vae_parts["encode_vae_target"]) / 1e9
+    hooks.VAE_PATHS[configured](encoders.vae)
     return out
 
 

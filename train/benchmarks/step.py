@@ -2,11 +2,11 @@
 train/bench.py; its arguments are parse_args's).
 
 What is timed is exactly what `train.trainer.loop.train` runs per micro-step: `train.trainer.loop.forward_loss` on a
-`train.data.sources.Batch` (a `train.model.conditioning.Conditioning` inside), `engine.backward(loss)` and
+`train.data.sources.Batch` (the Qwen-Image family's conditioning inside), `engine.backward(loss)` and
 `engine.step()` on the DeepSpeed engine that `train.runtime.engine.build_engine` returns (ZeRO-2, GAS 1). The batch is
 built from synthetic tensors of the shapes the encoders produce. The frozen encoders (Qwen2.5-VL and the VAE) are
 excluded: their cost does not depend on anything the trainer does to the transformer, it is measured
-separately, and the latent/embedding cache (another issue) removes it from training altogether.
+separately, and the latent/embedding cache (train/data/latent_cache.py) removes it from training altogether.
 
 Default model: the full Qwen-Image-Edit transformer architecture (60 blocks, width 3072) at random init,
 built directly on the GPU in bf16 (no weights needed; `--num_layers` lowers the depth, e.g. so that full
@@ -55,13 +55,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.benchmarks import fp8_impls, peer
+from train.benchmarks import floor, fp8_impls, kernels, peer
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
-from train.model import components, conditioning, rope
-from train.model.archs import FULL_ARCH
-from train.model.tiny import SCHEDULER_CONFIG
-from train.runtime import engine
+from train.model import family, prepare
+from train.runtime import engine, steptime
+from train.runtime.collector import Collector
 from train.trainer import loop
 
 ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -69,6 +68,7 @@ ATTN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 PEAK_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, per GPU (datasheet)
 SEED = 42
+FAMILY = family.family_named("qwen_image")  # the architecture measured here, and by the peer (DiffSynth's QwenImageDiT)
 LR = 1e-4
 # Which stream's tokens each nn.Linear sees; the first pattern that matches the module name wins.
 _STREAMS = (
@@ -77,11 +77,12 @@ _STREAMS = (
     ("image", re.compile(r"(^|\.)(img_in|proj_out|img_mlp\..+|attn\.(to_[qkv]|to_out\.0))$")),
 )
 # Fields of the JSON record that are numbers > 0 in every run (the CI smoke test checks them).
-NUMERIC_FIELDS = ("s_per_step", "samples_per_s", "tokens_per_s", "mfu", "flops_per_step", "peak_memory_gb",
+NUMERIC_FIELDS = ("s_per_step", "median_s_per_step", "mean_over_median", "slowest_s", "slowest_step", "timed_steps",
+                  "samples_per_s", "tokens_per_s", "mfu", "flops_per_step", "peak_memory_gb",
                   "area", "width", "height", "target_tokens", "text_tokens", "tokens_per_sample", "trainable_params",
                   "total_params", "micro_batch", "gpu_count", "steps", "peak_tflops_per_gpu")
-BASELINE_FIELDS = ("baseline_s_per_step", "baseline_samples_per_s", "baseline_mfu", "baseline_peak_memory_gb",
-                   "ratio")
+BASELINE_FIELDS = ("baseline_s_per_step", "baseline_median_s_per_step", "baseline_samples_per_s", "baseline_mfu",
+                   "baseline_peak_memory_gb", "ratio")
 
 
 # ---------------------------------------------------------------- options and workload
@@ -99,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("lora", "full"), default="lora")
     p.add_argument("--lora_rank", type=int, default=64)
     p.add_argument("--lora_targets", choices=("attn", "default"), default="attn",
-                   help="attn: the 8 attention projections; default: train.config.LoraConfig().target_modules")
+                   help="attn: the 8 attention projections; default: the family's default targets (12)")
     p.add_argument("--checkpointing", choices=("none", "full"), default="none",
                    help="full: recompute every transformer block in backward")
     p.add_argument("--checkpoint_blocks", type=int, default=0,
@@ -119,14 +120,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"compile or compile_dynamic (default {','.join(peer.DEFAULT_VARIANTS)})")
     p.add_argument("--complex_rope", action="store_true",
                    help="the project's step with diffusers' complex rotary embedding instead of real pairs "
-                        "(train/model/rope.py), to measure that lever")
+                        "(train/model/qwen_image/rope.py), to measure that lever")
     p.add_argument("--text_mask", action="store_true",
                    help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)")
     p.add_argument("--zero_stage", type=int, choices=(0, 1, 2), default=2,
                    help="zero_optimization.stage of the engine (default 2, as ds_configs/zero2.json)")
-    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    _add_probe_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--warmup", type=int, default=steptime.WARMUP_STEPS,
+                   help=f"untimed steps first (default {steptime.WARMUP_STEPS}, as the trainer's step-time summary)")
+    p.add_argument("--gc_every_steps", type=int, default=TrainConfig().gc_every_steps,
+                   help="the garbage collector as train.gc_every_steps runs it in training, for every timed loop "
+                        f"(default {TrainConfig().gc_every_steps}; 0 = Python's automatic collection)")
     p.add_argument("--baseline", action="store_true", help="also time a plain PyTorch LoRA loop, print the ratio")
     p.add_argument("--loss_tolerance", type=float, default=1e-3,
                    help="with --baseline: largest relative loss difference per step accepted between the two "
@@ -139,6 +144,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.area = args.area or (128 * 128 if args.tiny else 1024 * 1024)
     args.text_tokens = args.text_tokens or (32 if args.tiny else 256)
     return args
+
+
+def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """What else is read from the timed step: its profile and its kernels' floor."""
+    p.add_argument("--profile", help="also profile 3 steps of each loop (torch.profiler); tables go to PROFILE.*.txt")
+    p.add_argument("--floor", action="store_true",
+                   help="after the step, time its attention and matmul kernels alone at its shapes and report the "
+                        "step's time over their sum (train/benchmarks/floor.py)")
+    p.add_argument("--floor_repeats", type=int, default=20,
+                   help="with --floor: timed calls of each kernel (default 20)")
 
 
 def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,8 +173,9 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject combinations the benchmark cannot run (parser.error exits with status 2)."""
-    if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.refs < 0 or args.lora_rank < 1:
-        parser.error("--steps, --micro_batch, --lora_rank must be >= 1; --warmup and --refs >= 0")
+    if (args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.refs < 0 or args.lora_rank < 1
+            or args.gc_every_steps < 0):
+        parser.error("--steps, --micro_batch, --lora_rank must be >= 1; --warmup, --refs and --gc_every_steps >= 0")
     if args.area is not None and args.area < 32 * 32:
         parser.error("--area must be at least 1024 px (one 32x32 tile)")
     if args.text_tokens is not None and args.text_tokens < 1:
@@ -176,6 +192,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_fast_accum applies with --fp8_base")
     if args.compile_mode and not args.compile:
         parser.error("--compile_mode applies with --compile")
+    if args.floor and (args.mode != "lora" or args.fp8_impl != "ours" or args.floor_repeats < 1):
+        parser.error("--floor times a frozen base's matmuls as train/model/fp8.py makes them: use it with --mode lora "
+                     "(and --fp8_impl ours), --floor_repeats >= 1")
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
     if args.fp8_impl != "ours" and not args.fp8_base:
@@ -204,7 +223,7 @@ class Workload:
 
     @property
     def latent_hw(self) -> tuple[int, int]:
-        return self.height // conditioning.PIXELS_PER_LATENT, self.width // conditioning.PIXELS_PER_LATENT
+        return self.height // FAMILY.pixels_per_latent, self.width // FAMILY.pixels_per_latent
 
     @property
     def target_tokens(self) -> int:
@@ -246,29 +265,46 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def build_full_transformer(num_layers: int, device: torch.device | str, dtype: torch.dtype,
+def variant(zero_cond_t: bool) -> str:
+    """The variant measured: Qwen-Image-Edit, or 2511 (zero_cond_t)."""
+    return "edit_plus_2511" if zero_cond_t else "edit"
+
+
+def build_full_transformer(num_layers: int | None, device: torch.device | str, dtype: torch.dtype,
                            zero_cond_t: bool = False) -> torch.nn.Module:
-    """The Qwen-Image-Edit transformer at random init, created directly on `device` (also "meta") in `dtype`
-    (zero_cond_t: 2511's)."""
-    from diffusers import QwenImageTransformer2DModel
+    """The Qwen-Image-Edit transformer at random init, `num_layers` deep (None: the released depth), created
+    directly on `device` (also "meta") in `dtype` (zero_cond_t: 2511's)."""
+    import diffusers
 
     with torch.device(device), default_dtype(dtype):
-        return QwenImageTransformer2DModel(**{**FULL_ARCH, "num_layers": num_layers, "zero_cond_t": zero_cond_t})
+        cls = getattr(diffusers, FAMILY.transformer_class)
+        return cls(**FAMILY.bench.released_config(variant(zero_cond_t), num_layers))
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Tiny (fp32) or full-architecture transformer on `device`, seeded alike on every rank."""
     torch.manual_seed(SEED)
-    if args.tiny:
-        from train.model.tiny import build_transformer
+    if args.tiny:  # fp32 as built (dtype is float32 for --tiny)
+        return FAMILY.bench.tiny_transformer(variant(args.zero_cond_t)).to(device)
+    return build_full_transformer(args.num_layers, device, dtype, args.zero_cond_t)
 
-        return build_transformer(args.zero_cond_t).to(device)  # fp32 as built (dtype is float32 for --tiny)
-    return build_full_transformer(args.num_layers or FULL_ARCH["num_layers"], device, dtype, args.zero_cond_t)
+
+def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """The benchmarked model on the meta device, prepared as run() prepares it for the project's step (LoRA, RoPE, fp8
+    base) but not compiled: the floor's census of the step's calls (train/benchmarks/floor.py)."""
+    model = build_model(args, torch.device("meta"), dtype)
+    prepare_training(model, args.mode, lora_config(args.lora_rank, args.lora_targets), args.checkpointing, False,
+                     args.checkpoint_blocks)
+    if not args.complex_rope:
+        FAMILY.real_rope(model)
+    if args.fp8_base:
+        fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
+    return model
 
 
 def lora_targets(kind: str) -> list[str]:
-    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the project's default 12."""
-    return list(ATTN_TARGETS) if kind == "attn" else LoraConfig().target_modules
+    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the family's default 12."""
+    return list(ATTN_TARGETS) if kind == "attn" else list(FAMILY.lora.targets)
 
 
 def lora_config(rank: int, targets: str) -> LoraConfig:
@@ -278,9 +314,9 @@ def lora_config(rank: int, targets: str) -> LoraConfig:
 
 def prepare_training(model: torch.nn.Module, mode: str, lora: LoraConfig, checkpointing: str,
                      compile_blocks: bool, checkpoint_blocks: int = 0, compile_mode: str | None = None) -> None:
-    """The trainer's own preparation (train.model.components.prepare_for_training, as train/main.py calls it), but with
+    """The trainer's own preparation (train.model.prepare.prepare_for_training, as train/main.py calls it), but with
     diffusers' rotary embedding: the baseline runs first; run() switches to the trainer's real pairs after it."""
-    components.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
+    prepare.prepare_for_training(model, mode, lora, checkpointing == "full", compile_blocks,
                                 checkpoint_blocks=checkpoint_blocks, real_rope=False, compile_mode=compile_mode)
 
 
@@ -334,15 +370,8 @@ def mfu(flops_per_step: float, s_per_step: float, num_gpus: int, peak_tflops: fl
 def synthetic_batch(w: Workload, model: torch.nn.Module, device: torch.device, cond_dtype: torch.dtype,
                     text_mask: bool) -> sources.Batch:
     """A sources.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
-    g = torch.Generator(device).manual_seed(SEED)
-    channels, joint_dim = model.config.in_channels, model.config.joint_attention_dim
-    x0 = torch.randn(w.micro_batch, w.target_tokens, channels, generator=g, device=device)
-    refs = torch.randn(w.micro_batch, w.reference_tokens, channels, generator=g, device=device).to(cond_dtype)
-    embeds = torch.randn(w.micro_batch, w.text_tokens, joint_dim, generator=g, device=device).to(cond_dtype)
-    mask = torch.ones(w.micro_batch, w.text_tokens, dtype=torch.long, device=device) if text_mask else None
-    h, w_ = w.latent_hw
-    cond = conditioning.Conditioning(embeds, mask, refs, [(1, h // 2, w_ // 2)] * w.refs)
-    return sources.Batch(x0, (h, w_), cond)
+    return FAMILY.synthetic_batch(model, w.micro_batch, w.latent_hw, [w.latent_hw] * w.refs, w.text_tokens, device,
+                                  cond_dtype, text_mask, seed=SEED)
 
 
 def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype: torch.dtype) -> Config:
@@ -386,20 +415,21 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def max_over_ranks(value: float, device: torch.device) -> float:
-    """The largest value on any rank (a collective when the world is larger than one)."""
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each entry's largest value on any rank (a collective when the world is larger than one)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
+        t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-    return value
+        return t.tolist()
+    return values
 
 
 @dataclass
 class Phase:
-    """One timed loop: mean seconds per step (slowest rank), peak memory (largest rank), last loss."""
+    """One timed loop: every step's seconds (the slowest rank's), peak memory (largest rank), the losses."""
 
-    s_per_step: float
+    seconds: list[float]  # every step's, warm-up included
+    warmup: int
     peak_memory_gb: float
     losses: list[float]  # every step's loss, warm-up included (same seeds in both loops: comparable curves)
 
@@ -407,18 +437,33 @@ class Phase:
     def last_loss(self) -> float:
         return self.losses[-1]
 
+    def stats(self, samples_per_step: float) -> dict:
+        """steptime.step_time_stats of the steps after the warm-up (the same summary as the trainer's)."""
+        return steptime.step_time_stats(self.seconds, samples_per_step, warmup=self.warmup)
 
-def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device) -> Phase:
-    """Run `warmup` untimed steps, then time `steps` with the device synchronised around the timed region."""
+    @property
+    def s_per_step(self) -> float:
+        """The mean over the timed steps."""
+        return self.stats(1.0)["mean_s_per_step"]
+
+
+def time_steps(step: Callable[[int], torch.Tensor], warmup: int, steps: int, device: torch.device,
+               gc_every_steps: int = 0) -> Phase:
+    """Run `warmup` steps, then `steps` more, every rank starting them together, each step timed alone
+    (steptime.StepTimer: CUDA events, no sync inside the loop); the garbage collector as train.gc_every_steps runs it
+    in training (no log here: a full collection every 100 steps)."""
     reset_peak_memory(device)
-    losses = [step(i) for i in range(warmup)]  # kept on the device: no sync inside the timed region
-    _sync(device)
-    engine.barrier()
-    start = time.perf_counter()
-    losses += [step(i) for i in range(warmup, warmup + steps)]
-    _sync(device)
-    elapsed = (time.perf_counter() - start) / steps
-    return Phase(max_over_ranks(elapsed, device), max_over_ranks(peak_memory_gb(device), device),
+    timer, losses = steptime.StepTimer(device), []
+    with Collector(gc_every_steps) as collector:
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(device)
+                engine.barrier()
+            timer.start()
+            losses.append(step(i))  # kept on the device: no sync inside the loop
+            collector.after_step(i + 1, at_log=True)
+            timer.stop()
+    return Phase(max_over_ranks(timer.seconds(), device), warmup, max_over_ranks([peak_memory_gb(device)], device)[0],
                  [float(x) for x in losses])
 
 
@@ -487,7 +532,8 @@ def _is_kernel(event) -> bool:
 
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
     """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
-    GPU, the idle report (where the device waits for the host)."""
+    GPU, the idle report (where the device waits for the host) and the kernels by category (train/benchmarks/
+    kernels.py: which part of the floor each belongs to, or what it is beyond it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -508,6 +554,7 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
                 f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n")
         if device.type == "cuda":
             f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
+            f.write(kernels.report(kernels.profiled_kernels(prof), steps=3) + "\n")
         f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
@@ -529,7 +576,7 @@ def project_step(eng, b: sources.Batch, cfg: Config, d: engine.Dist,
     def step(i: int) -> torch.Tensor:
         with record_function(PHASES[0]):
             generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-            loss = loop.forward_loss(eng, b, t, generator, SCHEDULER_CONFIG, dtype)
+            loss = loop.forward_loss(eng, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY)
         with record_function(PHASES[1]):
             eng.backward(loss)
         with record_function(PHASES[2]):
@@ -546,7 +593,7 @@ def run_project(model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engine
     eng.train()
     try:
         step = project_step(eng, b, cfg, d, dtype)
-        phase = time_steps(step, args.warmup, args.steps, d.device)
+        phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
         if args.profile and d.is_main:
             profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.project.txt")
         return phase
@@ -563,7 +610,7 @@ def baseline_step(model: torch.nn.Module, b: sources.Batch, opt: torch.optim.Opt
     def step(i: int) -> torch.Tensor:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss = loop.forward_loss(model, b, t, generator, SCHEDULER_CONFIG, dtype)
+            loss = loop.forward_loss(model, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -583,7 +630,7 @@ def run_baseline(model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engin
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=b.x0.device.type == "cuda")
     try:
         step = baseline_step(model, b, opt, cfg, d, dtype)
-        phase = time_steps(step, args.warmup, args.steps, b.x0.device)
+        phase = time_steps(step, args.warmup, args.steps, b.x0.device, args.gc_every_steps)
         if args.profile and d.is_main:
             profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.baseline.txt")
         return phase
@@ -602,8 +649,10 @@ def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch
     """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py);
     every rank times its own copy, as the baseline."""
     def time_step(step: Callable[[int], torch.Tensor]) -> dict:
-        phase = time_steps(step, args.warmup, args.steps, d.device)
-        return {"s_per_step": phase.s_per_step, "peak_memory_gb": phase.peak_memory_gb, "losses": phase.losses}
+        phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
+        stats = phase.stats(1.0)
+        return {"s_per_step": stats["mean_s_per_step"], "median_s_per_step": stats["median_s_per_step"],
+                "peak_memory_gb": phase.peak_memory_gb, "losses": phase.losses}
 
     def free() -> None:
         torch._dynamo.reset()  # the peer's compiled graphs must not count toward the project's recompile limit
@@ -654,6 +703,7 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
     world = d.world_size
     flops = flops_per_gpu * world
     record = {
+        **project.stats(w.micro_batch * world),  # mean, median, slowest, slow steps: steptime.step_time_stats
         "s_per_step": project.s_per_step, "samples_per_s": w.micro_batch * world / project.s_per_step,
         "tokens_per_s": w.micro_batch * world * w.tokens_per_sample / project.s_per_step,
         "mfu": mfu(flops, project.s_per_step, world, args.peak_tflops), "flops_per_step": flops,
@@ -672,11 +722,13 @@ def make_record(args: argparse.Namespace, w: Workload, model_info: dict, flops_p
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
         "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
-        "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup,
+        "text_mask": args.text_mask, "steps": args.steps, "warmup": args.warmup, "gc_every_steps": args.gc_every_steps,
         "peak_tflops_per_gpu": args.peak_tflops, **machine(d),
     }
     if baseline is not None:
-        record.update(baseline_s_per_step=baseline.s_per_step, baseline_samples_per_s=w.micro_batch * world
+        record.update(baseline_s_per_step=baseline.s_per_step,
+                      baseline_median_s_per_step=baseline.stats(1.0)["median_s_per_step"],
+                      baseline_samples_per_s=w.micro_batch * world
                       / baseline.s_per_step, baseline_mfu=mfu(flops, baseline.s_per_step, world, args.peak_tflops),
                       baseline_peak_memory_gb=baseline.peak_memory_gb, ratio=baseline.s_per_step / project.s_per_step,
                       baseline_losses=baseline.losses, loss_max_rel_diff=max_rel_diff(project.losses, baseline.losses),
@@ -716,7 +768,9 @@ def format_report(r: dict) -> str:
         f"RoPE {r['rope']}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
-        f"s/step      {r['s_per_step']:.4f}",
+        f"s/step      {r['s_per_step']:.4f} (mean), median {r['median_s_per_step']:.4f} (mean "
+        f"{r['mean_over_median']:.3f}x), slowest {r['slowest_s']:.4f} at step {r['slowest_step']}, {r['slow_steps']} "
+        f"over {steptime.SLOW_FACTOR:g}x the median",
         f"samples/s   {r['samples_per_s']:.3f} (global)",
         f"tokens/s    {r['tokens_per_s']:.1f} (global)",
         f"FLOPs/step  {r['flops_per_step']:.4g} (global, model FLOPs)",
@@ -724,14 +778,17 @@ def format_report(r: dict) -> str:
         f"peak memory {r['peak_memory_gb']:.2f} GB ({r['peak_memory_source']})",
     ]
     if "ratio" in r:
-        lines += [f"baseline    {r['baseline_s_per_step']:.4f} s/step, MFU {100 * r['baseline_mfu']:.2f}%, peak "
-                  f"{r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + peft LoRA, AdamW)",
+        lines += [f"baseline    {r['baseline_s_per_step']:.4f} s/step (median {r['baseline_median_s_per_step']:.4f}), "
+                  f"MFU {100 * r['baseline_mfu']:.2f}%, peak {r['baseline_peak_memory_gb']:.2f} GB (plain PyTorch + "
+                  "peft LoRA, AdamW)",
                   f"ratio       baseline / project = {r['ratio']:.3f} (> 1: the project's step is faster)",
                   f"losses      same seeds, {len(r['losses'])} steps each: largest relative difference "
                   f"{r['loss_max_rel_diff']:.2e}, tolerance {r['loss_tolerance']:.1e}: "
                   + ("within" if r["loss_within_tolerance"] else "OUTSIDE THE TOLERANCE")]
     if "peer_rows" in r:
         lines += peer_report(r)
+    if "floor_s" in r:
+        lines += floor.report_lines(r)
     if r["device_type"] != "cuda":
         lines.append("note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
                      "meaningful here; this mode checks that the benchmark runs")
@@ -746,7 +803,8 @@ def peer_report(r: dict) -> list[str]:
         if "error" in row:
             lines.append(f"  {row['variant']:28s} not measured: {row['error']}")
         else:
-            lines.append(f"  {row['variant']:28s} {row['s_per_step']:.4f} s/step, MFU {100 * row['mfu']:.2f}%, peak "
+            lines.append(f"  {row['variant']:28s} {row['s_per_step']:.4f} s/step (median "
+                         f"{row['median_s_per_step']:.4f}), MFU {100 * row['mfu']:.2f}%, peak "
                          f"{row['peak_memory_gb']:.2f} GB")
     lines.append(f"  {'':28s} not measured: {r['peer_not_measured']}")
     if "peer_ratio" in r:
@@ -773,15 +831,22 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
     cfg = make_config(args, d.world_size, d.device.type == "cuda", dtype)
     baseline = run_baseline(model, b, cfg, d, dtype, args, w) if args.baseline else None
-    # the trainer's rotary embedding (train.model.components.prepare_for_training's real_rope)
+    # the trainer's rotary embedding (train.model.prepare.prepare_for_training's real_rope)
     if not args.complex_rope:
-        rope.use_real_pairs(model)
+        FAMILY.real_rope(model)
     if args.fp8_base:  # after the baseline, which runs the bf16 base
-        components.check_fp8_device()
+        prepare.check_fp8_device()
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
         reset_peak_memory(d.device)
     project = run_project(model, b, cfg, d, dtype, args, w)
     record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
     if peer_rows is not None:
         add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
+    if args.floor:  # after the step's timing, in the same process: its kernels alone at its shapes
+        kwargs, _, _ = loop.noisy_inputs(b, cfg.project.train, loop.micro_batch_generator(SEED, 0, 0, 1, d, d.device),
+                                         FAMILY.bench.SCHEDULER, dtype, FAMILY)
+        meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        median = project.stats(1.0)["median_s_per_step"]
+        record.update(floor.measure(census_model(args, dtype), meta, project.s_per_step, median, d.device, dtype,
+                                    args.floor_repeats, args.fp8_fast_accum))
     return record

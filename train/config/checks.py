@@ -112,6 +112,7 @@ def _check_counts(cfg: ProjectConfig, problems: list[str]) -> None:
                     ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps,
                      " (0 = stop at the first NaN/inf step)"),
                     ("output.save_every_steps", cfg.output.save_every_steps, " (0 = only at the end)"),
+                    ("train.gc_every_steps", cfg.train.gc_every_steps, " (0 = Python's automatic collection)"),
                     ("data.num_workers", cfg.data.num_workers, ""))
     problems += [f"{p}.{key}: must be >= 0{meaning}" for key, value, meaning in non_negative if value < 0]
     if cfg.parallel.collective_timeout_s < 10:
@@ -130,8 +131,9 @@ def _check_lora_and_savers(cfg: ProjectConfig, problems: list[str]) -> None:
     elif cfg.lora.init_from and cfg.train.mode != "lora":
         problems.append(f"{p}.lora.init_from: set, but train.mode is {cfg.train.mode!r}; it starts a LoRA run only. "
                         "Set train.mode to \"lora\" or init_from to \"\"")
-    if cfg.train.mode == "lora" and not cfg.lora.target_modules:
-        problems.append(f"{p}.lora.target_modules: empty; name at least one module, e.g. \"attn.to_q\"")
+    if cfg.train.mode == "lora" and cfg.lora.target_modules == []:
+        problems.append(f"{p}.lora.target_modules: empty; name at least one module, e.g. \"attn.to_q\", or leave it "
+                        "out for the model family's default")
     if cfg.train.checkpoint_blocks < 0:
         problems.append(f"{p}.train.checkpoint_blocks: must be >= 0 (0 = every block), "
                         f"got {cfg.train.checkpoint_blocks}")

@@ -11,7 +11,7 @@ import typing
 
 import pydantic
 
-from train.config.schema import PROJECT_KEY
+from train.config.schema import PROJECT_KEY, ProjectConfig
 
 # Top-level keys DeepSpeed 0.19 reads (runtime/constants.py and the sub-configs). DeepSpeed ignores
 # unknown keys silently, so a typo like "gradient_acumulation_steps" would train with the default.
@@ -189,9 +189,12 @@ def _ds_model(name: str):
     return found
 
 
-def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool) -> dict:
-    """DeepSpeed's section as it will be run: project section removed, schedule length and CPU choices filled."""
+def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool, deepcompile: bool = False) -> dict:
+    """DeepSpeed's section as it will be run: project section removed, schedule length, DeepCompile's switch
+    (qwen_edit.train.deepcompile) and CPU choices filled."""
     ds = json.loads(json.dumps({k: v for k, v in ds.items() if k != PROJECT_KEY}))
+    if deepcompile:
+        ds.setdefault("compile", {})["deepcompile"] = True
     ds.setdefault("train_micro_batch_size_per_gpu", 1)
     ds.setdefault("gradient_accumulation_steps", 1)
     ds.setdefault("steps_per_print", 10**9)  # progress goes through our own logger
@@ -207,3 +210,37 @@ def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool) -> dict:
             # DeepSpeed's fused Adam is CUDA only; torch's Adam also skips a 40 s CPU op build.
             optimizer.setdefault("params", {}).setdefault("torch_adam", True)
     return ds
+
+
+def check_deepcompile(project: ProjectConfig, ds: dict, has_gpu: bool, problems: list[str]) -> None:
+    """qwen_edit.train.deepcompile against what DeepCompile in DeepSpeed 0.19.8 can run: a CUDA GPU (its op is
+    built for CUDA only: deepspeed.compile.util.is_deepcompile_supported), ZeRO stage 1 or 2 (its passes; at stage 0
+    DeepSpeed falls back to a plain torch.compile), the zero2 mode, the whole transformer in one compiled module
+    (no per-block compile, no offloaded blocks, whose copies run from hooks, no kept attention, whose stash is
+    Python state inside a checkpoint), and gradients on the GPU (its reduction replaces the hooks that copy them to
+    the host under optimizer offload). DeepSpeed's own compile.deepcompile key is the project key's output."""
+    p, t = f"{PROJECT_KEY}.train.deepcompile", project.train
+    section = ds.get("compile") if isinstance(ds.get("compile"), dict) else {}
+    if "deepcompile" in section and section["deepcompile"] != t.deepcompile:
+        problems.append(f"compile.deepcompile: DeepCompile is switched by {p} ({json.dumps(t.deepcompile)} here); "
+                        "remove compile.deepcompile from the DeepSpeed section")
+    if not t.deepcompile:
+        return
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    refused = {
+        "this machine has no CUDA GPU; DeepCompile runs on CUDA GPUs only": not has_gpu,
+        f"zero_optimization.stage is {zero.get('stage', 0)}; DeepCompile runs with stage 1 or 2":
+            zero.get("stage", 0) not in (1, 2),
+        f"parallel.mode is {project.parallel.mode!r}; DeepCompile runs in the zero2 mode":
+            project.parallel.mode != "zero2",
+        "train.compile is true; the engine compiles the whole transformer instead, set compile to false":
+            t.compile,
+        f"train.offload_blocks is {t.offload_blocks}; set it to 0": t.offload_blocks != 0,
+        "train.gradient_checkpointing keeps attention outputs (train.kept_attention_blocks "
+        f"{t.kept_attention_blocks}); set kept_attention_blocks to 0": t.gradient_checkpointing
+        and t.kept_attention_blocks != 0,
+        "zero_optimization.offload_optimizer moves the optimizer to the host; remove it":
+            offload.get("device", "none") in ("cpu", "nvme") or bool(zero.get("cpu_offload")),
+    }
+    problems += [f"{p}: {why} (or set deepcompile to false)" for why, bad in refused.items() if bad]

@@ -54,7 +54,7 @@ RANDOM_INIT_ENV = "QWEN_EDIT_RANDOM_INIT"
 def random_init() -> bool:
     """QWEN_EDIT_RANDOM_INIT=1: build every model from its config.json at random init, directly on the device
     (measurements on full-size shapes without the weights: `python -m train.make_tiny --full_size_configs`);
-    train.model.components builds them, and the model directory then needs no weights (model_dir_problems)."""
+    the model family's components build them, and the model directory then needs no weights (model_dir_problems)."""
     return os.environ.get(RANDOM_INIT_ENV) == "1"
 
 
@@ -62,6 +62,23 @@ def random_init() -> bool:
 # its index (NAME.index.json) with the shards the index names. (The trainer streams the transformer's safetensors.)
 MODEL_WEIGHTS = {"transformer": "diffusion_pytorch_model.safetensors", "vae": "diffusion_pytorch_model.safetensors",
                  "text_encoder": "model.safetensors"}
+
+
+def transformer_class(transformer_dir: str | Path) -> type:
+    """The diffusers model class that `transformer_dir/config.json` names (`_class_name`, which save_pretrained
+    writes), so that the loader and the exports serve every model family; ValueError naming the fix."""
+    import diffusers
+
+    path = Path(transformer_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; point the model path at a diffusers-format directory")
+    name = json.loads(path.read_text()).get("_class_name", "")
+    cls = getattr(diffusers, name, None) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+        raise ValueError(f"{path} names the model class {name!r}, which the installed diffusers "
+                         f"{diffusers.__version__} does not have; write its diffusers model class there (as "
+                         "save_pretrained does) or upgrade diffusers")
+    return cls
 
 
 def model_dir_problems(path: str, key: str) -> list[str]:

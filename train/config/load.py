@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import os
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -86,7 +87,8 @@ def _problem(path: tuple, error: dict, data) -> str:
 
 
 def _type_name(hint) -> str:
-    """'int', 'list[str]', 'dict[str, float]': a field's type as a message names it (a choice is a str)."""
+    """'int', 'list[str]', 'dict[str, float]', 'list[str] or null': a field's type as a message names it (a choice
+    is a str)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
         return "str"
@@ -94,6 +96,8 @@ def _type_name(hint) -> str:
         return _type_name(args[0])
     if origin in (list, dict):
         return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join("null" if arg is type(None) else _type_name(arg) for arg in args)
     return hint.__name__
 
 
@@ -208,11 +212,12 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     ds_problems: list[str] = []
     ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, ds_problems)
     ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, ds_problems)
+    ds_keys.check_deepcompile(project, raw, has_gpu, ds_problems)
     problems += ds_problems
     # DeepSpeed's own classes read the rest of its section too, so that their problems join the same error: the keys
     # reported above are left out (resolving them could fail, and DeepSpeed would only name them again)
     sound = {k: v for k, v in raw.items() if k not in ds_keys.reported_keys(ds_problems)}
-    resolved = ds_keys.resolve_deepspeed(sound, project.train.max_steps, has_gpu)
+    resolved = ds_keys.resolve_deepspeed(sound, project.train.max_steps, has_gpu, project.train.deepcompile)
     ds_keys.check_with_deepspeed(resolved, problems)
     if problems:
         raise ConfigError(problems)

@@ -1,6 +1,7 @@
 """The configuration's schema: one pydantic dataclass per section of the project's `qwen_edit` JSON section, each
 field with its type, its default, its allowed values (a Literal) and its docstring, which pydantic keeps as the
-field's description (the help a problem with the field quotes; field_docs gives them to the README table and tests).
+field's description (the help a problem with the field quotes; field_docs gives them to docs/configuration.md,
+which train/config/reference.py generates).
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ class ModelConfig:
     """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
     vae_2d_frames: bool = True
     """The VAE runs an image (a video of one frame) as 2D convolutions: each causal 3x3x3 convolution's two taps on
-    zero padding are skipped (a third of the FLOPs) and the video chunk cache is not kept. The same function
-    (equal within 1e-5 in float32; train/model/vae_frames.py), for online encoding, the cache build, validation
-    and train.infer; its speed is predicted (docs/perf_notes.md lever 26), not yet measured. false = diffusers'
-    own path."""
+    zero padding are skipped and the video chunk cache is not kept, so an encode is faster and needs less memory.
+    The same function as diffusers' (equal within 1e-5 in float32; train/model/qwen_image/vae_frames.py), for online
+    encoding, the cache build, validation and train.infer. false = diffusers' own path."""
 
 
 @section
@@ -86,11 +86,10 @@ class DataConfig:
     encode_ahead: bool | Literal["auto"] = "auto"
     """Online encoding (data.cache off) in the zero2 mode: a background thread encodes the next micro-batch with the
     frozen encoders, on their own CUDA stream, while the transformer trains on this one, so the encoders' time
-    overlaps the step (the same micro-batches in the same order; the memory plan adds the encode's transient to the
-    step's activations). auto = on when training on a GPU (one H200, 2509 at 12,984 tokens: 1.71 -> 1.53 s per
-    step at 141 GB, docs/performance.md), off on the CPU, where the thread and the step would share the same cores;
-    false = each micro-batch is encoded right before its step. The model-parallel encoder stage always runs
-    ahead."""
+    overlaps the step and most of it is hidden (the same micro-batches in the same order). It costs memory: the
+    memory plan adds the encode's transient to the step's activations. auto = on when training on a GPU, off on
+    the CPU, where the thread and the step would share the same cores; false = each micro-batch is encoded right
+    before its step. The model-parallel encoder stage always runs ahead."""
     buckets: bool = True
     """Group samples by target and reference shapes so every micro-batch has one shape (micro-batch > 1)."""
     bucket_aspect_steps: int = 8
@@ -128,17 +127,15 @@ class LoraConfig:
     """LoRA alpha; the update is scaled by alpha / rank."""
     dropout: float = 0.0
     """Dropout on the LoRA branch."""
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-        ]
-    )
-    """Module names or name suffixes that get LoRA (default: attention + MLP projections of every block)."""
+    target_modules: list[str] | None = None
+    """Module names or name suffixes that get LoRA; null = the model family's default, every linear layer of every
+    block (Qwen-Image: the attention and MLP projections of both streams, 12 a block; Qwen-Image-2.1: the attention
+    projections and the SwiGLU MLP, 7 a block), written out in the resolved config. More targets train more
+    parameters and cost more optimizer state."""
     init_from: str = ""
-    """Path of a LoRA .safetensors to start from (diffusers, PEFT '.default', ComfyUI 'diffusion_model.' or
-    kohya 'lora_unet_' keys)."""
+    """Path of a LoRA .safetensors to start from (diffusers, PEFT, DiffSynth-Studio, ComfyUI 'diffusion_model.' or
+    kohya 'lora_unet_' keys, read as diffusers' load_lora_weights reads them); its rank must equal lora.rank, and
+    lora_B is rescaled when its alpha differs (docs/export.md)."""
 
 
 @section
@@ -150,7 +147,7 @@ class TrainConfig:
     seed: int = 42
     """Seed for LoRA init and data order (same on every rank) and for noise/timesteps (per sample slot). CLI: --seed."""
     timestep_density: Literal["shifted", "uniform", "logit_normal"] = "shifted"
-    """How noise levels s are drawn; shifted matches the scheduler's inference shift (see objective.py)."""
+    """How noise levels s are drawn; shifted matches the scheduler's inference shift (train/trainer/objective.py)."""
     shift: float = 0.0
     """Shift for timestep_density=shifted; 0 = the scheduler's dynamic shift for each target size."""
     logit_mean: float = 0.0
@@ -158,38 +155,52 @@ class TrainConfig:
     logit_std: float = 1.0
     """Std of the normal for timestep_density=logit_normal."""
     loss_weighting: Literal["none", "cosmap"] = "none"
-    """Per-sample loss weight as a function of s."""
+    """Per-sample loss weight as a function of s: none or cosmap."""
     gradient_checkpointing: bool = False
     """Recompute transformer blocks in backward: far less activation memory, one more forward per step."""
     checkpoint_blocks: int = 0
     """With gradient_checkpointing: how many blocks (the first N) recompute; 0 = all. Each block left out costs
-    its activations' memory and saves its recomputation (docs/performance.md)."""
+    its activations' memory and saves its recomputation."""
     kept_attention_blocks: int = -1
     """With gradient_checkpointing: how many of the recomputed blocks (the first ones) keep their attention output
     and its log-sum-exp, so that their recomputation skips the attention kernel; -1 = all of them, 0 = none. Each
-    costs batch x tokens x heads x (2 x head_dim + 4) bytes (81 MB at 12.5k tokens) and saves about half of a
-    block's recomputation (train/model/kept_attention.py, docs/perf_notes.md lever 27). The memory plan chooses it
+    costs batch x tokens x heads x (2 x head_dim + 4) bytes of GPU memory (81 MB at 12.5k tokens) and saves about
+    half of a block's recomputation (train/model/kept_attention.py, docs/levers.md). The memory plan chooses it
     unless set."""
     compile: bool = False
-    """torch.compile each transformer block: the first steps compile; then faster (docs/performance.md)."""
+    """torch.compile each transformer block: a faster step with less activation memory, after a compile of a minute
+    or two at the start of a run (and again for each new shape bucket)."""
     fp8_base: bool = False
     """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
-    (GPUs with compute capability >= 8.9); changes the frozen model slightly (train/model/fp8.py)."""
+    (GPUs with compute capability >= 8.9): a faster step; changes the frozen model slightly (train/model/fp8.py),
+    so check the validation images."""
     fp8_transposed: bool = False
     """With fp8_base: also keep each frozen weight transposed, as the backward's matmul reads it (twice the fp8
     weight memory, ~13.6 GB more for the full model; saves a pass over the weights per step)."""
     fp8_fast_accum: bool = False
     """With fp8_base: the fp8 matmuls accumulate as Hopper's tensor cores do without cuBLAS's periodic promotion to
-    float32 (torch._scaled_mm's use_fast_accum): 5-7% faster matmuls in `python -m train.bench --gemm_probe`, a
-    1.7% faster 2509 step through train/main.py (3% in train.bench), an accumulation error of 1-3e-3 beside the fp8
-    weights' own ~4e-2 (docs/perf_notes.md lever 29). memory.plan "auto" turns it on with the fp8 base it picks
+    float32 (torch._scaled_mm's use_fast_accum): faster matmuls for an accumulation error about ten times smaller
+    than the fp8 weights' own rounding (docs/levers.md). memory.plan "auto" turns it on with the fp8 base it picks
     unless the config sets this key; set false for the exact accumulation."""
     offload_blocks: int = 0
     """LoRA only: the first N blocks keep their frozen weights in pinned host memory, copied to the GPU just ahead
     of use on a side stream (train/model/offload.py); they must be checkpointed (gradient_checkpointing, and
     checkpoint_blocks 0 or >= N). Saves the GPU memory of their weights; costs host memory and PCIe bandwidth."""
+    deepcompile: bool = False
+    """DeepSpeed's DeepCompile (ZeRO stage 1 or 2, CUDA GPUs): the engine compiles the whole transformer
+    (engine.compile()) and DeepSpeed reduces the gradients inside the compiled backward instead of from
+    per-parameter hooks. Set here only (it fills DeepSpeed's compile.deepcompile); the frozen base weights become
+    buffers, since DeepCompile takes every parameter in its graph for one the optimizer holds. Excludes
+    train.compile (per block), offload_blocks, kept attention and DeepSpeed's optimizer offload; the memory plan
+    then leaves them out. Off by default: its loss curve has not yet been compared with the default path's."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
+    gc_every_steps: int = 1
+    """Python's garbage collector during training: 0 = its automatic collection, as Python runs it (a full collection
+    now and then walks every object of the process, ~1 s at full size with the GPU idle); N = automatic collection off
+    while training, a young collection every N optimizer steps on every rank at the same step, a full one at a log
+    boundary every 100+ steps, and the objects that exist once everything is loaded frozen out of every later walk
+    (train/runtime/collector.py). 1: each collection walks only what one step left alive."""
 
 
 @section
@@ -219,7 +230,8 @@ class ParallelConfig:
     """zero2: data parallel with ZeRO; model_parallel: encoder and decoder stages on separate GPUs, pipelined
     (docs/model_parallel.md)."""
     collective_timeout_s: int = 600
-    """Seconds a collective may wait for a dead or stuck rank before every process stops with an error."""
+    """Seconds a collective may wait for a dead or stuck rank before every process stops with an error (a rank on
+    another node that died is noticed only then)."""
     stages: list[str] = field(default_factory=lambda: ["cuda:0", "cuda:1"])
     """model_parallel: the device of each stage of one pipeline, the encoder's first, then the decoder stage(s);
     one process per stage. Replica j on a node adds j x len(stages) to each index. Without GPUs every stage runs
@@ -269,9 +281,10 @@ class ValidationConfig:
 class MemoryConfig:
     plan: Literal["auto", "off"] = "auto"
     """auto: on a GPU, before loading, choose what the config leaves unset among train.fp8_base, fp8_transposed,
-    fp8_fast_accum, compile, gradient_checkpointing, checkpoint_blocks, offload_blocks, data.cache and (with
+    fp8_fast_accum, compile, gradient_checkpointing, checkpoint_blocks, kept_attention_blocks, offload_blocks,
+    data.cache and (with
     validation.file, whose renders must fit too) inference.vae_tiling, so that the run fits budget_gb and is as fast
-    as it can be there (printed with its predicted peak); off: run the keys as written."""
+    as it can be there (printed with its predicted peak; docs/memory_plan.md); off: run the keys as written."""
     budget_gb: float = 0.0
     """GPU memory this process may use, in GB; 0 = what the device has free at the start. A lower value caps the
     process there (torch's per-process memory fraction), e.g. to leave room or to simulate a smaller card."""

@@ -9,11 +9,13 @@ online training does (`train.data.sources.encode_batch`, one sample per call, so
 Rank 0 writes `index.json` last and atomically, once every rank has finished: a directory without it is an
 unfinished cache and counts as missing. Tensors per sample (row line `n`), in the encoder dtype:
 
-    n.x0      L 4C   packed target latents (normalised VAE posterior mode; training takes them as float32)
-    n.ref     Lr 4C  packed references, one after the other
-    n.embeds  T D    Qwen2.5-VL last hidden states of the instruction, template prefix dropped, no padding
+    n.x0      L C    packed target latents (normalised VAE posterior mode; training takes them as float32)
+    n.NAME    ...    the model family's conditioning of the sample (Conditioning.samples; Qwen-Image: n.ref, the
+                     packed references one after the other, and n.embeds, Qwen2.5-VL's last hidden states of the
+                     instruction, template prefix dropped, no padding)
 
-The index records per sample its line, file, shapes and category, and `depends_on`: every input the tensors
+The index records per sample its line, file, target size, the family's metadata of it and its category, and
+`depends_on`: every input the tensors
 depend on (model component files, variant, resolution policy, prompt template, encoder dtype, prompt
 processing, the data rows and image files, library versions). Training compares it with the current run and
 refuses a cache built for other inputs with a message naming each changed dependency and the fix; it is
@@ -35,10 +37,13 @@ from safetensors.torch import save_file
 from train import config
 from train.config import files
 from train.data import pairs, sources
-from train.model import components, conditioning, memory
+from train.model import family, loading
+from train.model.interface import Batch, Encoders
+from train.plan import cache_plan
 from train.runtime import checkpoint, engine
+from train.runtime.console import print0, progress
 from train.runtime.exports import apply_umask
-from train.runtime.metrics import print0, progress
+from train.runtime.oom import out_of_memory
 
 INDEX = "index.json"
 FORMAT = 3  # bump when the layout or the meaning of the tensors changes (2: images opened by train/model/images.py;
@@ -112,9 +117,7 @@ def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype:
     import diffusers
     import transformers
 
-    d = cfg.project.data
-    templates = json.dumps([conditioning.PROMPT_TEMPLATES, conditioning.DROP_IDX, conditioning.T2I_TEMPLATE,
-                            conditioning.T2I_DROP_IDX, conditioning.T2I_MAX_SEQUENCE_LENGTH], sort_keys=True)
+    d, fam = cfg.project.data, family.variant_family(variant)
     processing = json.dumps({"normalize_prompts": d.normalize_prompts, "prompt_mapping": _file_sha(d.prompt_mapping),
                              "blocked_terms": _file_sha(d.blocked_terms), "blocked_policy": d.blocked_policy})
     return {
@@ -126,7 +129,8 @@ def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype:
         "data.condition_area": str(d.condition_area),
         SNAP_KEY: str(pairs.aspect_steps(d.bucket_aspect_steps, cfg.micro_batch_size, d.buckets)),
         "data.alpha_background": d.alpha_background,
-        "prompt template (train/model/conditioning.py)": _sha(templates),
+        # the label older caches recorded for the prompt templates (now the model family's conditioning)
+        "prompt template (train/model/conditioning.py)": _sha(fam.conditioning_fingerprint()),
         "prompt processing (data.normalize_prompts, prompt_mapping, blocked_terms, blocked_policy)": _sha(processing),
         "data rows and image files": rows_digest(d.path, rows),
         "library versions": f"diffusers {diffusers.__version__}, transformers {transformers.__version__}",
@@ -189,7 +193,7 @@ def _row_size(raw: dict) -> str:
     return f"target {wh(raw['target'])} px" + (f", references {', '.join(refs)} px" if refs else "")
 
 
-def encode_share(directory: Path, dataset, encoders: components.Encoders, variant: str, d: engine.Dist,
+def encode_share(directory: Path, dataset, encoders: Encoders, variant: str, d: engine.Dist,
                  num_workers: int = 0) -> list[dict]:
     """Encode dataset items rank, rank + world, ... into this rank's shard parts; their index records."""
     share = torch.utils.data.Subset(dataset, range(d.rank, len(dataset), d.world_size))
@@ -200,13 +204,12 @@ def encode_share(directory: Path, dataset, encoders: components.Encoders, varian
         try:
             b = sources.encode_batch(raw, encoders, variant)  # one sample: nothing padded, prompt mask None
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.out_of_memory(e, f"building the cache, encoding row {line} ({_row_size(raw)})",
+            raise out_of_memory(e, f"building the cache, encoding row {line} ({_row_size(raw)})",
                                        "cache") from e
-        dtype = b.cond.reference_tokens.dtype
-        sample = {"x0": b.x0[0].to(dtype), "ref": b.cond.reference_tokens[0], "embeds": b.cond.prompt_embeds[0]}
+        (meta, cond), = b.cond.samples()
+        sample = {"x0": b.x0[0].to(encoders.vae.dtype), **cond}  # x0 in the encoder dtype, as the conditioning
         tensors.update({f"{line}.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in sample.items()})
-        pending.append({"line": line, "target_hw": list(b.target_hw), "prompt_tokens": sample["embeds"].shape[0],
-                        "reference_shapes": [list(s) for s in b.cond.reference_shapes]})
+        pending.append({"line": line, "target_hw": list(b.target_hw), **meta})
         if sum(t.nbytes for t in tensors.values()) >= PART_BYTES:
             name = _write_part(directory, d.rank, d.world_size, part, tensors)
             records += [{**r, "file": name} for r in pending]
@@ -230,7 +233,7 @@ def write_index(directory: Path, records: list[dict], rows: list[pairs.Row], wan
     tmp.replace(directory / INDEX)
 
 
-def write_cache(directory: Path, dataset, rows: list[pairs.Row], encoders: components.Encoders, variant: str,
+def write_cache(directory: Path, dataset, rows: list[pairs.Row], encoders: Encoders, variant: str,
                 wanted: dict[str, str], d: engine.Dist, num_workers: int = 0) -> None:
     """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last. A write that
     fails on any rank (a full disk, no permission) stops every rank together with CacheError naming the folder."""
@@ -269,14 +272,15 @@ def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row
     p = cfg.project
     directory = cache_dir(cfg)
     print0(f"building the cache of {len(rows)} rows in {directory} on {d.world_size} rank(s)", rank=d.rank)
-    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    # The plan's budget holds here too: where Qwen2.5-VL does not fit it, its blocks stream from host memory.
-    stream = memory.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
+    dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
+    # The plan's budget holds here too: where the VL encoder does not fit it, its blocks stream from host memory.
+    stream = cache_plan.stream_vl_for_cache(cfg, d, dataset.bucket_keys())
     try:
-        encoders = components.load_encoders(p.model.path, dtype, d.device, stream_text_encoder=stream,
-                                             vae_2d_frames=p.model.vae_2d_frames)
+        encoders = family.variant_family(variant).load_encoders(p.model.path, dtype, d.device,
+                                                                stream_text_encoder=stream,
+                                                                vae_2d_frames=p.model.vae_2d_frames)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.out_of_memory(e, "loading the encoders for the cache", "cache") from e
+        raise out_of_memory(e, "loading the encoders for the cache", "cache") from e
     write_cache(directory, dataset, rows, encoders, variant, wanted, d, p.data.num_workers)
     del encoders
     gc.collect()
@@ -289,7 +293,7 @@ def ensure(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Ro
     or always from the command), rebuilds a stale one only when `rebuild_stale` (the command), else refuses."""
     p = cfg.project
     directory = cache_dir(cfg)
-    wanted = dependencies(cfg, variant, rows, components.encoder_dtype(p.model.encoder_dtype, d.device))
+    wanted = dependencies(cfg, variant, rows, loading.encoder_dtype(p.model.encoder_dtype, d.device))
     index = read_index(directory)
     if index is None and p.data.cache == "require" and not rebuild_stale:
         raise CacheError(f"qwen_edit.data.cache is \"require\" but {directory} holds no finished cache (no {INDEX}); "
@@ -311,7 +315,7 @@ class CachedDataset(torch.utils.data.Dataset):
     """The cached samples of `rows`, in their order (so the sampler picks the same samples as online)."""
 
     def __init__(self, directory: str | Path, index: dict, rows: list[pairs.Row]):
-        self.directory = Path(directory)
+        self.directory, self.variant = Path(directory), index["variant"]  # whose family reads the conditioning
         by_line = {s["line"]: s for s in index["samples"]}
         missing = [row.line for row in rows if row.line not in by_line]
         if missing:  # the rows digest makes this unreachable unless the index was edited by hand
@@ -323,57 +327,72 @@ class CachedDataset(torch.utils.data.Dataset):
             raise CacheError("; ".join(damaged))
         self.samples = [by_line[row.line] for row in rows]
         self._categories = [row.category for row in rows]  # the run's own (category_rules may have changed)
-        self._files: dict[str, object] = {}  # opened lazily, so each DataLoader worker maps its own
+        self._files: dict[str, tuple[object, dict[int, list[str]]]] = {}  # opened lazily: each worker maps its own
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    def _bucket(self, s: dict) -> tuple:
+        return family.variant_family(self.variant).cached_bucket_key(tuple(s["target_hw"]), _conditioning_meta(s))
+
     def bucket_keys(self) -> list[tuple[tuple[int, int], ...]]:
         """Per sample: latent (h, w) of the target, then of each reference (as pairs.EditDataset.bucket_keys)."""
-        return [(tuple(s["target_hw"]), *((2 * r[1], 2 * r[2]) for r in s["reference_shapes"]))
-                for s in self.samples]
+        return [self._bucket(s) for s in self.samples]
 
     def categories(self) -> list[str | None]:
         return list(self._categories)
 
+    def _opened(self, name: str) -> tuple[object, dict[int, list[str]]]:
+        """The shard file and, per line, the names of its conditioning tensors (all but x0)."""
+        if name not in self._files:
+            f = safe_open(str(self.directory / name), framework="pt")
+            names: dict[int, list[str]] = {}
+            for key in f.keys():
+                line, _, tensor = key.partition(".")
+                if tensor != "x0":
+                    names.setdefault(int(line), []).append(tensor)
+            self._files[name] = f, names
+        return self._files[name]
+
     def __getitem__(self, i: int) -> dict:
+        """The sample's tensors (x0 and the conditioning's, by name) and SAMPLE_KEYS."""
         s = self.samples[i]
         try:
-            if s["file"] not in self._files:
-                self._files[s["file"]] = safe_open(str(self.directory / s["file"]), framework="pt")
-            f = self._files[s["file"]]
-            tensors = {k: f.get_tensor(f"{s['line']}.{k}") for k in ("x0", "ref", "embeds")}
+            f, names = self._opened(s["file"])
+            tensors = {k: f.get_tensor(f"{s['line']}.{k}") for k in ("x0", *names[s["line"]])}
         except (OSError, SafetensorError) as e:  # checked when the run started, so the file changed since
             raise CacheError(f"{self.directory / s['file']} cannot be read any more ({e}); "
                              f"{REBUILD.format(directory=self.directory)}") from None
-        return {**tensors, "target_hw": tuple(s["target_hw"]), "line": s["line"],
-                "reference_shapes": [tuple(r) for r in s["reference_shapes"]]}
+        return {**tensors, "meta": _conditioning_meta(s), "target_hw": tuple(s["target_hw"]), "line": s["line"],
+                "bucket": self._bucket(s), "variant": self.variant}
+
+
+# what a cached item holds besides the conditioning's tensors (which must not take these names)
+SAMPLE_KEYS = ("x0", "meta", "target_hw", "line", "bucket", "variant")
+
+
+def _conditioning_meta(sample: dict) -> dict:
+    """The family's metadata of a cached sample: its index record less what the cache itself records."""
+    return {k: v for k, v in sample.items() if k not in ("line", "file", "target_hw", "category")}
 
 
 def collate(samples: list[dict]) -> dict:
-    """Stack cached samples; prompts are right-padded with a mask as encode_prompts pads them (None if equal)."""
+    """Stack cached samples of one shape bucket; their conditioning is joined as the family joins it (prompts
+    right-padded with a mask, as the online encoding pads them)."""
     lines = [s["line"] for s in samples]
-    grids = {(s["target_hw"], tuple(s["reference_shapes"])) for s in samples}
+    grids = {s["bucket"] for s in samples}
     if len(grids) > 1:
         raise ValueError(f"micro-batch of rows {lines} mixes latent sizes (target, references) {sorted(grids)}; "
                          "use train_micro_batch_size_per_gpu = 1 or data.buckets = true")
-    lengths = [s["embeds"].shape[0] for s in samples]
-    longest = max(lengths)
-    embeds = torch.stack([torch.cat([s["embeds"], s["embeds"].new_zeros(longest - n, s["embeds"].shape[1])])
-                          for s, n in zip(samples, lengths, strict=True)])
-    mask = None if len(set(lengths)) == 1 else torch.stack([torch.arange(longest) < n for n in lengths]).long()
-    return {"x0": torch.stack([s["x0"] for s in samples]), "ref": torch.stack([s["ref"] for s in samples]),
-            "embeds": embeds, "mask": mask, "target_hw": samples[0]["target_hw"],
-            "reference_shapes": samples[0]["reference_shapes"], "lines": lines}
+    parts = [(s["meta"], {k: v for k, v in s.items() if k not in SAMPLE_KEYS}) for s in samples]
+    cond = family.variant_family(samples[0]["variant"]).join_conditioning(parts)
+    return {"x0": torch.stack([s["x0"] for s in samples]), "cond": cond, "target_hw": samples[0]["target_hw"],
+            "lines": lines}
 
 
-def to_batch(raw: dict, device: torch.device) -> sources.Batch:
+def to_batch(raw: dict, device: torch.device) -> Batch:
     """A collated cached micro-batch on the training device, as sources.encode_batch returns the same samples."""
-    mask = None if raw["mask"] is None else raw["mask"].to(device, non_blocking=True)
-    shapes = [tuple(s) for s in raw["reference_shapes"]]  # tuples again: pinning memory turns them into lists
-    cond = conditioning.Conditioning(raw["embeds"].to(device, non_blocking=True), mask,
-                                     raw["ref"].to(device, non_blocking=True), shapes)
-    return sources.Batch(raw["x0"].to(device, non_blocking=True).float(), tuple(raw["target_hw"]), cond)
+    return Batch(raw["x0"].to(device, non_blocking=True).float(), tuple(raw["target_hw"]), raw["cond"].to(device))
 
 
 def cached_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],

@@ -16,7 +16,6 @@ and rows without a `category` value get one from data.category_rules. The loader
 from __future__ import annotations
 
 import os
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,9 +26,10 @@ from torch.utils.data import DataLoader
 
 from train.data import prompts, sampling
 from train.data.rows import BadRowsError, Row, assign_categories, read_rows
-from train.model import conditioning, images
+from train.model import family, images
+from train.model.interface import ModelFamily
 from train.runtime import engine
-from train.runtime.metrics import print0
+from train.runtime.console import print0
 
 
 def image_sizes(data_dir: Path, names: list[str]) -> list[tuple[int, int]]:
@@ -56,7 +56,7 @@ def check_row(row: Row, data_dir: Path, variant: str) -> list[str]:
     problems = []
     if not row.prompt.strip():
         problems.append(f"{where} ({row.target}): empty or non-text prompt; write the edit instruction in 'prompt'")
-    limit = conditioning.MAX_REFERENCES[variant]
+    limit = family.variant_family(variant).variant(variant).max_references
     if row.references and not limit:
         problems.append(f"{where} ({row.target}): has edit_image but the {variant} variant (text-to-image) takes no "
                         "reference; remove 'edit_image' or train an edit model")
@@ -76,7 +76,7 @@ def gather_lists(items: list) -> list:
 
 
 def aspect_steps(bucket_aspect_steps: int, micro_batch_size: int, buckets: bool) -> int:
-    """The aspect-ratio grid images are sized on (conditioning.snapped_ratio): data.bucket_aspect_steps where
+    """The aspect-ratio grid images are sized on (the family's image_size): data.bucket_aspect_steps where
     micro-batches stack several samples of one shape bucket, else 0, the pipelines' own sizes (a micro-batch of
     one needs no shared shape)."""
     return bucket_aspect_steps if buckets and micro_batch_size > 1 else 0
@@ -84,19 +84,19 @@ def aspect_steps(bucket_aspect_steps: int, micro_batch_size: int, buckets: bool)
 
 def size_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: int | None,
                   condition_area: int | None, steps: int = 0) -> list[str]:
-    """Images whose resize for training (to `area`, aspect ratio snapped by `steps`; 2509's VL copies of
-    references, made from the same crop, to `condition_area`) rounds a side to 0 px: the pipelines' rounding to
-    multiples of 32 leaves nothing of a very thin strip."""
+    """Images whose resize for training (to `area`, aspect ratio snapped by `steps`; the VL copies of references
+    that the variant makes, to `condition_area`) rounds a side to 0 px: the pipelines' rounding (Qwen-Image: to
+    multiples of 32) leaves nothing of a very thin strip."""
+    fam = family.variant_family(variant)
     problems = []
     for k, (name, (width, height)) in enumerate(zip([row.target, *row.references], sizes, strict=True)):
-        image = types.SimpleNamespace(width=width, height=height)
         resizes = []
         if area is not None:
-            resizes.append((f"data.area = {area}", conditioning.dimensions(area, image, steps)))
-        if k and variant != "edit" and condition_area is not None:
-            cw, ch = conditioning.crop_size(image, steps)
-            resizes.append((f"data.condition_area = {condition_area}", conditioning.dimensions(
-                condition_area, types.SimpleNamespace(width=cw, height=ch))))
+            resizes.append((f"data.area = {area}", fam.image_size(area, width, height, steps)))
+        condition = k and condition_area is not None and fam.condition_size(variant, condition_area, width, height,
+                                                                             steps)
+        if condition:
+            resizes.append((f"data.condition_area = {condition_area}", condition))
         for where, (w, h) in resizes:
             if min(w, h) <= 0:
                 problems.append(f"row {row.line} ({name}): {width}x{height} px resizes to {w}x{h} at {where}; "
@@ -107,10 +107,11 @@ def size_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: in
 def prompt_problems(row: Row, sizes: list[tuple[int, int]], variant: str, area: int, condition_area: int,
                     tokens, steps: int = 0) -> list[str]:
     """A prompt longer than the transformer's rotary embedding has positions for next to this row's images (its
-    forward would fail at the step that draws the row); `tokens` is the model's Qwen2VLProcessor."""
+    forward would fail at the step that draws the row); `tokens` is the family's prompt_tokenizer of the model."""
     if not row.references:
-        return []  # text-to-image prompts are truncated to the pipeline's length, as QwenImagePipeline does
-    over = conditioning.prompt_overflow(tokens, row.prompt, variant, sizes, area, condition_area, aspect_steps=steps)
+        return []  # text-to-image prompts are truncated to the pipeline's length, as the pipelines do
+    over = family.variant_family(variant).prompt_overflow(tokens, row.prompt, variant, sizes, area, condition_area,
+                                                          aspect_steps=steps)
     if over is None:
         return []
     length, room = over
@@ -140,7 +141,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
     process the prompts (`processor`, whose `report` then holds the counts), assign categories from
     `category_rules`, then check every row (each rank a strided share; with `area`/`condition_area` also that
     the resized images, aspect ratios snapped by `steps` (`aspect_steps`), keep both sides, and with `tokens`,
-    the model's Qwen2VLProcessor, that the prompt fits the transformer's text positions); stop or skip per
+    the family's prompt_tokenizer, that the prompt fits the transformer's text positions); stop or skip per
     `policy`. Same result on every rank: the good rows, with their image sizes.
     """
     data_dir = Path(data_dir)
@@ -175,7 +176,7 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
         where = f"listed in {report_path}" if report_path is not None else "not written (no report path)"
         print0(f"data: bad_rows = \"skip\": {num_skipped} of {len(rows) + num_unparsed} rows left out "
                f"({len(problems)} problem(s), {where}); {len(good)} rows train", rank=rank)
-    report_alignment(misaligned(good, area, steps), report_path, rank)
+    report_alignment(misaligned(good, family.variant_family(variant), area, steps), report_path, rank)
     return good
 
 
@@ -197,12 +198,8 @@ ALIGN_TOLERANCE = 0.01  # aspect ratios this far apart shift the far edge by 1% 
 MISALIGNED_REPORT = "misaligned_rows.txt"  # next to the bad-rows report: every pair that cannot align
 
 
-def _resized(size: tuple[int, int], area: int | None, steps: int = 0) -> tuple[int, int] | None:
-    return None if area is None else conditioning.dimensions(area, types.SimpleNamespace(width=size[0],
-                                                                                        height=size[1]), steps)
-
-
-def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None, steps: int = 0) -> str | None:
+def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None, steps: int = 0, *,
+           fam: ModelFamily) -> str | None:
     """Why a reference (width, height) cannot land pixel for pixel on its target's resized lattice, or None.
 
     Both are resized to about `area` keeping their own aspect ratio, sides rounded to multiples of 32 (the
@@ -210,18 +207,21 @@ def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None
     the two roundings give one size: a same-size pair always does, and so does a reference of the same ratio at
     another resolution. Ratios more than ALIGN_TOLERANCE apart stretch one against the other; ratios that round
     to different sizes (near a rounding step) differ by one 32-px step in a side, a shift of up to 32 px at the
-    far edge. With `steps` (data.bucket_aspect_steps) the sizes are those of the snapped ratios."""
+    far edge. With `steps` (data.bucket_aspect_steps) the sizes are those of the snapped ratios; `fam` sizes
+    them (the model's family)."""
     ratio = (reference[0] / reference[1]) / (target[0] / target[1]) - 1
     if abs(ratio) > ALIGN_TOLERANCE:
         return f"aspect ratio {ratio:+.1%} off the target's"
-    resized, target_resized = _resized(reference, area, steps), _resized(target, area, steps)
+    if area is None:
+        return None
+    resized, target_resized = fam.image_size(area, *reference, steps), fam.image_size(area, *target, steps)
     if resized != target_resized:
         return (f"resizes to {resized[0]}x{resized[1]}, the target to {target_resized[0]}x{target_resized[1]} "
                 "(their aspect ratios round to different sizes)")
     return None
 
 
-def misaligned(rows: list[Row], area: int | None = None, steps: int = 0) -> list[str]:
+def misaligned(rows: list[Row], fam: ModelFamily, area: int | None = None, steps: int = 0) -> list[str]:
     """One line per row whose target and a reference cannot align (see `misfit`; the lattice is compared when
     `area`, data.area, is given): the model would learn a shift or zoom as part of the edit. Expected when the
     edit changes the framing (F2P: a face crop -> a full photo); otherwise crop or pad the pair to one size."""
@@ -231,7 +231,7 @@ def misaligned(rows: list[Row], area: int | None = None, steps: int = 0) -> list
             continue
         (tw, th), *refs = row.sizes
         for k, (name, size) in enumerate(zip(row.references, refs, strict=True)):
-            why = misfit((tw, th), size, area, steps)
+            why = misfit((tw, th), size, area, steps, fam=fam)
             if why:
                 found.append(f"row {row.line} ({row.target} {tw}x{th}): reference {k + 1} {name} "
                              f"{size[0]}x{size[1]}: {why}")
@@ -252,9 +252,9 @@ def alignment_report(found: list[str], report_path: Path | None, limit: int = 10
 
 
 class EditDataset(torch.utils.data.Dataset):
-    """Yields one edit pair resized as the pipelines do (see conditioning.reference_inputs), each image first
-    cropped to its aspect ratio snapped by `steps` (`aspect_steps`; conditioning.fit); images are opened as a viewer
-    shows them (train/model/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
+    """Yields one edit pair resized as the variant's pipelines do (its family's sample_images), each image first
+    cropped to its aspect ratio snapped by `steps` (`aspect_steps`); images are opened as a viewer shows them
+    (train/model/images.py: EXIF orientation, alpha over `background`, 16-bit scaled)."""
 
     def __init__(self, data_dir: str | Path, rows: list[Row], variant: str, area: int, condition_area: int,
                  background: str = images.DEFAULT_BACKGROUND, steps: int = 0):
@@ -266,6 +266,10 @@ class EditDataset(torch.utils.data.Dataset):
         ])
         self.variant, self.area, self.condition_area = variant, area, condition_area
 
+    @property
+    def family(self) -> ModelFamily:
+        return family.variant_family(self.variant)  # looked up, not held: a DataLoader worker may unpickle `self`
+
     def __len__(self) -> int:
         return len(self.table)
 
@@ -273,8 +277,8 @@ class EditDataset(torch.utils.data.Dataset):
         return self.table.data.column(name).to_pylist()
 
     def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
-        w, h = conditioning.dimensions(self.area, types.SimpleNamespace(width=width, height=height), self.steps)
-        return h // conditioning.PIXELS_PER_LATENT, w // conditioning.PIXELS_PER_LATENT
+        w, h = self.family.image_size(self.area, width, height, self.steps)
+        return h // self.family.pixels_per_latent, w // self.family.pixels_per_latent
 
     def bucket_keys(self) -> list[tuple[tuple[int, int], ...]]:
         """Per sample: latent (h, w) of the target, then of each reference's VAE copy, as the pipelines size them
@@ -296,15 +300,8 @@ class EditDataset(torch.utils.data.Dataset):
         rec = self.table[i]
         target = self._open(rec["image"], rec["line"])
         refs = [self._open(name, rec["line"]) for name in rec["edit_image"]]
-        vl_images, ref_pixels = conditioning.reference_inputs(refs, self.variant, self.area, self.condition_area,
-                                                              self.steps)
-        return {
-            "target": conditioning.to_pixels(target, self.area, self.steps),
-            "reference_pixels": ref_pixels,
-            "vl_images": vl_images,
-            "prompt": rec["prompt"],
-            "line": rec["line"],
-        }
+        sample = self.family.sample_images(target, refs, self.variant, self.area, self.condition_area, self.steps)
+        return {**sample, "prompt": rec["prompt"], "line": rec["line"]}
 
 
 def collate(samples: list[dict]) -> dict:

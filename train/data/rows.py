@@ -42,7 +42,7 @@ def _metadata_file(data_dir: Path) -> Path:
     for name in ("metadata.jsonl", "metadata.csv"):
         if (data_dir / name).is_file():
             return data_dir / name
-    raise FileNotFoundError(f"{data_dir} has no metadata.jsonl or metadata.csv; see README 'Dataset format'")
+    raise FileNotFoundError(f"{data_dir} has no metadata.jsonl or metadata.csv; see docs/data.md")
 
 
 def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str], list[str] | None]:
@@ -171,7 +171,7 @@ def check_references(rows: list[Row], variant: str, choice: str) -> str | None:
                            "or set qwen_edit.data.rows_without_reference to \"text_to_image\" to train them as "
                            "text-to-image samples")
     return (f"data: {len(without)} of {len(rows)} rows have no edit_image: trained as text-to-image samples "
-            "(data.rows_without_reference; no reference, QwenImagePipeline's prompt template)")
+            "(data.rows_without_reference; no reference, the text-to-image pipeline's prompt template)")
 
 
 def fingerprint(rows: list[Row]) -> dict:

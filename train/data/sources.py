@@ -1,7 +1,7 @@
-"""What the training loop reads: `Batch` (a micro-batch as the transformer takes it) and the source protocol
-(`LoaderSource`: a DataLoader whose raw batches are turned into `Batch`es), with the online source that encodes
-images with the frozen encoders on the fly, in turn or one micro-batch ahead (train/data/ahead.py). The latent cache
-(train/data/latent_cache.py) is the other source.
+"""What the training loop reads: `Batch` (a micro-batch as the transformer takes it; train/model/interface.py) and
+the source protocol (`LoaderSource`: a DataLoader whose raw batches are turned into `Batch`es), with the online
+source that encodes images with the frozen encoders on the fly, in turn or one micro-batch ahead
+(train/data/ahead.py). The latent cache (train/data/latent_cache.py) is the other source.
 """
 
 from __future__ import annotations
@@ -9,34 +9,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from train.data.ahead import EncodeAhead
-from train.model import conditioning, memory
-from train.model.components import Encoders
-
-
-@dataclass
-class Batch:
-    """A micro-batch as the transformer takes it (all on the training device)."""
-
-    x0: torch.Tensor  # B L 4C packed clean target latents, float32
-    target_hw: tuple[int, int]  # latent height, width of the target
-    cond: conditioning.Conditioning
+from train.model import family
+from train.model.interface import Batch, Encoders
+from train.runtime.oom import out_of_memory
 
 
 def encode_batch(batch: dict, encoders: Encoders, variant: str) -> Batch:
-    """Frozen encoders: prompt embeddings, target and reference latents (no gradients)."""
-    embeds, mask = conditioning.encode_prompts(
-        encoders.text_encoder, encoders.processor, batch["prompts"], batch["vl_images"], variant
-    )
-    target = conditioning.encode_latents(encoders.vae, batch["target"])
-    ref_tokens, ref_shapes = conditioning.encode_references(encoders.vae, batch["reference_pixels"],
-                                                            len(batch["prompts"]))
-    cond = conditioning.Conditioning(embeds, mask, ref_tokens, ref_shapes)
-    return Batch(conditioning.pack(target).float(), tuple(target.shape[-2:]), cond)
+    """Frozen encoders: prompt embeddings, target and reference latents (no gradients), as the variant's family
+    conditions its transformer."""
+    return family.variant_family(variant).encode_batch(batch, encoders, variant)
 
 
 class LoaderSource:
@@ -106,6 +91,6 @@ def online_source(loader, encoders: Encoders, variant: str, ahead: bool = False)
             return encode_batch(raw, encoders, variant)
         except torch.cuda.OutOfMemoryError as e:
             n = len(raw["prompts"])
-            raise memory.out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
+            raise out_of_memory(e, f"encoding a micro-batch of {n} online", "encode", n) from e
 
     return LoaderSource(loader, encode, encoders, ahead)

@@ -1,16 +1,17 @@
 """Frozen base weights in float8 (LoRA only): half the weight memory, and fp8 matmuls on GPUs that have them.
 
-`train.fp8_base = true` replaces each frozen nn.Linear inside the transformer blocks by `Float8FrozenLinear`:
-the weight is stored as float8 e4m3 with one fp32 scale per output row (absmax / 448). Two kinds:
+`train.fp8_base = true` replaces each frozen nn.Linear inside the transformer blocks that the model family names
+(its record's `fp8_linears`, train/model/interface.py) by `Float8FrozenLinear`: the weight is stored as float8 e4m3
+with one fp32 scale per output row (absmax / 448). Two kinds:
 
-- token linears (attention q/k/v/out of both streams, both MLPs): y = x W^T with x quantised to e4m3 per row
+- token linears (Qwen-Image: attention q/k/v/out of both streams, both MLPs): y = x W^T with x quantised to e4m3 per row
   (dynamic absmax scale) and `torch._scaled_mm` (rowwise scales, bf16 out). The input gradient
   dx = dy W = (dy * s) W8 is computed the same way, with the per-row weight scale s folded into dy before it is
   quantised, so per-row weight scales serve both directions. The weight gets no gradient (it is frozen).
-- modulation linears (img_mod / txt_mod: one vector per sample, 1/3 of the block weights): weight-only, W8 is
+- vector linears (Qwen-Image's img_mod / txt_mod: one vector per sample, 1/3 of the block weights): weight-only, W8 is
   dequantised to the activation dtype for each call (a matrix-vector product; the matmul is not the cost).
 
-Embedding and output layers (img_in, txt_in, proj_out, norm_out, time embedding) stay in the model dtype. The
+Every layer outside the blocks (embeddings, output layers, time embedding) stays in the model dtype. The
 LoRA branch (peft wraps the base layer; we swap the base layer under it) keeps its own dtype. Quantisation
 changes the frozen model a little (e4m3 keeps 3 mantissa bits); docs/performance.md reports the effect on the
 loss curve next to the speed and memory.
@@ -24,11 +25,6 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-# Name suffixes (inside transformer_blocks.N.) of the linears converted, and how.
-TOKEN_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                 "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
-                 "txt_mlp.net.2")
-VECTOR_LINEARS = ("img_mod.1", "txt_mod.1")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,21 +112,13 @@ class Float8FrozenLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, e4m3"
 
 
-def _kind(name: str) -> str | None:
-    if ".transformer_blocks." not in f".{name}":
-        return None
-    if name.endswith(TOKEN_LINEARS):
-        return "token"
-    if name.endswith(VECTOR_LINEARS):
-        return "vector"
-    return None
-
-
-def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool | Callable[[str], bool] = False,
+def convert_frozen_linears(transformer: torch.nn.Module, kind_of: Callable[[str], str | None],
+                           keep_transposed: bool | Callable[[str], bool] = False,
                            quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                            fast_accum: bool = False) -> int:
     """Swap the blocks' frozen linears (peft's base_layer where LoRA wraps one) for Float8FrozenLinear in place;
-    returns how many were converted. Call after LoRA is added. keep_transposed: also store each token linear's
+    returns how many were converted. Call after LoRA is added. kind_of: "token", "vector" or None (not converted)
+    for a linear's name, the family's (ModelFamily.fp8_kind). keep_transposed: also store each token linear's
     weight transposed for the backward (train.fp8_transposed: twice the fp8 weight memory, no transpose per step);
     a function of the linear's name decides per linear. quantized: {linear name: (e4m3 weight, scale)} already
     made (by train.model.streaming), for linears whose weight is only a placeholder. fast_accum: the token linears'
@@ -141,11 +129,11 @@ def convert_frozen_linears(transformer: torch.nn.Module, keep_transposed: bool |
     for name, module in transformer.named_modules():
         base = getattr(module, "base_layer", None)
         if isinstance(base, torch.nn.Linear) and not isinstance(module, torch.nn.Linear):
-            kind = _kind(name)  # a peft LoRA layer: keep the adapter, swap what it wraps
+            kind = kind_of(name)  # a peft LoRA layer: keep the adapter, swap what it wraps
             if kind:
                 targets.append((name, module, "base_layer", base, kind))
         elif type(module) is torch.nn.Linear and ".lora_" not in name and not name.endswith(".base_layer"):
-            kind = _kind(name)
+            kind = kind_of(name)
             if kind:
                 parent_name, _, attr = name.rpartition(".")
                 targets.append((name, transformer.get_submodule(parent_name), attr, module, kind))

@@ -6,15 +6,16 @@ part of that second forward (about a third of a Qwen-Image block's forward at 12
 only q, k and v (projections, norms and the rotary embedding: cheap to recompute) and the attention's output and
 log-sum-exp. Those two are small (the output is one activation of the block's width in bf16; the log-sum-exp one
 float per head and token), so a block that keeps them trades ~81 MB at 12.5k tokens for the attention forward's
-time in every recomputation (docs/perf_notes.md lever 27; the memory plan decides how many blocks keep it).
+time in every recomputation (docs/levers.md, lever 27; the memory plan decides how many blocks keep it).
 
 How:
-- `keep(block)` marks the block's attention processor with the backend name BACKEND and `install()`s a
-  replacement of diffusers' `dispatch_attention_fn` as the Qwen-Image transformer module sees it (as rope.py
-  replaces its rotary function): a marked processor's attention without mask, dropout or causality, while gradients
-  are on, runs as the custom op `qwen_edit::kept_attention(q, k, v, scale) -> (out, lse)`. Everything else, and
+- `keep(block, module)` marks the block's attention processor with the backend name BACKEND and `install(module)`s
+  a replacement of diffusers' `dispatch_attention_fn` as the family's transformer module sees it (the family record's
+  `attention_module`; Qwen-Image's, as its rope.py replaces its rotary function there): a marked processor's
+  attention without mask, dropout or causality, while gradients are on, runs as the custom op
+  `qwen_edit::kept_attention(q, k, v, scale) -> (out, lse)`. Everything else, and
   every unmarked block, goes to diffusers: on one H200 a block whose attention ran as the op was ~0.8 ms slower
-  per forward and backward at 12,984 tokens (`python -m train.bench --block_probe`, docs/perf_notes.md lever 27),
+  per forward and backward at 12,984 tokens (`python -m train.bench --block_probe`, docs/levers.md, lever 27),
   so only the blocks that keep their attention pay it. torch.compile specialises each compiled block on the mark.
 - The op runs the fused kernel that torch's own SDPA would choose for these inputs (cuDNN or FlashAttention on
   CUDA, the flash kernel on the CPU) through its aten op, which returns the log-sum-exp; its backward is the same
@@ -27,12 +28,13 @@ tests/test_kept_attention.py checks losses and gradients against plain checkpoin
 does not run the kernel.
 """
 
+import importlib
 import threading
 
 import torch
-from diffusers.models.transformers import transformer_qwenimage
+from diffusers.models import attention_dispatch
 
-_DIFFUSERS = transformer_qwenimage.dispatch_attention_fn
+_DIFFUSERS = attention_dispatch.dispatch_attention_fn
 _local = threading.local()  # .stash: the Stash of the block call running in this thread, if any
 _cuda_ok = False  # install() sets it: the CUDA device has the fused kernels (compute capability >= 8.0)
 _backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen at the first forward
@@ -87,17 +89,19 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
             and dtype in (torch.bfloat16, torch.float16))
 
 
-def keep(block: torch.nn.Module) -> None:
-    """Mark a diffusers Qwen-Image transformer block: its attention runs as the op (and install the dispatch)."""
-    install()
+def keep(block: torch.nn.Module, module: str) -> None:
+    """Mark a diffusers transformer block: its attention runs as the op (and install the dispatch in `module`, the
+    diffusers module that defines the block, e.g. Qwen-Image's diffusers.models.transformers.transformer_qwenimage)."""
+    install(module)
     block.attn.processor._attention_backend = BACKEND
 
 
-def install() -> None:
-    """Route marked blocks' attention calls through `dispatch` (idempotent; unmarked blocks go on to diffusers')."""
+def install(module: str) -> None:
+    """Route marked blocks' attention calls in `module` through `dispatch` (idempotent; unmarked blocks go on to
+    diffusers')."""
     global _cuda_ok
     _cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-    transformer_qwenimage.dispatch_attention_fn = dispatch
+    importlib.import_module(module).dispatch_attention_fn = dispatch
 
 
 def eligible(query: torch.Tensor) -> bool:

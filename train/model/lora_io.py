@@ -1,10 +1,11 @@
 """Read LoRA files written by other trainers into our peft adapter (qwen_edit.lora.init_from).
 
-The key layouts are read as the Qwen-Image pipelines read them: `QwenImageEditPipeline.lora_state_dict` (every
-Qwen-Image pipeline inherits it from diffusers' QwenImageLoraLoaderMixin; it calls lora_conversion_utils'
+The key layouts are read as the model family's pipelines read them: its LoRA pipeline's `lora_state_dict` (the
+family's LoraKeys.pipeline_class; for Qwen-Image, QwenImageEditPipeline's, which every Qwen-Image pipeline inherits
+from diffusers' QwenImageLoraLoaderMixin and which calls lora_conversion_utils'
 `_convert_non_diffusers_qwen_lora_to_diffusers`) turns the file into diffusers keys, and peft's
 `set_peft_model_state_dict` puts them into the adapter, as `load_lora_weights` does. So a file means the same here
-as in `train.infer --lora`. README "Exporting a checkpoint" lists the layouts this covers.
+as in `train.infer --lora`. docs/export.md lists the layouts this covers.
 
 What stays here is what diffusers does not do before it loads: refuse damaged values, name keys that land
 nowhere (diffusers warns, or drops them) and ranks that differ from the config (diffusers would make a new adapter
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from train.model import family
+from train.model.interface import ModelFamily
 
 # The LoRA keys diffusers' Qwen-Image converter reads: lora_A/B or lora_down/up weights (PEFT's `.default.` adapter
 # name dropped) and `.alpha`; it fails on anything else in a non-diffusers file and drops `dora_scale` silently.
@@ -176,23 +180,25 @@ def stand_ins(tensors: dict[str, torch.Tensor], unpaired_keys: list[str]) -> dic
     return out
 
 
-def converted_by_diffusers(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    """`QwenImageEditPipeline.lora_state_dict` of the file's LoRA keys: diffusers keys, alpha folded in."""
-    from diffusers import QwenImageEditPipeline
+def converted_by_diffusers(tensors: dict[str, torch.Tensor], path: Path, fam: ModelFamily) -> dict[str, torch.Tensor]:
+    """`lora_state_dict` of the family's LoRA pipeline (its LoraKeys.pipeline_class) of the file's LoRA keys:
+    diffusers keys, alpha folded in."""
+    import diffusers
 
     try:
-        return QwenImageEditPipeline.lora_state_dict(dict(tensors))  # a copy: the converter pops keys
+        return getattr(diffusers, fam.lora.pipeline_class).lora_state_dict(dict(tensors))  # a copy: it pops keys
     except ValueError as e:
-        raise LoraFileError(f"qwen_edit.lora.init_from: diffusers' Qwen-Image LoRA converter cannot read {path} "
+        raise LoraFileError(f"qwen_edit.lora.init_from: diffusers' {fam.title} LoRA converter cannot read {path} "
                             f"({e}); a file holds one layout (lora_A/lora_B or lora_down/lora_up keys) of "
-                            "README's 'Exporting a checkpoint'") from None
+                            "docs/export.md") from None
 
 
-def trace(tensors: dict[str, torch.Tensor], unpaired_keys: list[str], path: Path) -> dict[str, tuple[str, float]]:
+def trace(tensors: dict[str, torch.Tensor], unpaired_keys: list[str], path: Path,
+          fam: ModelFamily) -> dict[str, tuple[str, float]]:
     """{converted key: (the file key it comes from, the factor diffusers multiplied it by)}; see stand_ins."""
     keys = list(tensors)
     origin = {}
-    for key, t in converted_by_diffusers(stand_ins(tensors, unpaired_keys), path).items():
+    for key, t in converted_by_diffusers(stand_ins(tensors, unpaired_keys), path, fam).items():
         index = round((t[0, 0] / t[0, 1]).item())
         if index:  # 0: the partner stand_ins added
             origin[key] = (keys[index - 1], t[0, 1].item())
@@ -319,10 +325,11 @@ def load_into(transformer, path: str | Path, adapter_name: str = "default") -> L
     lora = {k: v for k, v in tensors.items() if key_kind(k) and "dora_scale" not in k}
     unread = [k + (" (DoRA is not supported)" if "dora_scale" in k else "") for k in tensors if k not in lora]
     missing_partner = unpaired(list(lora))
-    origin = trace(lora, missing_partner, path)
+    fam = family.transformer_family(transformer)
+    origin = trace(lora, missing_partner, path, fam)
     verify_keys(unread + unmatched(origin, transformer, adapter_name), missing_partner, transformer, adapter_name,
                 path, any_lora=bool(origin))
-    weights = {adapter_key(k): v for k, v in converted_by_diffusers(lora, path).items()}
+    weights = {adapter_key(k): v for k, v in converted_by_diffusers(lora, path, fam).items()}
     assert weights.keys() == {adapter_key(k) for k in origin}, "diffusers renamed the stand-ins otherwise"
     verify_shapes(weights, transformer, layers, adapter_name, path)
     factors = {adapter_key(k): factor for k, (_, factor) in origin.items()}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +43,7 @@ class Placement:
 
     device: torch.device
     dtype: torch.dtype
-    fp8: bool = False  # the blocks' frozen linears in e4m3 (train.fp8_base)
+    fp8: Callable[[str], str | None] | None = None  # train.fp8_base: the family's fp8 kind of a linear (fp8_kind)
     offload: set[int] = field(default_factory=set)  # block indices whose large frozen tensors stay on the host
     skip_offloaded: bool = False  # another process of the node fills the shared host copy of those (NodeShare)
 
@@ -105,15 +105,16 @@ def empty_transformer(transformer_dir: Path):
     """The diffusers transformer of `transformer_dir/config.json` with parameters on the meta device (no memory);
     its non-parameter state (rotary tables) is real, as diffusers computes it in __init__."""
     from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
 
-    config = QwenImageTransformer2DModel.load_config(transformer_dir)
+    cls = files.transformer_class(transformer_dir)
+    config = cls.load_config(transformer_dir)
     with init_empty_weights(include_buffers=False):
-        return QwenImageTransformer2DModel.from_config(config)
+        return cls.from_config(config)
 
 
 def _fp8_target(name: str, placement: Placement) -> bool:
-    return placement.fp8 and name.endswith(".weight") and fp8._kind(name[: -len(".weight")]) is not None
+    return (placement.fp8 is not None and name.endswith(".weight")
+            and placement.fp8(name[: -len(".weight")]) is not None)
 
 
 def load(model_dir: str | Path, placement: Placement, frozen: bool, random: bool = False):
@@ -123,7 +124,7 @@ def load(model_dir: str | Path, placement: Placement, frozen: bool, random: bool
     frozen: the base will not be trained (LoRA), so blocks may be offloaded and linears quantised."""
     transformer_dir = Path(model_dir) / "transformer"
     model = empty_transformer(transformer_dir)
-    if not frozen and (placement.fp8 or placement.offload):
+    if not frozen and (placement.fp8 is not None or placement.offload):
         raise ValueError("fp8 and offloaded blocks need a frozen base (train.mode = 'lora')")
     params = dict(model.named_parameters())
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -1,2 +1,2 @@
-"""The run's machinery, below the model (README "Layout"): processes and DeepSpeed's engine, checkpoints and
-exports, metrics, GPU monitoring, fault injection, the output directory, preemption."""
+"""The run's machinery, below the model (docs/architecture.md): processes and DeepSpeed's engine, checkpoints and
+exports, metrics, GPU monitoring, fault injection, out-of-memory advice, the output directory, preemption."""

@@ -418,7 +418,7 @@ def schedule_note(state: dict, max_steps: int, step: int, scheduler) -> str | No
     return (f"warning: resume: train.max_steps is {max_steps}, the checkpoint's run had {saved}; DeepSpeed's {kind} "
             f"is re-stretched over {max_steps} steps, so the learning rate of step {step + 1} is {now:.3g} instead of "
             f"{before:.3g} on the saved curve{f' ({now / before:.3g}x)' if before else ''}. To keep the saved curve, "
-            "resume with the old --max_steps; to go on at a fixed rate, see README 'Extending a run'")
+            "resume with the old --max_steps; to go on at a fixed rate, see docs/checkpoints.md, 'Extending a run'")
 
 
 # Settings a resume cannot honour: the checkpoint's tensors, ZeRO shards or optimizer state are laid out by them.

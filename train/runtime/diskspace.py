@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from train.runtime import checkpoint, outdir
+from train.runtime.console import print0
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import print0
 
 GB = 1e9
 

@@ -3,7 +3,7 @@
 Why: a LoRA optimizer holds about a thousand small tensors (r64 on the attention projections of 60 blocks:
 960). After the backward, DeepSpeed's overflow check (amax + amin + isfinite per tensor) and its gradient norm
 (one vector_norm per tensor, in float64) issue some 9,000 tiny kernels, and the GPU sits idle while the CPU
-launches them: 0.1-0.15 s of a 1 s step on an H200 (docs/perf_notes.md). The replacements compute the same
+launches them: 0.1-0.15 s of a 1 s step on an H200 (docs/levers.md, lever 8). The replacements compute the same
 quantities with `torch._foreach_norm` (a few launches): a tensor holds an inf/NaN exactly when its norm is not
 finite (or overflows, which DeepSpeed would then skip as well), and the global norm is the same sum of
 squared per-tensor norms, accumulated in float64 as DeepSpeed does.

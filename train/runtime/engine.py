@@ -66,7 +66,7 @@ def processes_problem(num_procs: int, num_gpus: int, num_cores: int) -> tuple[st
 def check_processes(rank: int) -> None:
     """Refuse more processes on this node than its GPUs (TooManyProcessesError, before anything loads); without a
     GPU, rank 0 warns once when they outnumber the cores."""
-    from train.runtime.metrics import print0
+    from train.runtime.console import print0
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     error, warning = processes_problem(local_world_size(), num_gpus, usable_cores())
@@ -86,7 +86,7 @@ def plain_arch_list(value: str) -> str:
     return ";".join(dict.fromkeys(entries))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -124,7 +124,7 @@ def rendezvous_port(launched: bool = True):
     except torch.distributed.DistNetworkError as e:
         if "EADDRINUSE" not in str(e):
             raise
-        port, free = os.environ.get("MASTER_PORT", "?"), _free_port()
+        port, free = os.environ.get("MASTER_PORT", "?"), free_port()
         fix = (f"pass another one, e.g. deepspeed --master_port {free} ... (or bash launch.sh --master_port {free} ...)"
                if launched else f"set another one, e.g. MASTER_PORT={free} python ..., or leave MASTER_PORT unset")
         what = "the launcher's --master_port, default 29500" if launched else "MASTER_PORT"
@@ -137,7 +137,7 @@ def init_distributed(timeout_s: int = 600) -> Dist:
     launched = "RANK" in os.environ
     if not launched:  # a plain `python train/main.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -182,13 +182,43 @@ def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
                                                       mpu=mpu)
+    if (ds_config.get("compile") or {}).get("deepcompile"):  # qwen_edit.train.deepcompile
+        deepcompile(engine)
     if getattr(engine.optimizer, "cpu_offload", False):  # ZeRO-Offload: the memory plan's last resort, or the config's
-        from train.runtime.metrics import print0
+        from train.runtime.console import print0
 
         print0(f"optimizer offload: fp32 master weights, gradients and {type(engine.basic_optimizer).__name__}'s "
                "state in host memory, stepped on the CPU (zero_optimization.offload_optimizer)",
                rank=engine.global_rank)
     return engine, lr_scheduler
+
+
+def deepcompile(engine) -> None:
+    """DeepCompile (compile.deepcompile): the frozen weights become buffers (frozen_to_buffers), then the engine
+    compiles the whole module with DeepSpeed's backend, whose ZeRO-1/2 pass reduces the gradients in the compiled
+    backward (DeepSpeedEngine.compile, deepspeed/compile/init_z1_and_2.py)."""
+    from train.runtime.console import print0
+
+    moved = frozen_to_buffers(engine.module)
+    engine.compile()
+    print0(f"DeepCompile: the engine compiles the whole transformer ({moved} frozen weights held as buffers)",
+           rank=engine.global_rank)
+
+
+def frozen_to_buffers(model: torch.nn.Module) -> int:
+    """Re-register every frozen parameter of `model` as a non-persistent buffer of the same name; returns how many.
+    DeepCompile's ZeRO-1/2 backend asserts that each parameter among a compiled graph's inputs carries the id the
+    optimizer gave it (deepspeed/compile/backend.py, "All param inputs should have param_id"), and dynamo passes a
+    frozen weight in as a parameter too; as a buffer it is a plain input. Non-persistent, so that checkpoints leave
+    the frozen weights out as before (save_checkpoint's exclude_frozen_parameters)."""
+    moved = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.requires_grad:
+                del module._parameters[name]
+                module.register_buffer(name, param.detach(), persistent=False)
+                moved += 1
+    return moved
 
 
 def all_gather_objects(value, group=None) -> list:
@@ -217,7 +247,7 @@ def exit_with(main: Callable[[], int]):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
-        if getattr(e, "without_traceback", False):  # e.g. train.model.memory.OutOfMemory: the message says what to do
+        if getattr(e, "without_traceback", False):  # e.g. train.runtime.oom.OutOfMemory: the message says what to do
             print(f"error: {e}", file=sys.stderr)
         else:
             import traceback
@@ -238,7 +268,7 @@ def refuse_early(error: Exception, rank: int) -> int:
     once could have rank 0 killed before its message was out (seen in CI)."""
     import time
 
-    from train.runtime.metrics import print0
+    from train.runtime.console import print0
 
     print0(f"error: {error}", rank=rank, file=sys.stderr)
     if rank != 0:

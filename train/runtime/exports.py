@@ -10,8 +10,11 @@ with its optimizer shards); each stage is consolidated on its own and the stages
 are merged into one export. Outputs:
 
     LoRA, diffusers   DIR/pytorch_lora_weights.safetensors   `transformer.X.lora_A.weight` (pipe.load_lora_weights)
-    LoRA, comfyui     DIR/lora_comfyui.safetensors          `diffusion_model.X.lora_A.weight` + `X.alpha`
-    full              DIR/transformer/                       a diffusers QwenImageTransformer2DModel directory
+    LoRA, comfyui     DIR/lora_comfyui.safetensors          the model family's ComfyUI keys (Qwen-Image:
+                                                             `diffusion_model.X.lora_A.weight` + `X.alpha`)
+    full              DIR/transformer/                       a diffusers transformer directory (the base model's class)
+
+The key layouts are the model family's (`keys`: its LoraKeys, train/model/interface.py); this module writes them.
 
 Scale: peft applies alpha / rank to B @ A. The diffusers layout has no alpha (loaders use scale 1), so when
 lora.alpha != lora.rank the scale is folded into lora_B; the ComfyUI layout keeps B as trained and writes alpha.
@@ -143,17 +146,13 @@ def lora_scale(cfg: dict) -> tuple[float, int]:
 
 
 def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float, dtype: torch.dtype,
-                      metadata: dict[str, str] | None = None) -> Path:
-    """DIR/lora_comfyui.safetensors: `diffusion_model.X.lora_A.weight`, `.lora_B.weight` and `X.alpha`.
-
-    ComfyUI's LoRA loader and diffusers' Qwen-Image converter both read this layout (and scale by alpha / rank).
-    """
+                      metadata: dict[str, str] | None = None, *, keys) -> Path:
+    """DIR/lora_comfyui.safetensors in the family's ComfyUI layout (`keys.comfyui`: the matrices and their alpha,
+    which ComfyUI's LoRA loader scales by alpha / rank; the rank is the lora_A matrices' rows)."""
     from safetensors.torch import save_file
 
-    sd = {f"diffusion_model.{k}": v.to(dtype).contiguous() for k, v in layers.items()}
-    for key in layers:
-        if key.endswith(".lora_A.weight"):
-            sd[f"diffusion_model.{key.removesuffix('.lora_A.weight')}.alpha"] = torch.tensor(alpha)
+    rank = next(v.shape[0] for k, v in layers.items() if k.endswith(".lora_A.weight"))
+    sd = keys.comfyui({k: v.to(dtype).contiguous() for k, v in layers.items()}, alpha, rank)
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, out / COMFYUI_WEIGHT_NAME, metadata={"format": "pt", **(metadata or {})})
     apply_umask(out / COMFYUI_WEIGHT_NAME)
@@ -161,16 +160,18 @@ def write_comfyui_lora(layers: dict[str, torch.Tensor], out: Path, alpha: float,
 
 
 def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype: torch.dtype,
-               metadata: dict[str, str] | None = None) -> Path:
-    """DIR/transformer/: config from the base model, weights from the consolidated state dict."""
-    from diffusers import QwenImageTransformer2DModel
+               metadata: dict[str, str] | None = None, *, transformer_class: str) -> Path:
+    """DIR/transformer/: config from the base model, weights from the consolidated state dict, in the family's
+    diffusers `transformer_class`."""
+    import diffusers
 
     config_dir = model_dir / "transformer"
     if not (config_dir / "config.json").is_file():
         raise ValueError(f"base model {model_dir} has no transformer/config.json; pass --model DIR with the base "
                          "model the checkpoint was trained from")
+    cls = getattr(diffusers, transformer_class)
     with torch.device("meta"):  # no 20 B random init: the weights come from the checkpoint
-        model = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(config_dir))
+        model = cls.from_config(cls.load_config(config_dir))
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -182,12 +183,14 @@ def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype
 
 
 def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtype: str = "float32",
-           model: str | Path | None = None, overwrite: bool = False) -> Path:
+           model: str | Path | None = None, overwrite: bool = False, *, family_of) -> Path:
     """Write the export of `checkpoint` into `out`; returns the file or directory written. An export already there
-    is replaced only with `overwrite` (ValueError naming it otherwise, before anything is read)."""
+    is replaced only with `overwrite` (ValueError naming it otherwise, before anything is read). `family_of(variant,
+    model_dir)`: the trained model's family (train/model/family.py family_for), which names its LoRA keys and
+    transformer class."""
     ckpt, out = Path(checkpoint), Path(out)
     try:
-        return _export(ckpt, out, fmt, dtype, model, overwrite)
+        return _export(ckpt, out, fmt, dtype, model, overwrite, family_of)
     except CheckpointFileError as e:  # a damaged or refused file: name a complete checkpoint to export instead
         earlier = previous_complete(ckpt.parent, ckpt.name)
         hint = f"; export the previous complete checkpoint instead: --checkpoint {ckpt.parent / earlier}" if earlier \
@@ -195,7 +198,8 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtyp
         raise CheckpointFileError(f"{e}{hint}") from None
 
 
-def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None, overwrite: bool) -> Path:
+def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None, overwrite: bool,
+            family_of) -> Path:
     cfg = read_config(ckpt)
     mode = cfg["qwen_edit"]["train"]["mode"]
     if mode == "full" and fmt != "diffusers":
@@ -209,14 +213,17 @@ def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | Non
         shutil.rmtree(target)
     state = consolidate(ckpt, num_decoder_stages(cfg))
     torch_dtype = getattr(torch, dtype)
-    metadata = export_metadata(cfg, checkpoint_variant(ckpt, cfg), step_of(ckpt))
+    variant, model_dir = checkpoint_variant(ckpt, cfg), Path(model or cfg["qwen_edit"]["model"]["path"])
+    metadata = export_metadata(cfg, variant, step_of(ckpt))
+    fam = family_of(variant, model_dir)
     if mode == "full":
-        return write_full(state, Path(model or cfg["qwen_edit"]["model"]["path"]), out, torch_dtype, metadata)
+        return write_full(state, model_dir, out, torch_dtype, metadata, transformer_class=fam.transformer_class)
     layers = lora_layers(state, ckpt)
     alpha, rank = lora_scale(cfg)
+    keys = fam.lora
     if fmt == "comfyui":
-        return write_comfyui_lora(layers, out, alpha, torch_dtype, metadata)
-    return write_diffusers_lora(layers, out, alpha, rank, torch_dtype, metadata)
+        return write_comfyui_lora(layers, out, alpha, torch_dtype, metadata, keys=keys)
+    return write_diffusers_lora(layers, out, alpha, rank, torch_dtype, metadata, keys=keys)
 
 
 def checkpoint_variant(ckpt: Path, cfg: dict) -> str:
@@ -284,11 +291,12 @@ def apply_umask(path: Path) -> None:
 
 
 def write_diffusers_lora(layers: dict[str, torch.Tensor], out: str | Path, alpha: float, rank: int,
-                         dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None) -> Path:
+                         dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None, *, keys) -> Path:
     """OUT/pytorch_lora_weights.safetensors (`transformer.X.lora_A.weight` keys) for the pipelines'
-    load_lora_weights, with `metadata` (see export_metadata) in its header. The diffusers layout stores no alpha,
-    so alpha / rank is folded into lora_B (the header's lora_alpha is the trained one)."""
-    from diffusers import QwenImageEditPipeline
+    load_lora_weights, written by the family's pipeline (`keys.pipeline_class`), with `metadata` (see
+    export_metadata) in its header. The diffusers layout stores no alpha, so alpha / rank is folded into lora_B (the
+    header's lora_alpha is the trained one)."""
+    import diffusers
     from safetensors.torch import save_file
 
     def save(weights: dict, filename: str) -> None:  # diffusers' own writer, plus our header entries
@@ -299,16 +307,17 @@ def write_diffusers_lora(layers: dict[str, torch.Tensor], out: str | Path, alpha
 
     scale = alpha / rank
     layers = {k: (v * scale if scale != 1 and ".lora_B." in k else v).to(dtype or v.dtype) for k, v in layers.items()}
-    QwenImageEditPipeline.save_lora_weights(Path(out), transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
-                                            safe_serialization=True, save_function=save)
+    writer = getattr(diffusers, keys.pipeline_class)
+    writer.save_lora_weights(Path(out), transformer_lora_layers=layers, weight_name=LORA_WEIGHT_NAME,
+                             safe_serialization=True, save_function=save)
     apply_umask(Path(out) / LORA_WEIGHT_NAME)
     return Path(out) / LORA_WEIGHT_NAME
 
 
 def export_lora(transformer, out_dir: str | Path, alpha: float, rank: int,
-                metadata: dict[str, str] | None = None) -> Path:
-    """The end-of-training LoRA export (same layout as `python -m train.export`)."""
-    return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank, metadata=metadata)
+                metadata: dict[str, str] | None = None, *, keys) -> Path:
+    """The end-of-training LoRA export (same layout as `python -m train.export`; `keys`: the family's LoraKeys)."""
+    return write_diffusers_lora(lora_state_dict(transformer), out_dir, alpha, rank, metadata=metadata, keys=keys)
 
 
 def export_bytes(transformer, mode: str) -> int:
@@ -322,7 +331,7 @@ EXPORT_INFO = "qwen_edit_export.json"  # a full export's metadata (diffusers wri
 
 
 def export_full(transformer, out_dir: str | Path, metadata: dict[str, str] | None = None) -> Path:
-    """OUT/transformer/: a diffusers QwenImageTransformer2DModel directory (config + safetensors), with
+    """OUT/transformer/: a diffusers transformer directory (config + safetensors), with
     `metadata` in OUT/transformer/qwen_edit_export.json."""
     out = Path(out_dir) / "transformer"
     transformer.save_pretrained(out, safe_serialization=True)

@@ -1,2 +1,2 @@
-"""Training (README "Layout"): the builders and run shared by the commands and model_parallel, the loop, the
+"""Training (docs/architecture.md): the builders and run shared by the commands and model_parallel, the loop, the
 objective, validation."""

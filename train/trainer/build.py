@@ -6,6 +6,7 @@ encoders), the transformer in its training form, the first writes into the outpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,19 +16,15 @@ import torch
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
 from train.data.rows import check_references, fingerprint
-from train.model import components, fp8, lora_io, memory
-from train.model.conditioning import MODEL_NAMES
-from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt
-from train.runtime.metrics import Metrics, NullMetrics, print0, write_loss_curve
+from train.model import family, fp8, loading, lora_io, prepare
+from train.model.interface import ModelFamily
+from train.plan import run_plan
+from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
+from train.runtime.console import print0
+from train.runtime.oom import out_of_memory
+from train.runtime.plot import write_loss_curve
+from train.runtime.record import Metrics, NullMetrics
 from train.trainer import loop, validation
-
-
-def vl_processor(model_dir: str):
-    """The model's Qwen2VLProcessor (for the pre-flight's prompt lengths), None for text-to-image models."""
-    from transformers import Qwen2VLProcessor
-
-    path = Path(model_dir) / "processor"
-    return Qwen2VLProcessor.from_pretrained(path, local_files_only=True) if path.is_dir() else None
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
@@ -38,7 +35,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
     rows = pairs.preflight(p.data.path, variant, p.data.bad_rows, d.rank, d.world_size,
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
-                          condition_area=p.data.condition_area, tokens=vl_processor(p.model.path), steps=steps,
+                          condition_area=p.data.condition_area,
+                          tokens=family.variant_family(variant).prompt_tokenizer(p.model.path), steps=steps,
                           ignored=tuple(p.data.ignore_columns))
     unreferenced = check_references(rows, variant, p.data.rows_without_reference)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
@@ -59,15 +57,15 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     torch.manual_seed(p.train.seed)  # same LoRA init on every rank
     t = p.train
     dtype = getattr(torch, cfg.precision)
-    share = memory.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
+    share = run_plan.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
     try:
-        transformer, offloader = components.load_for_training(
+        transformer, offloader = prepare.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
             share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
+        raise out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
     if offloader is not None:
         print0(f"offloaded blocks: {len(offloader.blocks)} blocks' frozen weights in host memory "
                f"({offloader.host_bytes / 1e9:.1f} GB pinned{', one copy for the node' if offloader.shared else ''}), "
@@ -92,8 +90,9 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
     if cfg.project.data.cache != "off":
         return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
-    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
+    dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = family.variant_family(variant).load_encoders(p.model.path, dtype, d.device,
+                                                            vae_2d_frames=p.model.vae_2d_frames)
     if p.data.encode_ahead:  # resolved by load_config: never in the model-parallel mode
         print0("online encoding: one micro-batch ahead of the step, in a thread (data.encode_ahead)", rank=d.rank)
     return sources.online_source(loader, encoders, variant, p.data.encode_ahead)
@@ -104,7 +103,8 @@ def export_weights(cfg: config.Config, module, out_dir: Path, variant: str, step
     p = cfg.project
     metadata = exports.export_metadata(config.to_dict(cfg), variant, step)
     if p.train.mode == "lora":
-        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata)
+        return exports.export_lora(module, out_dir, p.lora.alpha, p.lora.rank, metadata,
+                                   keys=family.variant_family(variant).lora)
     return exports.export_full(module, out_dir, metadata)
 
 
@@ -153,15 +153,26 @@ def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_ste
                 f.write(json.dumps({"step": start_step, "changes": changes}) + "\n")
 
 
+def with_family_defaults(cfg: config.Config, fam: ModelFamily) -> config.Config:
+    """`cfg` with the settings whose default is the model family's filled in (qwen_edit.lora.target_modules: null =
+    the family's default targets): once, by the command, before anything reads them or the resolved config is
+    written."""
+    lora = cfg.project.lora
+    if lora.target_modules is not None:
+        return cfg
+    lora = dataclasses.replace(lora, target_modules=list(fam.lora.targets))
+    return dataclasses.replace(cfg, project=dataclasses.replace(cfg.project, lora=lora))
+
+
 def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite: bool = False) -> None:
     p = cfg.project
-    variant = components.detect_variant(p.model.path, p.model.variant)
+    fam, variant = family.detect(p.model.path, p.model.variant)
     tag, start_step, saved = resume_point(p.output.dir, d, resume)
     rows, loader = build_data(cfg, d, variant)
     where = "CPU processes: torch sees no GPU" if d.device.type == "cpu" else "one GPU per process"
-    print0(f"{len(rows)} rows, variant {variant} ({MODEL_NAMES[variant]}), world size {d.world_size} ({where}), "
+    print0(f"{len(rows)} rows, variant {variant} ({fam.variant(variant).title}), world size {d.world_size} ({where}), "
            f"precision {cfg.precision}", rank=d.rank)
-    planned = memory.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
+    planned = run_plan.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
     changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
     data = fingerprint(rows)
@@ -199,20 +210,35 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                 metrics.message(f"exported {path}")
 
         watch = preempt.Watch()
-        steps = loop.train(cfg, d, eng, source, components.scheduler_config(p.model.path), metrics, trainer_state,
-                           start_step, after_step=after_step, watch=watch)
+        timer = steptime.StepTimer(d.device)
+        steps = loop.train(cfg, d, eng, source, loading.scheduler_config(p.model.path), metrics, trainer_state,
+                           start_step, after_step=after_step, watch=watch, timer=timer)
     finally:
         metrics.close()
         gpus = monitor.stop()
         if d.is_main:
             write_loss_curve(p.output.dir)
-    finish(cfg, d, eng, variant, steps, {"gpus": gpus, "memory_plan": planned}, hook)
+    finish(cfg, d, eng, variant, steps, {"gpus": gpus, "memory_plan": planned,
+                                         "step_time": step_times(cfg, timer, start_step, d.world_size, d.rank)},
+           hook)
+
+
+def step_times(cfg: config.Config, timer: steptime.StepTimer, start_step: int, world_size: int,
+               rank: int) -> dict | None:
+    """summary.json's step_time: steptime.step_time_stats of this process's steps (the `world_size` data-parallel
+    replicas step together), printed as the end-of-run line if `rank` is 0."""
+    samples = cfg.micro_batch_size * cfg.deepspeed["gradient_accumulation_steps"] * world_size
+    seconds = timer.seconds()
+    stats = steptime.step_time_stats(seconds, samples, first_step=start_step + 1)
+    print0(steptime.describe(stats, len(seconds)), rank=rank)
+    return stats
 
 
 def finish(cfg: config.Config, d: engine.Dist, eng, variant: str, steps: int, record: dict,
            hook: validation.Validator | None) -> None:
     """After the last step, on every rank (collectives): the ranks' weights compared, summary.json
-    (`record`'s GPU summaries and memory plan, the largest validation render's measured peak) and the export."""
+    (`record`'s GPU summaries, memory plan and step times, the largest validation render's measured peak) and the
+    export."""
     p = cfg.project
     gpus = gpumon.gather_summaries(record["gpus"])
     render_peak = validation.render_peak_gb(hook)
@@ -227,7 +253,7 @@ def finish(cfg: config.Config, d: engine.Dist, eng, variant: str, steps: int, re
     if d.is_main:
         write_summary(p.output.dir, {"steps": steps, "world_size": d.world_size, "variant": variant,
                                      "replica_digests": digests, "gpus": gpus, "memory_plan": planned,
-                                     "measured_render_peak_gb": render_peak})
+                                     "step_time": record["step_time"], "measured_render_peak_gb": render_peak})
         path = export_weights(cfg, eng.module, Path(p.output.dir) / "export", variant, steps)
         print0(f"exported {path}", rank=d.rank)
     engine.barrier()

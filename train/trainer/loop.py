@@ -9,12 +9,14 @@ import torch.distributed as dist
 
 from train.config import Config, OutputConfig, TrainConfig
 from train.data.sources import Batch
-from train.model import conditioning, memory
-from train.runtime import checkpoint, faults, preempt
+from train.model import family
+from train.model.interface import ModelFamily
+from train.plan.keys import configured_offload
+from train.runtime import checkpoint, faults, oom, preempt
+from train.runtime.collector import Collector
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import (
+from train.runtime.probes import (
     GcWindow,
-    Throughput,
     alloc_retries,
     compiled_graphs,
     host_pinned_gb,
@@ -22,33 +24,30 @@ from train.runtime.metrics import (
     peak_memory_gb,
     peak_reserved_gb,
 )
+from train.runtime.record import Throughput
+from train.runtime.steptime import StepTimer
 from train.trainer import objective
 
 
-def noisy_inputs(b: Batch, t: TrainConfig, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype):
-    """(transformer kwargs, noise, sigmas) of one micro-batch; the draws from `generator` are in a fixed order,
-    so any stage that holds the batch and the generator rebuilds the same inputs (model_parallel's cut)."""
+def noisy_inputs(b: Batch, t: TrainConfig, generator: torch.Generator, scheduler_cfg: dict, dtype: torch.dtype,
+                 fam: ModelFamily):
+    """(transformer kwargs, noise, sigmas) of one micro-batch, the kwargs as `fam` (the model's family) feeds its
+    transformer; the draws from `generator` are in a fixed order, so any stage that holds the batch and the
+    generator rebuilds the same inputs (model_parallel's cut)."""
     batch_size, num_tokens = b.x0.shape[:2]
     shift = t.shift or objective.dynamic_shift(num_tokens, scheduler_cfg)
     sigmas = objective.sample_sigmas(batch_size, t.timestep_density, generator, shift, t.logit_mean, t.logit_std)
     noise = torch.randn(b.x0.shape, generator=generator, device=b.x0.device, dtype=b.x0.dtype)
     x_t = objective.noisy_input(b.x0, noise, sigmas)
-    kwargs = dict(
-        hidden_states=torch.cat([x_t, b.cond.reference_tokens.float()], dim=1).to(dtype),
-        timestep=sigmas.to(dtype),
-        encoder_hidden_states=b.cond.prompt_embeds.to(dtype),
-        encoder_hidden_states_mask=b.cond.prompt_mask,
-        img_shapes=conditioning.img_shapes(b.target_hw, b.cond.reference_shapes, batch_size),
-        return_dict=False,
-    )
-    return kwargs, noise, sigmas
+    return fam.transformer_inputs(b, x_t, sigmas, dtype), noise, sigmas
 
 
 def forward_loss(model, b: Batch, t: TrainConfig, generator: torch.Generator, scheduler_cfg: dict,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """Flow-matching loss of one micro-batch through `model` (the engine or the bare transformer)."""
-    kwargs, noise, sigmas = noisy_inputs(b, t, generator, scheduler_cfg, dtype)
-    pred = model(**kwargs)[0]
+                 dtype: torch.dtype, fam: ModelFamily) -> torch.Tensor:
+    """Flow-matching loss of one micro-batch through `model` (the engine or the bare transformer of family
+    `fam`), on the target's tokens."""
+    kwargs, noise, sigmas = noisy_inputs(b, t, generator, scheduler_cfg, dtype, fam)
+    pred = fam.target_prediction(model(**kwargs), b)
     weights = objective.loss_weights(sigmas, t.loss_weighting)
     return objective.flow_loss(pred, objective.velocity_target(b.x0, noise), weights)
 
@@ -89,23 +88,24 @@ def _mean_over_ranks(value: torch.Tensor, group=None) -> float:
     return value.item()  # sync point: only at log cadence
 
 
-def oom_message(step: int, b: Batch, mode: str, now: memory.InEffect | None = None, figures: str = "") -> str:
-    h, w = b.target_hw
+def oom_message(step: int, b: Batch, mode: str, pixels_per_latent: int, now: oom.InEffect | None = None,
+                figures: str = "") -> str:
+    h, w = (side * pixels_per_latent for side in b.target_hw)
     return (
-        f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w * 8}x{h * 8} px "
-        f"({b.x0.shape[1]} tokens) + {b.cond.reference_tokens.shape[1]} reference tokens, mode "
-        f"{mode}{figures}. {memory.oom_advice('step', b.x0.shape[0], now)}"
+        f"CUDA out of memory at step {step + 1}: micro-batch {b.x0.shape[0]}, target {w}x{h} px "
+        f"({b.x0.shape[1]} tokens) + {b.cond.num_reference_tokens} reference tokens, mode "
+        f"{mode}{figures}. {oom.oom_advice('step', b.x0.shape[0], now)}"
     )
 
 
-def in_effect(cfg: Config, device: torch.device) -> memory.InEffect:
+def in_effect(cfg: Config, device: torch.device) -> oom.InEffect:
     """The memory settings this run trains with (the plan's, applied to the config), for the OOM advice; the plan
     runs only on a GPU."""
     p = cfg.project
     t = p.train
     planned = p.memory.plan == "auto" and device.type == "cuda"
-    return memory.InEffect(t.gradient_checkpointing and t.checkpoint_blocks == 0, t.offload_blocks, t.fp8_base,
-                           bool(memory.configured_offload(cfg.deepspeed)), planned, p.memory.margin_gb)
+    return oom.InEffect(t.gradient_checkpointing and t.checkpoint_blocks == 0, t.offload_blocks, t.fp8_base,
+                        bool(configured_offload(cfg.deepspeed)), planned, p.memory.margin_gb)
 
 
 class NonFiniteError(RuntimeError):
@@ -120,26 +120,27 @@ def start_position(start_step: int, gas: int, batches_per_epoch: int) -> tuple[i
     return divmod(start_step * gas, batches_per_epoch)
 
 
-def _engine_loss(engine, t: TrainConfig, scheduler_cfg: dict, dtype: torch.dtype) -> faults.StepLoss:
+def _engine_loss(engine, t: TrainConfig, scheduler_cfg: dict, dtype: torch.dtype,
+                 fam: ModelFamily) -> faults.StepLoss:
     """loss_of(step, batch, generator): forward_loss through the engine. `step` (1-based) is what
     faults.FaultPlan.around_loss keys on when a run injects faults; the plain loss does not need it."""
 
     def loss_of(step: int, b: Batch, generator: torch.Generator) -> torch.Tensor:
-        return forward_loss(engine, b, t, generator, scheduler_cfg, dtype)
+        return forward_loss(engine, b, t, generator, scheduler_cfg, dtype, fam)
 
     return loss_of
 
 
 def _backward(engine, loss_of: faults.StepLoss, b: Batch, generator: torch.Generator, step: int,
-              mode: str, now: memory.InEffect | None = None) -> torch.Tensor:
+              mode: str, pixels_per_latent: int, now: oom.InEffect | None = None) -> torch.Tensor:
     """Loss and backward of one micro-batch of optimizer step `step` + 1 (`step` steps are done); a CUDA OOM
-    becomes memory.OutOfMemory naming the micro-batch, torch's figures and the settings that help (`now`: those
+    becomes oom.OutOfMemory naming the micro-batch, torch's figures and the settings that help (`now`: those
     in effect, left out of the advice)."""
     try:
         loss = loss_of(step + 1, b, generator)
         engine.backward(loss)
     except torch.cuda.OutOfMemoryError as e:
-        raise memory.OutOfMemory(oom_message(step, b, mode, now, memory.torch_oom_figures(e))) from e
+        raise oom.OutOfMemory(oom_message(step, b, mode, pixels_per_latent, now, oom.torch_oom_figures(e))) from e
     return loss
 
 
@@ -158,7 +159,7 @@ class _Window:
     def add(self, loss: torch.Tensor, b: Batch, world_size: int) -> None:
         """One micro-batch of this rank (the world trains `world_size` of them at once)."""
         self.step_loss += loss.detach() / self.gas
-        tokens = b.x0.shape[1] + b.cond.reference_tokens.shape[1] + b.cond.prompt_embeds.shape[1]
+        tokens = b.x0.shape[1] + b.cond.num_reference_tokens + b.cond.num_text_tokens
         self.speed.add(b.x0.shape[0] * world_size, b.x0.shape[0] * tokens * world_size)
 
     def end_step(self, step: int, applied: bool, metrics) -> None:
@@ -209,48 +210,57 @@ def save_when_due(engine, step: int, max_steps: int, out: OutputConfig, trainer_
 
 
 def train(cfg: Config, d: Dist, engine, source, scheduler_cfg: dict, metrics, trainer_state: dict,
-          start_step: int = 0, after_step: Callable[[int], None] | None = None, watch=None) -> int:
+          start_step: int = 0, after_step: Callable[[int], None] | None = None, watch=None,
+          timer: StepTimer | None = None) -> int:
     """Run optimizer steps start_step+1 .. train.max_steps; checkpoints at the cadence and at the end.
 
     `source` yields encoded micro-batches (see LoaderSource); `after_step(step)` runs after every optimizer
     step, its log and its save (validation hooks in here). `watch` (a preempt.Watch): on SIGTERM every rank saves
-    the step just finished and raises preempt.Preempted.
+    the step just finished and raises preempt.Preempted. `timer` gets each step's time, the work between steps
+    (log records, saves, `after_step`) left out. The garbage collector runs as train.gc_every_steps says.
     """
     t, out = cfg.project.train, cfg.project.output
     gas = cfg.deepspeed["gradient_accumulation_steps"]
     # the fault-injection variables are read here, once; their hooks wrap the loss only when a fault is requested
+    fam = family.variant_family(trainer_state["variant"])
     loss_of = faults.FaultPlan.from_env().around_loss(
-        _engine_loss(engine, t, scheduler_cfg, getattr(torch, cfg.precision)))
+        _engine_loss(engine, t, scheduler_cfg, getattr(torch, cfg.precision), fam))
     epoch, taken = start_position(start_step, gas, len(source))  # resume inside the epoch where it stopped
     step, micro = start_step, 0
     window = _Window(d.device, start_step, gas, t.max_nonfinite_steps)
+    timer = timer or StepTimer(d.device)
     now = in_effect(cfg, d.device)
     engine.train()
     source.take_wait_s()
-    while step < t.max_steps:
-        source.start_epoch(epoch, taken)
-        taken = 0
-        for batch in source:
-            generator = micro_batch_generator(t.seed, step, micro, gas, d, d.device)
-            loss = _backward(engine, loss_of, batch, generator, step, t.mode, now)
-            engine.step()
-            window.add(loss, batch, d.world_size)
-            micro += 1
-            if micro < gas:
-                continue
-            step, micro = step + 1, 0
-            metrics.step()
-            window.end_step(step, engine.was_step_applied(), metrics)
-            if should_log(step, out, t.max_steps) and window.num_steps:
-                metrics.log(window.record(step, epoch, trainer_state["variant"], engine, source, d))
-            with window.speed.excluded():  # saves and renders are not step time (the log's rate and ETA)
-                save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
-                if after_step is not None:
-                    after_step(step)
-            metrics.unpause()
-            if step >= t.max_steps:
-                break
-        epoch += 1
+    with Collector(t.gc_every_steps, start_step) as collector:
+        timer.start()
+        while step < t.max_steps:
+            source.start_epoch(epoch, taken)
+            taken = 0
+            for batch in source:
+                generator = micro_batch_generator(t.seed, step, micro, gas, d, d.device)
+                loss = _backward(engine, loss_of, batch, generator, step, t.mode, fam.pixels_per_latent, now)
+                engine.step()
+                window.add(loss, batch, d.world_size)
+                micro += 1
+                if micro < gas:
+                    continue
+                step, micro = step + 1, 0
+                metrics.step()
+                window.end_step(step, engine.was_step_applied(), metrics)
+                collector.after_step(step, should_log(step, out, t.max_steps))
+                timer.stop()
+                if should_log(step, out, t.max_steps) and window.num_steps:
+                    metrics.log(window.record(step, epoch, trainer_state["variant"], engine, source, d))
+                with window.speed.excluded(), collector.automatic():  # saves and renders are not step time
+                    save_when_due(engine, step, t.max_steps, out, trainer_state, watch, d)
+                    if after_step is not None:
+                        after_step(step)
+                metrics.unpause()
+                if step >= t.max_steps:
+                    break
+                timer.start()
+            epoch += 1
     checkpoint.save(engine, out.dir, step, trainer_state, out.keep_last)
     return step
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from train.config import TrainConfig
+from train.config.files import transformer_class
 from train.data import pairs
 from train.data.rows import read_rows
-from train.data.sources import Batch
-from train.model import components, conditioning, tiny
-from train.runtime.metrics import progress
+from train.model import family, loading
+from train.model.interface import TINY_INFO, Batch
+from train.runtime.console import progress
 from train.trainer import loop
 
 MIN_STEPS = 10
@@ -44,7 +45,7 @@ class Pretraining:
 def identity_rows(directory: Path, variant: str, num_scenes: int, side: int, seed: int) -> list:
     """make_tiny's recolouring scenes written to `directory`, each made an identity edit: the target is the first
     reference and the prompt stays (an instruction the base learns to leave unfollowed)."""
-    tiny.make_dataset(directory, variant, num_scenes, side, seed)
+    family.variant_family(variant).make_dataset(directory, variant, num_scenes, side, seed)
     rows, _ = read_rows(directory)
     return [replace(row, target=row.references[0]) for row in rows]
 
@@ -52,25 +53,17 @@ def identity_rows(directory: Path, variant: str, num_scenes: int, side: int, see
 @torch.no_grad()
 def encode_identity(model_dir: Path, directory: Path, rows: list, variant: str, area: int,
                     condition_area: int) -> Batch:
-    """Every row encoded by the checkpoint's frozen encoders, as the training loop takes it; the clean target x0 is
-    the first reference's latent tokens (encoded once: the target is that image)."""
-    encoders = components.load_encoders(model_dir, torch.float32, torch.device("cpu"))
+    """Every row encoded by the checkpoint's frozen encoders, as the training loop takes it (the clean target is
+    the first reference's image, so its latents are that reference's)."""
+    fam = family.variant_family(variant)
+    encoders = fam.load_encoders(model_dir, torch.float32, torch.device("cpu"))
     dataset = pairs.EditDataset(directory, rows, variant, area, condition_area)
-    raw = pairs.collate([dataset[i] for i in range(len(dataset))])
-    embeds, mask = conditioning.encode_prompts(encoders.text_encoder, encoders.processor, raw["prompts"],
-                                               raw["vl_images"], variant)
-    tokens, shapes = conditioning.encode_references(encoders.vae, raw["reference_pixels"], len(rows))
-    _, h, w = shapes[0]
-    cond = conditioning.Conditioning(embeds, mask, tokens, shapes)
-    return Batch(tokens[:, : h * w].float(), (2 * h, 2 * w), cond)
+    return fam.encode_batch(pairs.collate([dataset[i] for i in range(len(dataset))]), encoders, variant)
 
 
 def take(batch: Batch, index: torch.Tensor) -> Batch:
     """The micro-batch of `batch`'s samples at `index`."""
-    c = batch.cond
-    mask = None if c.prompt_mask is None else c.prompt_mask[index]
-    cond = conditioning.Conditioning(c.prompt_embeds[index], mask, c.reference_tokens[index], c.reference_shapes)
-    return Batch(batch.x0[index], batch.target_hw, cond)
+    return Batch(batch.x0[index], batch.target_hw, batch.cond.select(index))
 
 
 def fit(transformer, data: Batch, p: Pretraining, scheduler_cfg: dict) -> list[float]:
@@ -86,7 +79,8 @@ def fit(transformer, data: Batch, p: Pretraining, scheduler_cfg: dict) -> list[f
     bar = progress(total=p.steps, desc="pre-training", unit="step", file=sys.stdout)  # minutes on a busy machine
     for _ in range(p.steps):
         index = torch.randperm(data.x0.shape[0], generator=generator)[: p.batch_size]
-        loss = loop.forward_loss(transformer, take(data, index), t, generator, scheduler_cfg, torch.float32)
+        loss = loop.forward_loss(transformer, take(data, index), t, generator, scheduler_cfg, torch.float32,
+                                 family.transformer_family(transformer))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
@@ -109,10 +103,8 @@ def pretrain(model_dir: str | Path, variant: str, area: int, condition_area: int
              p: Pretraining | None = None) -> list[float]:
     """Pre-train MODEL/transformer on p.scenes identity edits at `area` (a square side of sqrt(area) px) and
     save it in place; returns the losses. Text-to-image models have no reference to copy: ValueError."""
-    from diffusers import QwenImageTransformer2DModel
-
     p, model_dir = p or Pretraining(), Path(model_dir)
-    if variant == "t2i":
+    if family.variant_family(variant).variant(variant).max_references == 0:
         raise ValueError("pretrain: a text-to-image model has no reference to copy; pre-train an edit variant")
     if p.steps < MIN_STEPS:
         raise ValueError(f"pretrain: {p.steps} steps; pre-train for at least {MIN_STEPS} (the demo's base: 300)")
@@ -120,11 +112,11 @@ def pretrain(model_dir: str | Path, variant: str, area: int, condition_area: int
     with tempfile.TemporaryDirectory() as tmp:
         rows = identity_rows(Path(tmp), variant, p.scenes, round(area**0.5), p.seed)
         data = encode_identity(model_dir, Path(tmp), rows, variant, area, condition_area)
-    transformer = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer",
-                                                              local_files_only=True)
-    losses = fit(transformer, data, p, components.scheduler_config(model_dir))
+    transformer = transformer_class(model_dir / "transformer").from_pretrained(model_dir, subfolder="transformer",
+                                                                               local_files_only=True)
+    losses = fit(transformer, data, p, loading.scheduler_config(model_dir))
     transformer.eval().save_pretrained(model_dir / "transformer")
-    info_path = model_dir / tiny.TINY_INFO
+    info_path = model_dir / TINY_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     info["pretrained"] = {"on": "identity edits (target = first reference)", **asdict(p),
                           "first_loss": round(losses[0], 4), "final_loss": round(final_loss(losses), 4)}

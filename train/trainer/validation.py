@@ -9,7 +9,7 @@ RNG states (torch CPU and CUDA, python, numpy), every module's train/eval mode, 
 weights; a test checks that a run's losses are the same with and without validation.
 
 On a GPU each render's peak (torch.cuda.max_memory_allocated while it runs, everything allocated included) is
-measured with metrics.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
+measured with probes.PeakMeter, which leaves the run's logged peak as it was; rank 0 logs it, and summary.json gets
 the largest of every rank's renders (render_peak_gb), beside the memory plan's predicted_render_peak_gb.
 
 The conditioning may also be computed elsewhere (the model-parallel mode: the encoder stage holds the text
@@ -37,9 +37,12 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from train.config import Config, ModelConfig, ValidationConfig
-from train.model import components, images, memory, pipelines
+from train.config.files import transformer_class
+from train.model import family, images, loading, placement, renders
+from train.model.interface import Encoders
 from train.runtime.engine import Dist, all_gather_objects
-from train.runtime.metrics import PeakMeter
+from train.runtime.oom import out_of_memory
+from train.runtime.probes import PeakMeter
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
@@ -74,8 +77,6 @@ def preserved_training_state(module: torch.nn.Module, vae, vae_tiling: bool, vae
 
 # --- conditioning computed by another process ---------------------------------------------------------------------
 
-# the pipelines' methods that run the frozen encoders (QwenImagePipeline has the first only)
-ENCODER_CALLS = ("encode_prompt", "_encode_vae_image")
 Recorded = list  # [(method name, what it returned)] in call order: (embeds, mask or None) or a latents tensor
 
 
@@ -97,28 +98,19 @@ def _patched(pipe, methods: dict):
 
 def shape_only_transformer(model_dir: str):
     """The transformer on the meta device: the pipeline reads its config before encoding (no weights load)."""
-    from diffusers import QwenImageTransformer2DModel
-
+    cls = transformer_class(Path(model_dir) / "transformer")
     with torch.device("meta"):
-        return QwenImageTransformer2DModel.from_config(
-            QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer"))
+        return cls.from_config(cls.load_config(Path(model_dir) / "transformer"))
 
 
-def sampling_pipeline(pipe, request: pipelines.EditRequest):
-    """The pipeline that samples `request`: a request without references goes to the text-to-image one."""
-    return pipe if request.references else pipelines.text_to_image_pipeline(pipe)
-
-
-def _encoder_calls(pipe) -> list[str]:
-    return [name for name in ENCODER_CALLS if hasattr(pipe, name)]  # QwenImagePipeline encodes no image
-
-
-def record_conditioning(pipe, variant: str, request: pipelines.EditRequest, inf,
+def record_conditioning(pipe, variant: str, request: renders.EditRequest, inf,
                         background: str = images.DEFAULT_BACKGROUND) -> Recorded:
     """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline
     (its references opened over the alpha `background`)."""
     calls: Recorded = []
-    pipe = sampling_pipeline(pipe, request)
+    fam = family.variant_family(variant)
+    pipe = fam.sampling_pipeline(pipe, bool(request.references))
+    encoder_calls = [name for name in fam.encoder_calls if hasattr(pipe, name)]  # a text-to-image one has fewer
 
     def recording(name: str):
         original = getattr(pipe, name)
@@ -135,10 +127,10 @@ def record_conditioning(pipe, variant: str, request: pipelines.EditRequest, inf,
         prepare_latents(*args, **kwargs)
         raise _Encoded
 
-    with _patched(pipe, {**{name: recording(name) for name in _encoder_calls(pipe)}, "prepare_latents": stop}):
+    with _patched(pipe, {**{name: recording(name) for name in encoder_calls}, "prepare_latents": stop}):
         try:
-            references = pipelines.open_references(request, background)
-            pipelines.edit(pipe, variant, references, request.prompt, request.seed, inf)
+            references = renders.open_references(request, background)
+            fam.sample(pipe, variant, references, request.prompt, request.seed, inf)
         except _Encoded:
             return calls
     raise AssertionError("the edit pipeline never prepared its latents")
@@ -146,7 +138,8 @@ def record_conditioning(pipe, variant: str, request: pipelines.EditRequest, inf,
 
 @contextlib.contextmanager
 def replayed_conditioning(pipe, calls: Recorded, device: torch.device):
-    """Inside, the pipeline's frozen-encoder methods return `calls` (in order, moved to `device`) instead."""
+    """Inside, the pipeline's frozen-encoder methods (those `calls` recorded) return `calls` (in order, moved to
+    `device`) instead."""
     pending = list(calls)
 
     def replaying(name: str):
@@ -159,18 +152,18 @@ def replayed_conditioning(pipe, calls: Recorded, device: torch.device):
 
         return call
 
-    with _patched(pipe, {name: replaying(name) for name in _encoder_calls(pipe)}):
+    with _patched(pipe, {name: replaying(name) for name in dict.fromkeys(name for name, _ in calls)}):
         yield
     assert not pending, f"{len(pending)} recorded encoder calls were not replayed"
 
 
-def encode_requests(cfg: Config, encoders: components.Encoders, rank: int, world_size: int) -> dict[int, Recorded]:
+def encode_requests(cfg: Config, encoders: Encoders, rank: int, world_size: int) -> dict[int, Recorded]:
     """{request index: recording} of validation.file's items rank::world_size (the share a Validator of that
     rank renders), made with `encoders` under the inference section's VAE settings."""
     p = cfg.project
-    variant = components.detect_variant(p.model.path, p.model.variant)
-    requests, _ = pipelines.read_requests(p.validation.file, p.train.seed)
-    pipe = pipelines.pipeline_from_components(p.model.path, variant, shape_only_transformer(p.model.path), encoders)
+    fam, variant = family.detect(p.model.path, p.model.variant)
+    requests, _ = renders.read_requests(p.validation.file, p.train.seed)
+    pipe = fam.pipeline_from_components(p.model.path, variant, shape_only_transformer(p.model.path), encoders)
     with preserved_training_state(encoders.vae, encoders.vae, p.inference.vae_tiling, p.inference.vae_slicing):
         return {q.index: record_conditioning(pipe, variant, q, p.inference, p.data.alpha_background)
                 for q in requests[rank::world_size]}
@@ -186,8 +179,9 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
     p = cfg.project
     if not p.validation.file or p.data.cache == "off":
         return None
-    dtype = components.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = components.load_encoders(p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
+    dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
+    encoders = family.family_of(p.model.path, p.model.variant).load_encoders(p.model.path, dtype, d.device,
+                                                                             vae_2d_frames=p.model.vae_2d_frames)
     recorded = encode_requests(cfg, encoders, d.rank, d.world_size)
     del encoders
     gc.collect()
@@ -199,11 +193,11 @@ def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
     return recorded
 
 
-def vae_only(model: ModelConfig, d: Dist) -> components.Encoders:
+def vae_only(model: ModelConfig, d: Dist) -> Encoders:
     """What replayed validation needs of the encoders: the VAE (to decode)."""
-    vae = components.load_vae(model.path, components.encoder_dtype(model.encoder_dtype, d.device), d.device,
-                              model.vae_2d_frames)
-    return components.Encoders(text_encoder=None, processor=None, vae=vae)
+    vae = family.family_of(model.path, model.variant).load_vae(
+        model.path, loading.encoder_dtype(model.encoder_dtype, d.device), d.device, model.vae_2d_frames)
+    return Encoders(text_encoder=None, processor=None, vae=vae)
 
 
 def _file_id(path: Path) -> list:
@@ -292,15 +286,15 @@ class Validator:
     encoding the next micro-batch with: data.encode_ahead); None = nobody else uses them.
     """
 
-    def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
+    def __init__(self, cfg: Config, d: Dist, module: torch.nn.Module, encoders: Encoders | None, metrics,
                  conditioning: dict[int, Recorded] | None = None, encoders_lock: threading.Lock | None = None):
         p = cfg.project
         self.cfg, self.d, self.module, self.encoders, self.metrics = cfg, d, module, encoders, metrics
         self.conditioning = conditioning
         self.encoders_lock = encoders_lock or contextlib.nullcontext()
         self.inference = p.inference
-        self.variant = components.detect_variant(p.model.path, p.model.variant)
-        self.requests, problems = pipelines.read_requests(p.validation.file, p.train.seed)
+        self.family, self.variant = family.detect(p.model.path, p.model.variant)
+        self.requests, problems = renders.read_requests(p.validation.file, p.train.seed)
         if problems:  # config validation checked the file already; it changed since
             raise ValueError(f"qwen_edit.validation.file: line {problems[0][1]}: {problems[0][2]}")
         self.out = Path(p.output.dir) / "validation"
@@ -312,11 +306,11 @@ class Validator:
         if self.pipe is None:
             if self.encoders is None:  # training from a latent cache: the encoders load on first use
                 model = self.cfg.project.model
-                dtype = components.encoder_dtype(model.encoder_dtype, self.d.device)
-                self.encoders = components.load_encoders(model.path, dtype, self.d.device,
-                                                         vae_2d_frames=model.vae_2d_frames)
-            self.pipe = pipelines.pipeline_from_components(self.cfg.project.model.path, self.variant, self.module,
-                                                           self.encoders)
+                dtype = loading.encoder_dtype(model.encoder_dtype, self.d.device)
+                self.encoders = self.family.load_encoders(model.path, dtype, self.d.device,
+                                                          vae_2d_frames=model.vae_2d_frames)
+            self.pipe = self.family.pipeline_from_components(self.cfg.project.model.path, self.variant, self.module,
+                                                             self.encoders)
         return self.pipe
 
     def render(self, label: str | None = None) -> list[Image.Image] | None:
@@ -326,7 +320,7 @@ class Validator:
             with self.encoders_lock, PeakMeter(self.d.device) as meter:
                 rendered = self._render(label)
         except torch.cuda.OutOfMemoryError as e:
-            raise memory.out_of_memory(e, "rendering validation images", "validation") from e
+            raise out_of_memory(e, "rendering validation images", "validation") from e
         if meter.bytes is not None:
             self.peak_bytes = max(self.peak_bytes or 0, meter.bytes)
             self.metrics.message(f"validation: the render peaked at {meter.bytes / 1e9:.2f} GB of GPU memory on rank 0 "
@@ -339,14 +333,14 @@ class Validator:
         mine = []
         share = self.requests[self.d.rank::self.d.world_size]
         # the pipeline computes on the encoders' device, in their dtype (the VAE's, which the text encoder shares)
-        hooks = pipelines.bridge(self.module, self.d.device, self.module.dtype, vae.device, vae.dtype)
+        hooks = placement.bridge(self.module, self.d.device, self.module.dtype, vae.device, vae.dtype)
         try:
             with preserved_training_state(self.module, vae, inf.vae_tiling, inf.vae_slicing):
                 for k, request in enumerate(share, 1):
                     start = time.perf_counter()
                     with self._encoded(pipe, request):
-                        image = pipelines.edit(pipe, self.variant, self._references(request),
-                                               request.prompt, request.seed, inf)
+                        image = self.family.sample(pipe, self.variant, self._references(request),
+                                                   request.prompt, request.seed, inf)
                     mine.append((request.index, _png(image)))
                     if label:
                         self.metrics.message(f"validation: {label} image {k}/{len(share)} of this rank "
@@ -357,14 +351,15 @@ class Validator:
                 hook.remove()
         return _gather_on_rank0(mine, self.d)
 
-    def _references(self, request: pipelines.EditRequest) -> list[Image.Image]:
-        return pipelines.open_references(request, self.cfg.project.data.alpha_background)
+    def _references(self, request: renders.EditRequest) -> list[Image.Image]:
+        return renders.open_references(request, self.cfg.project.data.alpha_background)
 
-    def _encoded(self, pipe, request: pipelines.EditRequest):
+    def _encoded(self, pipe, request: renders.EditRequest):
         """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
         if self.conditioning is None:
             return contextlib.nullcontext()
-        return replayed_conditioning(sampling_pipeline(pipe, request), self.conditioning[request.index],
+        return replayed_conditioning(self.family.sampling_pipeline(pipe, bool(request.references)),
+                                     self.conditioning[request.index],
                                      self.encoders.vae.device)
 
     def _fingerprint(self, adapters_off: bool = False) -> dict:
@@ -437,7 +432,7 @@ class Validator:
         if self.d.is_main:
             self.before = rendered
             for q, image in zip(self.requests, rendered, strict=True):
-                pipelines.save_png_atomic(image, folder / f"{q.index:06d}.png")
+                renders.save_png_atomic(image, folder / f"{q.index:06d}.png")
             saved.write_text(json.dumps(self._fingerprint(adapters_off), sort_keys=True, indent=1) + "\n")
 
     def __call__(self, step: int) -> None:
@@ -449,7 +444,7 @@ class Validator:
             grid = make_grid(references, {"before": self.before, f"step {step}": images},
                              [q.prompt for q in self.requests])
             path = self.out / f"step_{step:06d}.png"
-            pipelines.save_png_atomic(grid, path)
+            renders.save_png_atomic(grid, path)
             self.metrics.image("validation", grid, step)
             self.metrics.message(f"validation: wrote {path}")
 
@@ -461,7 +456,7 @@ def render_peak_gb(hook: Validator | None) -> float | None:
     return max(peaks) / 1e9 if peaks else None
 
 
-def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: components.Encoders | None, metrics,
+def build_hook(cfg: Config, d: Dist, module: torch.nn.Module, encoders: Encoders | None, metrics,
                start_step: int, conditioning: dict[int, Recorded] | None = None,
                encoders_lock: threading.Lock | None = None) -> Validator | None:
     """The validation hook for loop.train(after_step=...), its 'before' images rendered; None without a file.

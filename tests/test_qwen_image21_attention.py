@@ -1,0 +1,164 @@
+"""train/model/qwen_image21/attention.py against diffusers' own QwenImage21AttnProcessor: the tiny 2.1 transformer's
+output and every gradient (weights and inputs) in float32 on CPU, for the layouts a micro-batch can hold; its SDPA
+calls take no mask unless rows are padded; sampling with the pipeline's prefix KV cache gives the same latents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import QwenImage21Pipeline
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
+
+from train.model.qwen_image21 import attention
+from train.model.qwen_image21.tiny import build_transformer
+
+TEXT_BEFORE, TEXT_BETWEEN = 3, 2  # prompt tokens before the first image slot and between two references' slots
+
+
+def layout_inputs(
+    model, references: list[tuple[int, int]], target: tuple[int, int], prompt_lengths: list[int], seed: int = 0
+) -> dict:
+    """Random transformer inputs for one slot layout: references' latent grids, the target's, one row per prompt
+    length (shorter ones right-padded and masked, as the conditioning pads them)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, longest = len(prompt_lengths), max(prompt_lengths)
+    slots = [False] * TEXT_BEFORE
+    for k, (h, w) in enumerate(references):
+        slots += [True] * (h * w // 4) + [False] * (TEXT_BETWEEN if k < len(references) - 1 else 0)
+    slots += [False] * longest
+    num_text = len(slots)
+    mask = torch.stack([torch.arange(num_text) < num_text - longest + n for n in prompt_lengths]).long()
+    img_mask = torch.tensor(slots + [True] * (target[0] * target[1] // 4)).expand(batch, -1)
+    num_latents = sum(h * w for h, w in [*references, target])
+    return dict(
+        hidden_states=torch.randn(batch, num_latents, model.config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, num_text, model.config.context_in_dim, generator=generator),
+        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+        timestep=torch.rand(batch, generator=generator),
+        img_shapes=[[*((1, h, w) for h, w in references), (1, *target)]] * batch,
+        img_mask=img_mask,
+        return_dict=False,
+    )
+
+
+LAYOUTS = {
+    "text_to_image": ([], (4, 4), [7]),
+    "one_reference": ([(4, 6)], (4, 4), [9]),
+    "three_references": ([(4, 4), (2, 6), (6, 4)], (4, 6), [8]),
+    "batch_of_two": ([(2, 4), (4, 4)], (4, 4), [6, 6]),
+    "batch_of_two_padded": ([(4, 4)], (4, 4), [10, 6]),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_transformer().float()
+
+
+def forward_backward(model, processor_class, inputs: dict) -> dict[str, torch.Tensor]:
+    """Output and the gradients of a fixed random projection of it, for every weight and float input."""
+    for block in model.transformer_blocks:
+        block.attn.set_processor(processor_class())
+    model.zero_grad(set_to_none=True)
+    leaves = {
+        k: v.clone().requires_grad_(True) for k, v in inputs.items() if k in ("hidden_states", "encoder_hidden_states")
+    }
+    output = model(**{**inputs, **leaves})[0]
+    projection = torch.randn(output.shape, generator=torch.Generator().manual_seed(1))
+    (output * projection).sum().backward()
+    grads = {f"grad {name}": p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return {"output": output.detach(), **{f"grad {k}": v.grad for k, v in leaves.items()}, **grads}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forward_and_gradients_equal_diffusers_processor(model, layout):
+    inputs = layout_inputs(model, *LAYOUTS[layout])
+    expected = forward_backward(model, QwenImage21AttnProcessor, inputs)
+    ours = forward_backward(model, attention.SegmentedSDPAProcessor, inputs)
+    assert ours.keys() == expected.keys() and len(expected) > 10
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_log_sum_exp_over_many_key_chunks(model, monkeypatch):
+    """The merge's log-sum-exp and its gradient taken over chunks of a few keys (as long sequences are) are exact."""
+    monkeypatch.setattr(attention, "_CHUNK_SCORES", 256)
+    inputs = layout_inputs(model, *LAYOUTS["batch_of_two_padded"])
+    expected = forward_backward(model, QwenImage21AttnProcessor, inputs)
+    ours = forward_backward(model, attention.SegmentedSDPAProcessor, inputs)
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_sdpa_calls_take_no_mask_without_padding(model, monkeypatch):
+    """Three references: per block one call per reference, two per text run after the first (the split), one for
+    the first text run and one for the target; none with a mask. A padded batch passes the key mask."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    attention.use_segmented_attention(model)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        model(**layout_inputs(model, *LAYOUTS["three_references"]))
+    per_block = 3 + 1 + 2 * 3 + 1
+    assert len(calls) == per_block * len(model.transformer_blocks) and all(no_mask for no_mask, _ in calls)
+    assert sum(causal for _, causal in calls) == 4 * len(model.transformer_blocks)
+    calls.clear()
+    with torch.no_grad():
+        model(**layout_inputs(model, *LAYOUTS["batch_of_two_padded"]))
+    assert calls and not any(no_mask for no_mask, _ in calls)
+
+
+def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21):
+    """The pipeline's prefix KV cache (first step fills it, the next reads it) through the segmented processor."""
+    from PIL import Image
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21)
+    pipe.set_progress_bar_config(disable=True)
+    image = Image.new("RGBA", (96, 64), (200, 30, 30, 128))
+
+    def sample():
+        return pipe(
+            prompt=["make it blue", "a square"],
+            image=[image],
+            num_inference_steps=3,
+            output_resolution=64,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    expected = sample()
+    attention.use_segmented_attention(pipe.transformer)
+    torch.testing.assert_close(sample(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_probe_times_each_processor_on_one_layout():
+    """The GPU probe of train/benchmarks/attention21.py at a tiny width on the CPU (flex left to the GPU run)."""
+    from train.benchmarks import attention21
+
+    args = attention21.parse_args(
+        [
+            "--references",
+            "2",
+            "--target",
+            "4x4",
+            "--prompt_tokens",
+            "5",
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--steps",
+            "1",
+        ]
+    )
+    record = attention21.run(args)
+    assert set(record["seconds"]) == {"diffusers", "segmented"} and min(record["seconds"].values()) > 0
+    assert "segmented" in attention21.format_report(record)
+    with pytest.raises(ValueError, match="--kinds"):
+        attention21.run(attention21.parse_args(["--kinds", "dense"]))

@@ -1,0 +1,52 @@
+"""Rotary position embedding as real (cos, sin) pairs, so that compiled transformer blocks fuse it.
+
+diffusers' Qwen-Image transformer computes complex frequencies once per forward (`pos_embed`) and each block's
+attention rotates q and k with `apply_rotary_emb_qwen(x, freqs, use_real=False)`: x viewed as complex pairs,
+multiplied by the complex64 frequencies. Inductor generates no code for complex tensors, so in a compiled block
+that product and its backward run as eager complex64 kernels, with float32 copies of q and k written around them
+(docs/levers.md, lever 15).
+
+`use_real_pairs(transformer)` changes two things, both dispatching on the tensor type so that nothing else is
+affected:
+- a forward hook on the transformer's `pos_embed` returns the same frequencies as float32 views [S, D/2, 2]
+  (`torch.view_as_real`: no copy), so the compiled blocks receive real tensors;
+- diffusers' module-level `apply_rotary_emb_qwen` is replaced by `rotate`, which multiplies such pairs in float32,
+  (a + ib)(c + id) = (ac - bd) + i(ad + bc), exactly as the complex product is defined, and casts back to x's
+  dtype. Complex frequencies (any other transformer, or this one before the hook) go to diffusers' function.
+tests/test_rope.py checks the result and the gradients against diffusers' complex path.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers import transformer_qwenimage
+
+_DIFFUSERS = transformer_qwenimage.apply_rotary_emb_qwen
+
+
+def rotate_pairs(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] rotated by pairs [S, D/2, 2] = (cos, sin) per position and frequency (float32 product)."""
+    xr = x.float().unflatten(-1, (-1, 2))  # B S H D/2 2
+    a, b = xr[..., 0], xr[..., 1]
+    c, d = pairs[:, None, :, 0], pairs[:, None, :, 1]  # S 1 D/2: broadcast over heads
+    return torch.stack((a * c - b * d, a * d + b * c), dim=-1).flatten(3).type_as(x)
+
+
+def rotate(x: torch.Tensor, freqs_cis, use_real: bool = True, use_real_unbind_dim: int = -1) -> torch.Tensor:
+    """Drop-in for diffusers' apply_rotary_emb_qwen that also takes real (cos, sin) pairs."""
+    if use_real or not torch.is_tensor(freqs_cis) or freqs_cis.is_complex():
+        return _DIFFUSERS(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
+    return rotate_pairs(x, freqs_cis)
+
+
+def _real_pairs_hook(module, args, output):
+    return tuple(torch.view_as_real(f) if torch.is_tensor(f) and f.is_complex() else f for f in output)
+
+
+def use_real_pairs(transformer: torch.nn.Module) -> None:
+    """Make `transformer`'s blocks rotate with real pairs (idempotent); call before the blocks are compiled."""
+    transformer_qwenimage.apply_rotary_emb_qwen = rotate
+    pos_embed = transformer.pos_embed
+    if not getattr(pos_embed, "_qwen_edit_real_pairs", False):
+        pos_embed.register_forward_hook(_real_pairs_hook)
+        pos_embed._qwen_edit_real_pairs = True
