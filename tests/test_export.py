@@ -461,7 +461,7 @@ class Payload:
 
 def plant(file: Path, marker: Path) -> None:
     """Add a Payload to the dict a DeepSpeed checkpoint file holds (the file keeps every real entry)."""
-    from train.runtime.checkpoint import safe_load
+    from train.runtime.checkpoint_files import safe_load
 
     state = safe_load(file)
     state["extra"] = Payload(marker)

@@ -154,7 +154,7 @@ def test_schedule_note_warns_with_both_rates():
     """A 100-step cosine run resumed at its end with --max_steps 200: DeepSpeed's scheduler (its saved position
     loaded, as checkpoint.load does) is re-stretched, the rate jumps from the end value 1e-5 to about 5.9e-5; the
     warning gives both from the scheduler's own formula, and leaves the scheduler as it found it."""
-    from train.runtime.checkpoint import schedule_note
+    from train.runtime.resume_changes import schedule_note
 
     state = {"config": {"scheduler": {"type": "WarmupCosineLR"}, "qwen_edit": {"train": {"max_steps": 100}}}}
     resumed = _cosine(200, 0)
@@ -440,19 +440,19 @@ def test_a_write_that_a_full_disk_stops_anywhere_is_named(tmp_path):
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    from train.runtime import checkpoint
+    from train.runtime import write_failures
 
     with small_tmpfs(tmp_path / "disk", "8k") as disk:
         with pytest.raises(OSError) as e:
             (disk / "metrics.jsonl").write_text("x" * 100_000)
-        assert checkpoint.disk_failure(e.value, disk) == (
+        assert write_failures.disk_failure(e.value, disk) == (
             f"writing into {disk} failed (No space left on device); free disk space there. --resume continues from "
             "the last complete checkpoint")
         with pytest.raises(SafetensorError) as e:
             save_file({"w": torch.zeros(100_000)}, str(disk / "export.safetensors"))
-        assert checkpoint.disk_failure(e.value, disk).startswith(f"writing into {disk} failed (No space left")
+        assert write_failures.disk_failure(e.value, disk).startswith(f"writing into {disk} failed (No space left")
     denied = PermissionError(13, "Permission denied", str(tmp_path / "out" / "export"))
-    assert checkpoint.disk_failure(denied, tmp_path / "out").startswith(
+    assert write_failures.disk_failure(denied, tmp_path / "out").startswith(
         f"writing {tmp_path / 'out' / 'export'} failed (Permission denied); make {tmp_path / 'out'} writable")
-    assert checkpoint.disk_failure(PermissionError(13, "Permission denied", "/data/a.png"), tmp_path) is None
-    assert checkpoint.disk_failure(ValueError("not a write"), tmp_path) is None
+    assert write_failures.disk_failure(PermissionError(13, "Permission denied", "/data/a.png"), tmp_path) is None
+    assert write_failures.disk_failure(ValueError("not a write"), tmp_path) is None

@@ -23,7 +23,7 @@ from train import config
 from train.data import latent_cache, pairs
 from train.model import family, lora_io, streaming, support
 from train.plan.explain import PlanError
-from train.runtime import checkpoint, engine, outdir, preempt
+from train.runtime import checkpoint, engine, outdir, preempt, write_failures
 from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build, loop
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # any other write that a full or unwritable disk stopped: the same, on this rank
-        failure = checkpoint.disk_failure(e, cfg.project.output.dir)
+        failure = write_failures.disk_failure(e, cfg.project.output.dir)
         if failure is None:
             raise
         print(f"error: {failure}", file=sys.stderr, flush=True)

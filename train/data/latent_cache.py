@@ -40,7 +40,7 @@ from train.data import pairs, sources
 from train.model import family, loading
 from train.model.interface import Batch, Encoders
 from train.plan import cache_plan
-from train.runtime import checkpoint, engine
+from train.runtime import engine, write_failures
 from train.runtime.console import print0, progress
 from train.runtime.exports import apply_umask
 from train.runtime.oom import out_of_memory
@@ -253,7 +253,7 @@ def _agree(d: engine.Dist, directory: Path, write):
     try:
         result = write()
     except (OSError, SafetensorError) as e:
-        code, cause = checkpoint.write_cause(e, directory)
+        code, cause = write_failures.write_cause(e, directory)
         fix = {errno.ENOSPC: "free disk space there", errno.EDQUOT: "free space within your quota",
                errno.EROFS: "its file system is read-only", errno.EACCES: f"make {directory} writable for this user",
                errno.EPERM: f"make {directory} writable for this user"}.get(code, "check permissions and free space")

@@ -32,13 +32,8 @@ from pathlib import Path
 
 import torch
 
-from train.runtime.checkpoint import (
-    STATE_FILE,
-    CheckpointFileError,
-    previous_complete,
-    safe_load,
-    weights_only_consolidation,
-)
+from train.runtime.checkpoint import STATE_FILE, previous_complete
+from train.runtime.checkpoint_files import CheckpointFileError, safe_load, weights_only_consolidation
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -77,7 +72,7 @@ def consolidate(ckpt: Path, num_stages: int = 1) -> dict[str, torch.Tensor]:
         raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
                          "weights; export needs a checkpoint trained with zero_optimization.stage 1 or 2")
     print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
-    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (train/runtime/checkpoint.py)
+    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (checkpoint_files.py)
         return _consolidate_stages(ckpt, num_stages)
 
 

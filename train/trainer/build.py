@@ -19,7 +19,7 @@ from train.data.rows import check_references, fingerprint
 from train.model import family, fp8, loading, lora_io, prepare
 from train.model.interface import ModelFamily
 from train.plan import run_plan
-from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
+from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, resume_changes, steptime
 from train.runtime.console import print0
 from train.runtime.oom import out_of_memory
 from train.runtime.plot import write_loss_curve
@@ -130,10 +130,10 @@ def resume_engine(cfg: config.Config, d: engine.Dist, eng, tag: str, state: dict
     p = cfg.project
     checkpoint.load(eng, p.output.dir, tag)
     print0(f"resumed from {tag} (step {state['step']})", rank=d.rank)
-    note = checkpoint.schedule_note(state, p.train.max_steps, state["step"], eng.lr_scheduler)
+    note = resume_changes.schedule_note(state, p.train.max_steps, state["step"], eng.lr_scheduler)
     if note:
         print0(note, rank=d.rank)
-        changes["qwen_edit.train.max_steps"] = [checkpoint.saved_max_steps(state), p.train.max_steps]
+        changes["qwen_edit.train.max_steps"] = [resume_changes.saved_max_steps(state), p.train.max_steps]
 
 
 def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int,
@@ -174,9 +174,9 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
            f"precision {cfg.precision}", rank=d.rank)
     planned = run_plan.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
-    changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
+    changes = resume_changes.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
     data = fingerprint(rows)
-    changed_data = checkpoint.data_change(saved, data, tag, start_step) if tag else None
+    changed_data = resume_changes.data_change(saved, data, tag, start_step) if tag else None
     if changed_data:
         print0(changed_data, rank=d.rank)
         changes["data rows"] = [saved["data"], data]
