@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from train.data import pairs
+from train.data import alignment
 from train.data.pairs import (
     BadRowsError,
     EditDataset,
@@ -31,7 +31,7 @@ from train.data.pairs import (
 from train.model import family
 from train.model.qwen_image import conditioning
 
-misfit = functools.partial(pairs.misfit, fam=family.family_named("qwen_image"))  # on Qwen-Image's sizes
+misfit = functools.partial(alignment.misfit, fam=family.family_named("qwen_image"))  # on Qwen-Image's sizes
 
 AREA = 64 * 64
 CONDITION_AREA = 32 * 32
