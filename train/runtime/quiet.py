@@ -3,7 +3,7 @@
 Every command imports this module before anything else of the project (`import train.runtime.quiet`): the filters
 must be in place before the libraries are imported, since some of them log while they are. Each entry below is a
 message that tells a user of this trainer nothing they can act on; everything else the libraries say still shows,
-and tests/test_quiet.py fails when a plain CPU run's console gains a line.
+and the test of a plain CPU run's console (tests/test_train.py) fails when it gains a line.
 """
 
 from __future__ import annotations
