@@ -106,6 +106,28 @@ bench_extra() {
   "$VENV/bin/python" -m pip install -q --no-deps $pins
 }
 
+launcher_args() {
+  # The launcher's own info lines (its command, world info, CUDA_VISIBLE_DEVICES) are left out unless the user asks
+  # for a level (its errors still show); a --hostfile that is not a file would make it train on this node alone,
+  # with a warning that the quieter level hides: refuse it here instead.
+  quiet=(--log_level error)
+  local prev=""
+  for arg in "$@"; do
+    case "$arg" in
+      --log_level|--log_level=*|-q|--quiet) quiet=() ;;
+    esac
+    local hostfile=""
+    if [ "$prev" = "--hostfile" ] || [ "$prev" = "-H" ]; then hostfile=$arg; fi
+    case "$arg" in --hostfile=*) hostfile=${arg#--hostfile=} ;; esac
+    if [ -n "$hostfile" ] && [ ! -f "$hostfile" ]; then
+      echo "launch.sh: --hostfile $hostfile is not a file; write one line per node ('node-a slots=8')" >&2
+      exit 2
+    fi
+    [ "$arg" = "${arg%.py}" ] || break  # the script: the rest are its own arguments
+    prev=$arg
+  done
+}
+
 cmd=${1:-}
 case "$cmd" in
   demo)
@@ -130,12 +152,13 @@ case "$cmd" in
       echo "launch.sh: '$cmd' is neither a subcommand (demo, test) nor a script file; see bash launch.sh --help" >&2
       exit 2
     fi
+    launcher_args "$@"
     use_active_env; env_defaults
     # DeepSpeed's single-node runner exits on SIGTERM without passing it on, and the ranks trained on: run it in a
     # process group of its own and forward SIGTERM/SIGINT to that whole group, whose ranks save a checkpoint and
     # stop (train/runtime/preempt.py). Wait until the runner has really exited, then exit with its status.
     set -m
-    "$DS" "$@" &
+    "$DS" "${quiet[@]}" "$@" &
     ds_pid=$!
     trap 'kill -TERM -- "-$ds_pid" 2>/dev/null || true' TERM INT
     while true; do

@@ -20,7 +20,7 @@ from model_parallel import validation as mp_validation
 from train import config
 from train.data import pairs
 from train.model import family, loading, lora_io
-from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt, steptime
+from train.runtime import checkpoint, diskspace, engine, exports, outdir, preempt, resume_changes, steptime
 from train.runtime.console import print0
 from train.runtime.plot import write_loss_curve
 from train.runtime.record import Metrics, NullMetrics
@@ -55,7 +55,7 @@ def resume_point(cfg: config.Config, world_size: int, resume: str | None) -> tup
         raise checkpoint.ResumeError(f"--resume {tag}: saved with placement {saved}, resumed with {now}; resume with "
                                      "the same qwen_edit.parallel settings, or export and start anew "
                                      "(see docs/checkpoints.md)")
-    return tag, state, checkpoint.config_changes(state, config.to_dict(cfg), tag)
+    return tag, state, resume_changes.config_changes(state, config.to_dict(cfg), tag)
 
 
 def run_encoder(cfg: config.Config, d: engine.Dist, links: worlds.Links, watch: preempt.Watch) -> bool:

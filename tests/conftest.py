@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -45,6 +46,20 @@ def tiny_t2i(tmp_path_factory) -> Path:
     from train.model.qwen_image.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_t2i"), "t2i", num_samples=16)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A real tmpfs of `size` (e.g. "16m") mounted at `path` for the `with` block (root only; the test is skipped
+    where mounting is not permitted), unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root and a mount permission")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture(scope="session")

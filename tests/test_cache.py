@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, metrics, patch_family, run_trainer, write_config
+from conftest import REPO, free_port, metrics, patch_family, run_trainer, small_tmpfs, write_config
 from safetensors.torch import load_file
 
 from train import config
@@ -291,6 +291,39 @@ def test_unfinished_cache_counts_as_missing(built, tmp_path):
     finally:
         cfg.project.data.cache, cfg.project.data.cache_dir = "off", ""
     assert "no finished cache" in message and "python -m train.cache" in message
+
+
+def test_a_damaged_cache_is_named_with_the_fix(built, tmp_path):
+    """A truncated shard is named when the run opens the cache (from the shards' headers), not at the step that
+    reads it; a damaged index.json likewise: each with the file and the fix, never a traceback."""
+    import shutil
+
+    cfg, variant, rows, dataset, index = built
+    directory = Path(shutil.copytree(latent_cache.cache_dir(cfg), tmp_path / "cache"))
+    shard = directory / index["samples"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(latent_cache.CacheError, match=f"^{shard} is truncated: .*; delete {directory}: data.cache "
+                                                      r'"auto" \(or python -m train.cache\) then builds it again$'):
+        latent_cache.CachedDataset(directory, index, rows)
+    (directory / latent_cache.INDEX).write_text('{"samples": [')
+    with pytest.raises(latent_cache.CacheError, match=f"^{directory / latent_cache.INDEX} is damaged "
+                                                      r"\(JSONDecodeError: .*; delete "):
+        latent_cache.read_index(directory)
+
+
+def test_a_full_disk_while_building_names_the_folder(built):
+    """A cache build that fills a real file system (safetensors reports it as 'os error 28') stops with CacheError
+    naming the folder, the cause and the fixes; no index is written, so the next run builds the cache again."""
+    cfg, variant, rows, dataset, index = built
+    with small_tmpfs(Path(cfg.project.output.dir).parent / "full", "8k") as disk:
+        encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
+        with pytest.raises(latent_cache.CacheError) as e:
+            latent_cache.write_cache(disk / "cache", dataset, rows, encoders, variant, index["depends_on"],
+                                     WORLD_OF_ONE)
+        assert str(e.value).startswith(f"writing the cache into {disk / 'cache'} failed on rank 0 (No space left "
+                                       "on device); free disk space there, or set qwen_edit.data.cache_dir to a "
+                                       "disk with room."), str(e.value)
+        assert latent_cache.read_index(disk / "cache") is None
 
 
 def test_cache_dir_that_is_a_file_is_a_config_error(tiny_edit, tmp_path):

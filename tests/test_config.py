@@ -406,6 +406,9 @@ def test_model_dir_without_model_index(setup):
     assert "has no model_index.json" in setup.problem()
 
 
+NO_TENSORS = (2).to_bytes(8, "little") + b"{}"  # a safetensors file without tensors: its header alone
+
+
 def test_model_dir_without_weights(setup, monkeypatch):
     """A model that model_index.json lists without its weights file (or with a shard of its index missing) is
     refused before anything loads, naming the folders, the files diffusers and transformers read, and the fix;
@@ -417,20 +420,20 @@ def test_model_dir_without_weights(setup, monkeypatch):
     (setup.model / "model_index.json").write_text(json.dumps(listed))
     for sub in listed:
         (setup.model / sub).mkdir()
-    (setup.model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    (setup.model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(NO_TENSORS)
     msg = setup.problem()
     assert msg.startswith(f"{q('model.path')}: {str(setup.model)!r} has no weights in vae/, text_encoder/: vae/ needs "
                           "diffusion_pytorch_model.safetensors or the shards that "
                           "diffusion_pytorch_model.safetensors.index.json lists, text_encoder/ needs model.safetensors")
     assert "; point --model at a complete diffusers-format directory (QWEN_EDIT_RANDOM_INIT=1" in msg
-    (setup.model / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    (setup.model / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(NO_TENSORS)
     shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     index = setup.model / "text_encoder" / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
-    (setup.model / "text_encoder" / shards[0]).write_bytes(b"")
+    (setup.model / "text_encoder" / shards[0]).write_bytes(NO_TENSORS)
     assert setup.problem() == (f"{q('model.path')}: {index} names shard(s) {shards[1]} that are not in "
                                f"{index.parent}; copy them there (a partial download?)")
-    (setup.model / "text_encoder" / shards[1]).write_bytes(b"")
+    (setup.model / "text_encoder" / shards[1]).write_bytes(NO_TENSORS)
     setup.load()  # complete
     index.write_text('{"weight_map": ')
     assert setup.problem().startswith(f"{q('model.path')}: {index} cannot be read as a weight index (JSONDecodeError")
@@ -442,6 +445,31 @@ def test_model_dir_without_weights(setup, monkeypatch):
     assert "has no weights in transformer/, vae/, text_encoder/: transformer/ and vae/ need" in setup.problem()
     monkeypatch.setenv(RANDOM_INIT_ENV, "1")
     setup.load()
+
+def test_damaged_or_truncated_weights_are_named_before_anything_loads(setup, tiny_edit, tmp_path):
+    """A weights file whose safetensors header cannot be read, or whose tensors reach past its end (an interrupted
+    copy), is named with its path and the fix by the pre-flight of training, train.cache and train.infer, and again
+    by the transformer's streaming loader should it change after the pre-flight."""
+    import shutil
+
+    from train.model import streaming
+
+    model = Path(shutil.copytree(tiny_edit / "model", tmp_path / "copy"))
+    setup.set(q("model.path"), str(model))
+    setup.load()
+    shard = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    assert setup.problem() == (f"{q('model.path')}: {shard} is truncated: {len(data) // 2} bytes where its tensors "
+                               f"need {len(data)} (an interrupted copy or download?); copy the file again")
+    with pytest.raises(streaming.WeightsError, match=f"^{shard} is truncated: "):
+        next(streaming.checkpoint_tensors(shard.parent))
+    encoder = model / "text_encoder" / "model.safetensors"
+    shard.write_bytes(data)
+    encoder.write_bytes(b"\x00" * 64)
+    assert setup.problem().startswith(f"{q('model.path')}: {encoder} is damaged: its safetensors header cannot be "
+                                      "read (")
+    assert setup.problem().endswith("; copy the file again")
 
 
 def test_data_dir_missing(setup):
@@ -558,6 +586,18 @@ def test_all_problems_in_one_error(setup):
         assert any(p.startswith(key) for p in problems), key
         assert key in str(info.value)
     assert str(info.value).startswith("invalid configuration:\n  - ")
+
+
+def test_deepspeeds_own_checks_join_the_other_problems(setup):
+    """DeepSpeed's config classes read its section even when other keys have problems, and every section they
+    refuse is listed, each unknown key with the known one it is closest to."""
+    (setup.set("gradient_clipping", "1.0").set("zero_optimization.overlap_com", False)
+     .set("bf16.immediate_grad_updat", True).set(q("train.max_stepz"), 3))
+    problems = setup.problems()
+    assert [p.split(":")[0] for p in problems] == [
+        q("train.max_stepz"), "gradient_clipping", "zero_optimization.overlap_com", "bf16.immediate_grad_updat"]
+    assert "rename it to 'overlap_comm' or remove it" in problems[2]
+    assert "rename it to 'immediate_grad_update' or remove it" in problems[3]
 
 
 # --- CLI overrides ------------------------------------------------------------------------------------------------
@@ -995,7 +1035,8 @@ def test_negative_seed_and_huge_inference_sizes(setup):
 
 @pytest.mark.parametrize("key, value, want", [
     ("zero_optimization.overlap_comn", True,
-     "zero_optimization.overlap_comn: Extra inputs are not permitted (DeepSpeed's check); fix or remove the key"),
+     "zero_optimization.overlap_comn: Extra inputs are not permitted (DeepSpeed's check); rename it to "
+     "'overlap_comm' or remove it"),
     ("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memry": True},
      "zero_optimization.offload_optimizer.pin_memry: Extra inputs are not permitted (DeepSpeed's check)"),
     ("optimizer.type", "Adamm", 'optimizer.type: "Adamm" is neither a DeepSpeed optimizer'),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from train.data import pairs
+from train.data import alignment
 from train.data.pairs import (
     BadRowsError,
     EditDataset,
@@ -31,7 +31,7 @@ from train.data.pairs import (
 from train.model import family
 from train.model.qwen_image import conditioning
 
-misfit = functools.partial(pairs.misfit, fam=family.family_named("qwen_image"))  # on Qwen-Image's sizes
+misfit = functools.partial(alignment.misfit, fam=family.family_named("qwen_image"))  # on Qwen-Image's sizes
 
 AREA = 64 * 64
 CONDITION_AREA = 32 * 32
@@ -272,6 +272,62 @@ def test_csv_missing_column_names_file_line(tmp_path):
     good(tmp_path, 1)
     (tmp_path / "metadata.csv").write_text("image,edit_image,prompt\nt1.png,r1_0.png,ok\n,r1_0.png,no target\n")
     assert "metadata.csv line 3: missing image" in stop_message(tmp_path)
+
+
+def rename(row: dict, old: str, new: str) -> dict:
+    return {new if k == old else k: v for k, v in row.items()}
+
+
+@pytest.mark.parametrize("misspelt, known", [("edit_imgae", "edit_image"), ("promt", "prompt"), ("imgae", "image")])
+def test_a_misspelt_jsonl_key_is_named_once_with_the_known_one(tmp_path, misspelt, known):
+    """A key no row should have stops the pre-flight with one problem naming it, the rows that have it and the
+    column it is closest to: not a problem per row ('missing image', 'empty prompt'), and not an edit model's rows
+    read as rows without a reference."""
+    rows = [rename(good(tmp_path, i), known, misspelt) for i in (1, 2, 3)]
+    msg = stop_message(write_jsonl(tmp_path, rows))
+    assert msg.startswith(f"1 problem(s) with the columns of {tmp_path / 'metadata.jsonl'}:\n"), msg
+    assert (f"metadata.jsonl: unknown column {misspelt!r} in 3 row(s) (lines 1, 2, 3); did you mean {known!r}? "
+            "the known columns are image, edit_image, prompt, category. Rename it, or list it in "
+            "qwen_edit.data.ignore_columns to leave it unread") in msg
+
+
+@pytest.mark.parametrize("header, problems", [
+    ("image,edit_imge,prompt", ["unknown column 'edit_imge' in the header; did you mean 'edit_image'?"]),
+    ("imgae,edit_image,prompt", ["unknown column 'imgae' in the header; did you mean 'image'?"]),
+    ("target,edit_image,prompt", ["unknown column 'target' in the header; the known columns",
+                                  "metadata.csv: the header has no column 'image'; every row needs image and prompt"]),
+])
+def test_a_misspelt_csv_header_is_named_once(tmp_path, header, problems):
+    """metadata.csv's header is checked as JSONL keys are: one problem per column, whatever the number of rows."""
+    for i in range(1, 14):
+        good(tmp_path, i)
+    (tmp_path / "metadata.csv").write_text(header + "\n" + "".join(f"t{i}.png,r{i}_0.png,edit {i}\n"
+                                                                   for i in range(1, 14)))
+    msg = stop_message(tmp_path)
+    assert msg.startswith(f"{len(problems)} problem(s) with the columns of"), msg
+    assert all(p in msg for p in problems) and "line 2" not in msg
+
+
+def test_columns_of_ones_own_are_read_once_listed(tmp_path):
+    """An extra column stops the run until data.ignore_columns lists it; then the rows train as they are."""
+    write_jsonl(tmp_path, [{**good(tmp_path, 1), "source_id": "a7"}, good(tmp_path, 2)])
+    assert "unknown column 'source_id' in 1 row(s) (line 1); the known columns" in stop_message(tmp_path)
+    assert [r.line for r in preflight(tmp_path, "edit", "stop", ignored=("source_id",))] == [1, 2]
+
+
+def test_an_edit_model_trains_rows_without_references_only_when_asked(tmp_path):
+    """Rows without edit_image on an edit model stop the run (naming them) unless data.rows_without_reference is
+    "text_to_image", which trains them so and says how many; text-to-image models take only such rows."""
+    from train.data.rows import check_references
+
+    rows = preflight(write_jsonl(tmp_path, [good(tmp_path, 1), good(tmp_path, 2, refs=0)]), "edit", "stop")
+    with pytest.raises(BadRowsError, match=r"^1 of 2 rows have no edit_image \(line 2\), but the edit variant is an "
+                                           r"edit model: .* set qwen_edit.data.rows_without_reference to "
+                                           r'"text_to_image" to train them as text-to-image samples$'):
+        check_references(rows, "edit", "stop")
+    assert check_references(rows, "edit", "text_to_image").startswith(
+        "data: 1 of 2 rows have no edit_image: trained as text-to-image samples")
+    assert check_references(rows[1:], "t2i", "stop") is None and check_references(rows[:1], "edit", "stop") is None
 
 
 def test_jsonl_preferred_over_csv(tmp_path):

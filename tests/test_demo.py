@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_demo_never_deletes_a_model_make_tiny_did_not_write(tiny_edit, tmp_path,
         "pass --workdir" in err
 
 
-def test_pretrained_base_copies_its_reference(tmp_path):
+def test_pretrained_base_copies_its_reference(tmp_path, capsys):
     """train/trainer/pretrain.py: a short pre-training on identity edits (the demo's base, shortened: 120 steps on
     16 scenes, ~15 s) makes the demo-size tiny transformer copy its reference through the released pipeline: much
     nearer the reference than the random base, and nearer the reference than the edit's target (the base does not
@@ -81,6 +82,25 @@ def test_pretrained_base_copies_its_reference(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
     info = json.loads((tmp_path / "model" / "tiny.json").read_text())
     assert info["pretrained"]["steps"] == 120 and info["pretrained"]["on"].startswith("identity edits")
+    out = capsys.readouterr().out  # the phase shows it is moving: a line every 10 s, and its last
+    assert "pre-training: 100%|" in out and "120/120 [" in out and "loss=" in out, out[-2000:]
+
+
+def test_make_tiny_demo_builds_the_demos_base(tmp_path, monkeypatch):
+    """`make_tiny --demo` is the demo's base in one flag (pooling VAE, the demo's transformer, pre-trained for
+    Pretraining's steps), so that a LoRA trained on one's own data starts from a base that copies its reference;
+    for t2i, which has no reference to copy, the same model without pre-training."""
+    from train import make_tiny
+
+    built, trained = [], []
+    monkeypatch.setattr(make_tiny, "make_tiny", lambda out, variant, n, size, seed, vae, transformer:
+                        built.append((variant, vae, transformer)) or Path(out))
+    monkeypatch.setattr(make_tiny, "pretrain", lambda model, variant, area, condition_area, p:
+                        trained.append((variant, p.steps)) or [1.0] * 20)
+    make_tiny.main(["--out", str(tmp_path), "--demo"])
+    make_tiny.main(["--out", str(tmp_path), "--demo", "--variant", "t2i"])
+    assert built == [("edit", "pooling", "demo"), ("t2i", "pooling", "demo")]
+    assert trained == [("edit", make_tiny.Pretraining().steps)]
 
 
 def test_pretrain_without_settings_uses_the_demos(tmp_path, monkeypatch):

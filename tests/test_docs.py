@@ -303,3 +303,37 @@ def test_launch_sh_refuses_a_mistyped_subcommand():
             out.stderr == f"launch.sh: '{word}' is neither a subcommand (demo, test) nor a script file; "
             "see bash launch.sh --help\n"
         )
+
+
+def test_launch_sh_keeps_the_launchers_info_lines_out_and_refuses_a_missing_hostfile(tmp_path):
+    """launch.sh hands the deepspeed launcher `--log_level error` (its command, world info and CUDA_VISIBLE_DEVICES
+    lines stay out; its errors show) unless the user picks a level; a --hostfile that is not a file, with which the
+    launcher would train on this node alone after a warning, stops it at once (exit 2)."""
+    import hashlib
+    import subprocess
+
+    venv = tmp_path / "venv"  # an environment launch.sh takes as set up, whose deepspeed prints what it was given
+    (venv / "bin").mkdir(parents=True)
+    stamp = hashlib.sha256((REPO / "setup.cfg").read_bytes() + (REPO / "pyproject.toml").read_bytes()).hexdigest()
+    (venv / ".qwen-edit-installed").write_text(stamp[:16] + "\n")
+    for name, body in {"python": 'exec python3 "$@"', "deepspeed": 'echo "$@"'}.items():
+        (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "QWEN_EDIT_VENV": str(venv), "HOME": str(tmp_path)}
+
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(REPO / "launch.sh"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    assert (
+        launch("--num_gpus", "2", "train/main.py", "--max_steps", "1").stdout
+        == "--log_level error --num_gpus 2 train/main.py --max_steps 1\n"
+    )
+    assert launch("--log_level", "info", "train/main.py").stdout == "--log_level info train/main.py\n"
+    out = launch("--hostfile", str(tmp_path / "hosts"), "train/main.py")
+    assert out.returncode == 2 and out.stdout == ""
+    assert (
+        out.stderr == f"launch.sh: --hostfile {tmp_path / 'hosts'} is not a file; write one line per node "
+        "('node-a slots=8')\n"
+    )

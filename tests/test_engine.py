@@ -138,3 +138,41 @@ def test_a_taken_port_in_the_benchmarks_is_one_line_too():
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == \
         "error: port 1 (MASTER_PORT) is already in use"
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["main", "cache", "infer"])
+def test_more_processes_than_gpus_are_refused_before_anything_loads(name, tiny_edit, tmp_path, monkeypatch, capsys):
+    """`deepspeed --num_gpus 8` on a node whose torch sees 2 GPUs: every command that the launcher starts stops at
+    once (exit 2) with both counts and the flag that fixes it, instead of 6 ranks failing to take a device."""
+    import torch
+
+    command, argv = _entry_point(name, tiny_edit, tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="8", LOCAL_SIZE="8").items():
+        monkeypatch.setenv(key, value)
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "8 processes on this node (deepspeed --num_gpus 8) but torch sees 2 GPU(s) here" in err, err
+    assert "start at most 2 (deepspeed --num_gpus 2)" in err and "Traceback" not in err
+
+
+def test_more_cpu_processes_than_cores_warn_once_with_the_figures(monkeypatch, capsys):
+    """Without a GPU, 8 processes on 2 cores start (gloo runs any number), rank 0 warning once with the figures;
+    as many processes as cores say nothing."""
+    import torch
+
+    from train.runtime import engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(engine, "usable_cores", lambda: 2)
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    for rank in (0, 1):
+        engine.check_processes(rank)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: 8 processes on this node share its 2 CPU core(s) (no GPU): each runs one thread and "
+                   "they take turns on the cores, slower than 2 process(es) would be; start at most 2 (deepspeed "
+                   "--num_gpus 2)"]
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    engine.check_processes(0)
+    assert capsys.readouterr().err == ""

@@ -245,6 +245,29 @@ def test_export_refuses_wrong_paths_and_foreign_checkpoints(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_an_export_is_replaced_only_with_overwrite(lora_run, full_run, tmp_path, capsys):
+    """train.export into a folder that holds its kind of export exits 2 naming it and --overwrite, the file as it
+    was; with --overwrite it is replaced (a full export's folder as a whole: no shard of the old one stays)."""
+    out = tmp_path / "lora"
+    assert export.main(["--checkpoint", str(lora_run / TAG), "--out", str(out)]) == 0
+    before = (out / LORA_WEIGHT_NAME).read_bytes()
+    argv = ["--checkpoint", str(lora_run / TAG), "--out", str(out), "--dtype", "bfloat16"]
+    capsys.readouterr()
+    assert export.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {out} already holds an export "
+                                               f"({out / LORA_WEIGHT_NAME}); pass --overwrite to replace it, or "
+                                               "choose another --out")
+    assert (out / LORA_WEIGHT_NAME).read_bytes() == before
+    assert export.main([*argv, "--overwrite"]) == 0
+    assert {t.dtype for t in load_file(out / LORA_WEIGHT_NAME).values()} == {torch.bfloat16}
+    assert export.main([*argv[:4], "--format", "comfyui"]) == 0  # another file: nothing to overwrite
+    (tmp_path / "full" / "transformer").mkdir(parents=True)
+    (tmp_path / "full" / "transformer" / "stale-00002-of-00002.safetensors").write_bytes(b"old")
+    assert export.main(["--checkpoint", str(full_run / TAG), "--out", str(tmp_path / "full")]) == 2
+    assert export.main(["--checkpoint", str(full_run / TAG), "--out", str(tmp_path / "full"), "--overwrite"]) == 0
+    assert not (tmp_path / "full" / "transformer" / "stale-00002-of-00002.safetensors").exists()
+
+
 def adapter_updates(transformer) -> dict[str, torch.Tensor]:
     """{module: B @ A x scaling} of the 'default' adapter: what it adds to each module's weight. Compared instead of A
     and B, since diffusers' converter may move a file's alpha / rank between them."""
@@ -438,7 +461,7 @@ class Payload:
 
 def plant(file: Path, marker: Path) -> None:
     """Add a Payload to the dict a DeepSpeed checkpoint file holds (the file keeps every real entry)."""
-    from train.runtime.checkpoint import safe_load
+    from train.runtime.checkpoint_files import safe_load
 
     state = safe_load(file)
     state["extra"] = Payload(marker)

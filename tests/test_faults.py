@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, free_port, metrics, run_trainer, write_config
+from conftest import REPO, free_port, metrics, run_trainer, small_tmpfs, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_schedule_note_warns_with_both_rates():
     """A 100-step cosine run resumed at its end with --max_steps 200: DeepSpeed's scheduler (its saved position
     loaded, as checkpoint.load does) is re-stretched, the rate jumps from the end value 1e-5 to about 5.9e-5; the
     warning gives both from the scheduler's own formula, and leaves the scheduler as it found it."""
-    from train.runtime.checkpoint import schedule_note
+    from train.runtime.resume_changes import schedule_note
 
     state = {"config": {"scheduler": {"type": "WarmupCosineLR"}, "qwen_edit": {"train": {"max_steps": 100}}}}
     resumed = _cosine(200, 0)
@@ -216,6 +216,7 @@ def test_resume_errors(tiny_edit, fault_config, tmp_path):
     """--resume with no checkpoint, and with a tag that is not complete, exit 2 naming the fix."""
     proc = run_trainer(tiny_edit, tmp_path / "empty", config=fault_config, extra=("--resume",))
     assert proc.returncode == 2 and "has no 'latest' checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "empty").exists()  # nor its lock: a refused start leaves nothing it made
     (tmp_path / "partial" / "global_step4.partial").mkdir(parents=True)
     proc = run_trainer(tiny_edit, tmp_path / "partial", config=fault_config, extra=("--resume", "global_step4"))
     assert proc.returncode == 2 and "its save was interrupted" in proc.stderr, proc.stderr[-2000:]
@@ -240,8 +241,11 @@ def test_nonfinite_steps_are_skipped_then_stop(tiny_edit, tmp_path):
     cfg = write_config(tmp_path / "nan1.json", base=cfg, **{"qwen_edit.train.max_nonfinite_steps": 1})
     proc = subprocess.run([*args[:3], str(cfg), *args[4:], "--output_dir", str(tmp_path / "stop")], cwd=REPO,
                           env=env, capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert "2 optimizer steps had a NaN/inf loss or gradient norm (last at step 3)" in proc.stderr
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (  # the trainer's own stop: its line, no traceback
+        "error: 2 optimizer steps had a NaN/inf loss or gradient norm (last at step 3); stopping. Lower the learning "
+        "rate, check the data, or raise qwen_edit.train.max_nonfinite_steps")
+    assert "Traceback" not in proc.stderr
 
 
 def test_oom_names_the_settings_that_help(tiny_edit, tmp_path):
@@ -278,13 +282,8 @@ def test_bf16_resume_reproduces_losses(tiny_edit, fault_config, tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 16 MiB tmpfs (root only; skipped where mounting is not permitted), unmounted afterwards."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root and a mount permission")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        yield disk
 
 
 def test_real_full_disk_during_a_save(tiny_edit, fault_config, small_disk):
@@ -431,3 +430,29 @@ def test_a_leftover_partial_that_cannot_be_removed_is_a_named_save_error(tmp_pat
     assert str(e.value) == (f"saving checkpoint global_step5 into {tmp_path} failed (Permission denied); make "
                             f"{tmp_path} writable for this user and resume. 'latest' still names the previous "
                             "complete checkpoint")
+
+
+def test_a_write_that_a_full_disk_stops_anywhere_is_named(tmp_path):
+    """Beyond checkpoints and the cache, any write of the run's own files that a real full file system stops (a
+    plain file, a safetensors export) becomes one line naming the file or the output directory, the cause and the
+    fix (train/main.py prints it on the rank that met it); an error that is no such write is left alone."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from train.runtime import write_failures
+
+    with small_tmpfs(tmp_path / "disk", "8k") as disk:
+        with pytest.raises(OSError) as e:
+            (disk / "metrics.jsonl").write_text("x" * 100_000)
+        assert write_failures.disk_failure(e.value, disk) == (
+            f"writing into {disk} failed (No space left on device); free disk space there. --resume continues from "
+            "the last complete checkpoint")
+        with pytest.raises(SafetensorError) as e:
+            save_file({"w": torch.zeros(100_000)}, str(disk / "export.safetensors"))
+        assert write_failures.disk_failure(e.value, disk).startswith(f"writing into {disk} failed (No space left")
+    denied = PermissionError(13, "Permission denied", str(tmp_path / "out" / "export"))
+    assert write_failures.disk_failure(denied, tmp_path / "out").startswith(
+        f"writing {tmp_path / 'out' / 'export'} failed (Permission denied); make {tmp_path / 'out'} writable")
+    assert write_failures.disk_failure(PermissionError(13, "Permission denied", "/data/a.png"), tmp_path) is None
+    assert write_failures.disk_failure(ValueError("not a write"), tmp_path) is None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, patch_family
+from conftest import REPO, TINY_CONFIG, free_port, patch_family
 
 from train import config, infer
 from train import main as trainer
@@ -355,3 +355,22 @@ def test_a_placement_that_cannot_fit_stops_before_loading(tiny_edit, tmp_path, m
     err = capsys.readouterr().err
     assert code == 2 and "error: train.infer: the models do not fit" in err and "Traceback" not in err
     assert not list((tmp_path / "out").rglob("*.png"))
+
+
+def test_the_tiny_config_renders_the_tiny_model_at_its_training_size(tiny_edit, tmp_path, capsys):
+    """README's batch-inference command with --config set to the tiny training config (ds_configs/tiny_cpu.json)
+    renders at the size the tiny model trains at, without classifier-free guidance, instead of the defaults' 1 MP
+    with guidance (minutes per image on a CPU): the config's inference section is what train.infer uses."""
+    from PIL import Image
+
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text(json.dumps({"edit_image": str(tiny_edit / "data" / "0000_ref.png"), "prompt": "make it red"}))
+    args = infer.parse_args(["--model", str(tiny_edit / "model"), "--input", str(edits), "--out",
+                             str(tmp_path / "out"), "--config", str(TINY_CONFIG)])
+    settings = config.inference_settings(args.config)
+    trained = json.loads(TINY_CONFIG.read_text())["qwen_edit"]["data"]
+    assert (settings.inference.area, settings.inference.condition_area) == (trained["area"], trained["condition_area"])
+    assert settings.inference.true_cfg_scale == 1.0  # one transformer pass per step
+    assert infer.run(args, settings, engine.Dist(0, 1, 0, torch.device("cpu"))) == 0
+    side = int(trained["area"] ** 0.5)  # the tiny data's references are square
+    assert Image.open(tmp_path / "out" / "000000.png").size == (side, side)

@@ -63,7 +63,28 @@ def test_two_launchers_match_one_launcher(tiny_edit, config, hostfile, four_proc
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4
     assert len(summary["replica_digests"]) == 4 and len(set(summary["replica_digests"])) == 1
-    assert "[rank 3 node 1]" in logs[1]  # other ranks' lines carry their rank and node
+    assert "Traceback" not in logs[0] + logs[1]
+
+
+def test_other_ranks_lines_carry_their_rank_and_node(monkeypatch, capsys):
+    """Every line that a rank other than 0 prints starts with its rank and node (the launcher's CROSS_RANK), also a
+    line written in pieces; rank 0's lines stay as they are. (A 2-node run's ranks print nothing else: the
+    libraries' noise is filtered.)"""
+    import sys
+
+    from train.runtime.console import prefix_rank_output
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored afterwards: prefix_rank_output replaces them
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    prefix_rank_output({"RANK": "0"})
+    print("rank zero")
+    prefix_rank_output({"RANK": "3", "CROSS_RANK": "1"})
+    print("one line\nand another", end="")
+    print(" finished")
+    print("warning", file=sys.stderr)
+    captured = capsys.readouterr()
+    assert captured.out == "rank zero\n[rank 3 node 1] one line\n[rank 3 node 1] and another finished\n"
+    assert captured.err == "[rank 3 node 1] warning\n"
 
 
 def test_node_local_storage_resume(tiny_edit, config, hostfile, four_process_losses, tmp_path):

@@ -46,6 +46,27 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
         pass
 
 
+def test_a_refused_start_leaves_no_folder_or_lock_it_made(tmp_path):
+    """A start that fails inside the claim (a resume point missing, a config refused) takes back the folders and the
+    lock file the claim made; a report it wrote stays, and with it its folder; another run's lock is never touched."""
+    out = tmp_path / "runs" / "new"
+    with pytest.raises(ValueError, match="refused"):
+        with outdir.claim(out, resume=True, overwrite=False, holder=True):
+            assert (out / outdir.LOCK_FILE).is_file()
+            raise ValueError("refused")
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(ValueError):
+        with outdir.claim(out, resume=False, overwrite=False, holder=True):
+            (out / "bad_rows.txt").write_text("row 3\n")
+            raise ValueError("bad rows")
+    assert sorted(p.name for p in out.iterdir()) == ["bad_rows.txt"]
+    with outdir.claim(out, resume=False, overwrite=False, holder=True):
+        with pytest.raises(outdir.OutputDirError, match="another run is using it"):
+            with outdir.claim(out, resume=True, overwrite=False, holder=True):
+                pass
+        assert (out / outdir.LOCK_FILE).is_file()
+
+
 def used_dir(path):
     """A directory as a finished run leaves it, plus a cache and a pre-flight report."""
     for name in ("global_step4", "global_step8", "export", "cache", "tensorboard"):

@@ -1,4 +1,4 @@
-"""Resuming with a changed config (train/checkpoint.config_changes): what cannot work is refused, the rest recorded."""
+"""Resuming with a changed config (train/runtime/resume_changes.py): what cannot work is refused, the rest recorded."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import TINY_CONFIG
 
-from train.runtime import checkpoint, engine
+from train.runtime import engine, resume_changes
 from train.trainer import build
 
 
@@ -34,8 +34,8 @@ def test_settings_the_checkpoint_cannot_follow_are_refused_by_name(saved):
     now = changed(saved, **{"qwen_edit.lora.rank": 8, "qwen_edit.lora.target_modules": ["attn.to_q"],
                             "optimizer.type": "SGD", "zero_optimization.stage": 1, "bf16.enabled": True,
                             "optimizer.params.lr": 0.5})
-    with pytest.raises(checkpoint.ResumeError) as e:
-        checkpoint.config_changes({"config": saved}, now, "global_step4")
+    with pytest.raises(resume_changes.ResumeError) as e:
+        resume_changes.config_changes({"config": saved}, now, "global_step4")
     msg = str(e.value)
     for key in ("qwen_edit.lora.rank: 16 in the checkpoint, 8 now", "qwen_edit.lora.target_modules",
                 'optimizer.type: "AdamW" in the checkpoint, "SGD" now', "zero_optimization.stage: 2",
@@ -49,9 +49,9 @@ def test_allowed_changes_are_returned_and_recorded(saved, tmp_path, capsys, monk
     a longer max_steps (the usual resume) or a moved output directory is no change."""
     now = changed(saved, **{"optimizer.params.lr": 0.001, "qwen_edit.data.path": "/new/data",
                             "qwen_edit.train.max_steps": 400, "qwen_edit.output.dir": str(tmp_path)})
-    changes = checkpoint.config_changes({"config": saved}, now, "global_step4")
+    changes = resume_changes.config_changes({"config": saved}, now, "global_step4")
     assert changes == {"optimizer.params.lr": [0.01, 0.001], "qwen_edit.data.path": [None, "/new/data"]}
-    assert checkpoint.config_changes({}, now, "global_step4") == {}  # a checkpoint without a stored config
+    assert resume_changes.config_changes({}, now, "global_step4") == {}  # a checkpoint without a stored config
 
     class Cfg:  # the two fields start_writing reads
         deepspeed = {}

@@ -388,11 +388,11 @@ def test_a_category_too_light_for_one_micro_batch_is_named():
 def test_snapped_pairs_stay_aligned_and_the_vl_copy_is_the_crop(tmp_path):
     """A target and a reference of one size get the same crop (their pixels stay equal); 2509's VL copy of a
     reference is made from that crop; the pre-flight's alignment check compares the snapped sizes."""
-    from train.data import pairs
+    from train.data import alignment
     from train.model import family
     from train.model.qwen_image import conditioning
 
-    misfit = functools.partial(pairs.misfit, fam=family.family_named("qwen_image"))
+    misfit = functools.partial(alignment.misfit, fam=family.family_named("qwen_image"))
 
     png(tmp_path / "a.png", size=(160, 100), seed=1)
     shutil.copy(tmp_path / "a.png", tmp_path / "b.png")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ def zero2_run(tiny_edit, tmp_path_factory) -> Path:
     check(proc)
     (out / "master_port").write_text(str(port))
     (out / "stdout.txt").write_text(proc.stdout)
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -95,6 +97,26 @@ def test_zero2_outputs(zero2_run):
     assert "\r" not in stdout and "step 60/60 | epoch " in stdout and " | ETA 0s" in stdout, stdout[-2000:]
     assert f"loss curve: {zero2_run / 'loss.png'}" in stdout
     assert Image.open(zero2_run / "loss.png").size == (640, 360)
+
+
+# A plain CPU run's console: the run's own lines (rank 0's), and the deepspeed launcher's, which run_trainer starts
+# directly (launch.sh keeps its info lines out). Any other line is a library's noise to filter in
+# train/runtime/quiet.py, or a line of the run's own to add here.
+CONSOLE_LINES = re.compile("|".join([
+    r"prompts: ", r"sampling: ", r"data: ", r"\d+ rows, variant ", r"disk: ", r"step \d+/\d+ \| ", r"loss curve: ",
+    r"exported ", r"warning: \d+ processes on this node share its \d+ CPU core",  # a machine of one core
+    r"\[[\d-]+ [\d:,]+\] \[INFO\] \[(runner|launch)\.py:",
+    r"\[[\d-]+ [\d:,]+\] \[WARNING\] \[runner\.py:\d+:fetch_hostfile\] Unable to find hostfile",
+]))
+
+
+def test_zero2_console_shows_only_the_runs_own_lines(zero2_run):
+    """Neither rank prints library noise (torch's _pytree registrations, diffusers' torchao import, DeepSpeed's
+    learning-rate and accelerator lines, the all_gather_into_tensor FutureWarning): this fails when a plain CPU run's
+    console gains a line."""
+    lines = [*(zero2_run / "stdout.txt").read_text().splitlines(), *(zero2_run / "stderr.txt").read_text().splitlines()]
+    assert [line for line in lines if line.strip() and not CONSOLE_LINES.match(line)] == []
+    assert any(line.startswith("step 60/60 | ") for line in lines)
 
 
 def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_edit):
@@ -197,7 +219,8 @@ def test_text_to_image_rows_train(kind, request, tmp_path):
         request.getfixturevalue("tiny_edit"), tmp_path / "tiny")
     variant = "t2i" if kind == "t2i" else "edit"
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1})
+    cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1,
+                                                 "qwen_edit.data.rows_without_reference": "text_to_image"})
     proc = run_trainer(tiny, out, config=cfg, extra=("--max_steps", "4"))
     check(proc)
     assert f"variant {variant} (" in proc.stdout
@@ -361,7 +384,28 @@ def test_a_plain_checkpoint_resumes_with_both_offloads(tiny_edit, tmp_path, plai
     proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "3", "--resume", "global_step2"))
     check(proc)
     assert "optimizer offload:" in proc.stdout and "offloaded blocks: 1 blocks'" in proc.stdout
+    assert "the dataset changed" not in proc.stdout  # the same rows
     _continues(out, plain_losses, plain_weights)
     changes = json.loads((out / "config_changes.jsonl").read_text())["changes"]
     assert changes["zero_optimization.offload_optimizer.device"] == [None, "cpu"]
     assert changes["qwen_edit.train.offload_blocks"] == [0, 1]
+
+
+def test_a_resume_over_changed_rows_says_so_and_goes_on(tiny_edit, tmp_path, plain_run):
+    """A checkpoint records the rows it trained on; resumed over a dataset with a row removed, the run says so with
+    both counts, goes on at the checkpoint's step with the rows as they are, and records the change."""
+    import shutil
+
+    out, data = tmp_path / "run", tmp_path / "tiny"
+    shutil.copytree(plain_run[2], out)
+    shutil.copytree(tiny_edit / "data", data / "data")
+    (data / "model").symlink_to(tiny_edit / "model")
+    meta = data / "data" / "metadata.jsonl"
+    meta.write_text("".join(meta.read_text().splitlines(keepends=True)[:-1]))
+    proc = run_trainer(data, out, extra=("--max_steps", "3", "--resume", "global_step2"))
+    check(proc)
+    assert ("warning: the dataset changed since global_step2: 32 rows then, 31 now (rows added, removed or edited). "
+            "The run goes on at step 2 with the rows as they are now") in proc.stdout
+    changes = json.loads((out / "config_changes.jsonl").read_text())["changes"]
+    assert [counts["rows"] for counts in changes["data rows"]] == [32, 31]
+    assert json.loads((out / "global_step3" / "trainer_state.json").read_text())["data"]["rows"] == 31

@@ -20,6 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train.benchmarks import blocks, gemms, scaling
 from train.benchmarks.step import append_json, format_report, parse_args, run
 from train.runtime import engine

@@ -19,6 +19,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import pairs
@@ -28,15 +29,21 @@ from train.runtime import engine
 from train.runtime.console import prefix_rank_output, print0
 from train.trainer import build
 
+DESCRIPTION = (
+    "Build the latent and prompt-embedding cache of a training run of Qwen-Image-Edit (v1, 2509, 2511) or Qwen-Image "
+    "(2512) (the arguments of train/main.py), so that training loads only the transformer"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or rebuild, when stale) the cache for a training config; 0 done, 2 bad configuration or data."""
     prefix_rank_output()
-    args = config.parse_args(argv)
+    args = config.parse_args(argv, description=DESCRIPTION)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        engine.check_processes(rank)
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(), check_parallel=check_parallel)
-    except config.ConfigError as e:
+    except (engine.TooManyProcessesError, config.ConfigError) as e:
         return engine.refuse_early(e, rank)
     try:
         d = engine.init_distributed(cfg.project.parallel.collective_timeout_s)

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_VAE = "pooling"  # qwen_image.tiny's averaging autoencoder: the decoded images show what the model learnt
 DEMO_TRANSFORMER = "demo"  # qwen_image.tiny.TRANSFORMER_SIZES: wider heads whose RoPE tells positions apart
@@ -52,6 +54,7 @@ def launch_training(workdir: Path, max_steps: int, num_procs: int) -> None:
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
         "--master_port", os.environ.get("MASTER_PORT", "29511"),
+        "--log_level", "error",  # the launcher's own lines (its command, world info): its errors still show
         str(REPO / "train" / "main.py"), "--ds_config", str(demo_config(workdir)),
         "--model", str(workdir / "model"), "--data", str(workdir / "data"),
         "--output_dir", str(workdir / "run"), "--max_steps", str(max_steps),
@@ -73,15 +76,17 @@ def read_rows(data_dir: Path, num_rows: int) -> tuple[list[dict], list[list], li
 
 
 def edit_all(pipe, rows: list[dict], references: list[list], targets: list, area: int, condition_area: int,
-             steps: int = 20) -> list:
+             steps: int = 20, desc: str = "rendering") -> list:
     """Each row edited by `pipe` (seed 0, no classifier-free guidance) at the training areas; a text-to-image row
     (QwenImagePipeline) is generated at its target's size."""
     import torch
 
     from train.model.qwen_image.conditioning import pipeline_areas
+    from train.runtime.console import progress
 
     outs = []
-    for row, images, target in zip(rows, references, targets, strict=True):
+    for row, images, target in progress(list(zip(rows, references, targets, strict=True)), desc=desc, unit="image",
+                                        file=sys.stdout):
         common = dict(prompt=row["prompt"], num_inference_steps=steps, true_cfg_scale=1.0,
                       generator=torch.Generator().manual_seed(0))
         if not images:
@@ -164,9 +169,11 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     pipe = DiffusionPipeline.from_pretrained(workdir / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     areas = (data["area"], data["condition_area"])
-    columns = {"target": targets, "base model": edit_all(pipe, rows, references, targets, *areas, steps)}
+    columns = {"target": targets, "base model": edit_all(pipe, rows, references, targets, *areas, steps,
+                                                          "rendering the base model's edits")}
     pipe.load_lora_weights(workdir / "run" / "export", weight_name="pytorch_lora_weights.safetensors")
-    columns["base + exported LoRA"] = edit_all(pipe, rows, references, targets, *areas, steps)
+    columns["base + exported LoRA"] = edit_all(pipe, rows, references, targets, *areas, steps,
+                                               "rendering the edits with the exported LoRA")
     out = workdir / "before_after.png"
     marks = ["[trained]"] * num_trained + ["[new scene]"] * (num_rows - num_trained)
     make_grid(references, columns, [f"{m} {row['prompt']}" for m, row in zip(marks, rows, strict=True)]).save(out)
@@ -257,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
+    from train.runtime.console import prefix_rank_output
+
+    prefix_rank_output()  # off a terminal, the libraries' own bars stay out of the log
     workdir = Path(args.workdir).resolve()
     try:
         prepare_workdir(workdir, args.variant)

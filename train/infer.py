@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import torch
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train import config
 from train.config import files
 from train.model import family, loading, lora_io, placement, renders, support
@@ -42,8 +43,10 @@ from train.runtime.console import prefix_rank_output, print0, progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Qwen-Image(-Edit) batch inference (diffusers pipelines)")
-    parser.add_argument("--model", required=True, help="local diffusers-format model directory (model_index.json)")
+    parser = argparse.ArgumentParser(description="Batch inference of Qwen-Image-Edit (v1, 2509, 2511) and Qwen-Image "
+                                                 "(2512) with LoRAs, through the diffusers pipelines")
+    parser.add_argument("--model", required=True, help="local diffusers-format directory of Qwen-Image-Edit, -2509, "
+                                                       "-2511 or Qwen-Image (model_index.json inside)")
     parser.add_argument("--input", required=True, help="jsonl of edits (paths relative to its folder)")
     parser.add_argument("--out", required=True, help="output directory: OUT/<name>.png per row")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
@@ -323,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     problems = check_args(args, world_size)
+    try:
+        engine.check_processes(rank)
+    except engine.TooManyProcessesError as e:
+        problems.append(str(e))
     try:
         settings = config.inference_settings(args.config)
     except config.ConfigError as e:

@@ -17,26 +17,29 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from model_parallel.plan import check_parallel
 from train import config
 from train.data import latent_cache, pairs
 from train.model import family, lora_io, streaming, support
 from train.plan.explain import PlanError
-from train.runtime import checkpoint, engine, outdir, preempt
+from train.runtime import checkpoint, engine, outdir, preempt, write_failures
 from train.runtime.console import prefix_rank_output, print0
-from train.trainer import build
+from train.trainer import build, loop
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns the process exit code: 0 done, 2 bad configuration, data, cache or resume point."""
+    """Returns the process exit code: 0 done, 2 bad configuration, data, cache or resume point, 1 a stop the run
+    decided (too many non-finite steps) or a failed write."""
     prefix_rank_output()
     args = config.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
+        engine.check_processes(rank)
         cfg = config.load_config(args, world_size, has_gpu=torch.cuda.is_available(),
                                  num_gpus=torch.cuda.device_count(), check_parallel=check_parallel)
-    except config.ConfigError as e:
+    except (engine.TooManyProcessesError, config.ConfigError) as e:
         return engine.refuse_early(e, rank)
     try:  # fail before any process starts
         fam, _ = family.detect(cfg.project.model.path, cfg.project.model.variant)
@@ -61,11 +64,20 @@ def main(argv: list[str] | None = None) -> int:
             outdir.OutputDirError, PlanError, streaming.WeightsError) as e:  # on all ranks
         print0(f"error: {e}", rank=d.rank, file=sys.stderr)
         code = 2
+    except loop.NonFiniteError as e:  # on all ranks at the same step
+        print0(f"error: {e}", rank=d.rank, file=sys.stderr)
+        code = 1
     except preempt.Preempted as e:  # on all ranks, after their save
         print0(str(e), rank=d.rank, file=sys.stderr)
         code = preempt.EXIT_CODE
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:  # any other write that a full or unwritable disk stopped: the same, on this rank
+        failure = write_failures.disk_failure(e, cfg.project.output.dir)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr, flush=True)
         return 1
     engine.teardown()
     return code

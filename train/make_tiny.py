@@ -1,22 +1,27 @@
-"""Build a tiny random Qwen-Image-Edit checkpoint and a synthetic edit dataset, offline
+"""Build a tiny Qwen-Image-Edit or Qwen-Image checkpoint and a synthetic edit dataset, offline
 (train/model/qwen_image/tiny.py).
 
     python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i] [--num_samples N] [--size PX]
-        [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N] [--full_size_configs [--num_layers N]]
+        [--demo | --vae random|pooling --transformer tests|demo --pretrain_steps N]
+        [--full_size_configs [--num_layers N]]
 
 writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit, -2509 or -2511; of Qwen/Qwen-Image for t2i) and
-DIR/data (images + metadata.jsonl). The demo's model is `--vae pooling --transformer demo --pretrain_steps 300`.
+DIR/data (images + metadata.jsonl). The demo's model is `--demo`: `--vae pooling --transformer demo --pretrain_steps
+300`.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train.model.qwen_image.tiny import TRANSFORMER_SIZES, VAE_KINDS, VARIANTS, make_tiny, write_full_size_configs
+from train.runtime.console import prefix_rank_output
 from train.trainer.pretrain import MIN_STEPS, Pretraining, final_loss, pretrain
 
 
 def main(argv: list[str] | None = None) -> None:
+    prefix_rank_output()  # off a terminal, the libraries' own bars (writing the model's shards) stay out of the log
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory to write model/ and data/ into")
     parser.add_argument("--variant", default="edit", choices=VARIANTS)
@@ -28,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
                              "show the latents (the demo's)")
     parser.add_argument("--transformer", default="tests", choices=list(TRANSFORMER_SIZES),
                         help="the tests' tiny transformer (width 64), or the demo's (width 128, finer RoPE)")
+    parser.add_argument("--demo", action="store_true",
+                        help="the demo's base, which a LoRA trained on one's own data can change visibly: "
+                             "--vae pooling --transformer demo --pretrain_steps 300 (not pre-trained for t2i, "
+                             "which has no reference to copy)")
     parser.add_argument("--pretrain_steps", type=int, default=0,
                         help="pre-train the transformer for N full-parameter steps on identity edits (target = "
                              "reference), as the demo's base is (train/trainer/pretrain.py); 0: random; edit "
@@ -39,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --full_size_configs: the transformer's number of blocks at the released width "
                              "(0 = the released 60), for the deepest full fine-tune a memory budget fits")
     args = parser.parse_args(argv)
+    if args.demo:
+        args.vae, args.transformer = "pooling", "demo"
+        args.pretrain_steps = args.pretrain_steps or (0 if args.variant == "t2i" else Pretraining().steps)
     if args.num_layers and not args.full_size_configs:
         parser.error("--num_layers sets the full-size transformer's depth; add --full_size_configs")
     if args.num_layers < 0:
@@ -50,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--pretrain_steps trains the tiny weights that --full_size_configs removes; use one of them")
     out = make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.vae, args.transformer)
     if args.pretrain_steps:
+        print(f"pre-training {out / 'model' / 'transformer'} for {args.pretrain_steps} steps on identity edits "
+              "(target = reference) ...", flush=True)
         losses = pretrain(out / "model", args.variant, args.size**2, (args.size // 2) ** 2,
                           Pretraining(steps=args.pretrain_steps))
         print(f"pre-trained {out / 'model' / 'transformer'}: loss {losses[0]:.2f} -> {final_loss(losses):.3f}")

@@ -4,8 +4,12 @@ here before any model loads, with DeepSpeed's own config classes where it has th
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import typing
+
+import pydantic
 
 from train.config.schema import PROJECT_KEY, ProjectConfig
 
@@ -124,22 +128,65 @@ _DS_MODEL_KEYS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Conf
                   "DeepSpeedFP16Config": "fp16", "HybridEngineConfig": "hybrid_engine"}
 
 
+def reported_keys(problems: list[str]) -> set[str]:
+    """The top-level keys that `problems` name (each problem starts with its dotted key)."""
+    return {p.split(":", 1)[0].split(".", 1)[0].split("[", 1)[0].split(" ", 1)[0] for p in problems}
+
+
 def check_with_deepspeed(ds: dict, problems: list[str]) -> None:
     """Let DeepSpeed's own config classes (DeepSpeedConfig and its pydantic models, extra="forbid") read the
     resolved section now, before any model loads, instead of in deepspeed.initialize. train_batch_size is left
-    out: it is checked against the world size above, and DeepSpeedConfig here sees a world of one."""
-    import pydantic
+    out: it is checked against the world size above, and DeepSpeedConfig here sees a world of one. DeepSpeed stops
+    at the first section it refuses: that section is set aside and the rest read again, so that every section's
+    problems are listed together."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    try:
-        DeepSpeedConfig({k: v for k, v in ds.items() if k != "train_batch_size"})
-    except pydantic.ValidationError as e:
-        section = _DS_MODEL_KEYS.get(e.title, f"DeepSpeed's {e.title}")
-        for err in e.errors():
-            where = ".".join(str(part) for part in (section, *err["loc"]))
-            problems.append(f"{where}: {err['msg']} (DeepSpeed's check); fix or remove the key")
-    except (ValueError, AssertionError, KeyError, TypeError) as e:
-        problems.append(f"DeepSpeed refuses the configuration: {e}")
+    ds = {k: v for k, v in ds.items() if k != "train_batch_size"}
+    for _ in range(len(_DS_MODEL_KEYS) + 1):
+        try:
+            DeepSpeedConfig(ds)
+            return
+        except pydantic.ValidationError as e:
+            section = _DS_MODEL_KEYS.get(e.title)
+            for err in e.errors():
+                where = ".".join(str(part) for part in (section or f"DeepSpeed's {e.title}", *err["loc"]))
+                near = _near_key(e.title, err)
+                fix = f"rename it to {near!r} or remove it" if near else "fix or remove the key"
+                problems.append(f"{where}: {err['msg']} (DeepSpeed's check); {fix}")
+            if section not in ds:
+                return
+            ds = {k: v for k, v in ds.items() if k != section}
+        except (ValueError, AssertionError, KeyError, TypeError) as e:
+            problems.append(f"DeepSpeed refuses the configuration: {e}")
+            return
+
+
+def _near_key(model_name: str, err: dict) -> str | None:
+    """The known key of DeepSpeed's model `model_name` closest to the unknown key of `err`, or None."""
+    if err["type"] != "extra_forbidden":
+        return None
+    model = _ds_model(model_name)
+    for part in err["loc"][:-1]:  # down to the nested model that holds the key
+        hint = model.model_fields[part].annotation if model is not None and part in model.model_fields else None
+        model = next((a for a in (hint, *typing.get_args(hint)) if isinstance(a, type)
+                      and issubclass(a, pydantic.BaseModel)), None)
+    if model is None:
+        return None
+    known = [name for field, info in model.model_fields.items() for name in (field, info.alias) if name]
+    near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+    return near[0] if near else None
+
+
+def _ds_model(name: str):
+    """DeepSpeed's pydantic config model of that class name, or None."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    found, todo = None, [DeepSpeedConfigModel]
+    while todo and found is None:
+        cls = todo.pop()
+        found = cls if cls.__name__ == name else None
+        todo += cls.__subclasses__()
+    return found
 
 
 def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool, deepcompile: bool = False) -> dict:

@@ -99,9 +99,11 @@ def model_dir_problems(path: str, key: str) -> list[str]:
     problems, missing = [], {}
     for sub, name in MODEL_WEIGHTS.items():
         folder, shard_index = model_dir / sub, model_dir / sub / f"{name}.index.json"
-        if sub not in listed or (folder / name).is_file():
+        if sub not in listed:
             continue
-        if shard_index.is_file():
+        if (folder / name).is_file():
+            problems += [f"{key}: {problem}" for problem in weights_file_problems([folder / name])]
+        elif shard_index.is_file():
             problems += [f"{key}: {problem}" for problem in _shard_problems(shard_index)]
         else:
             missing.setdefault(name, []).append(f"{sub}/")
@@ -125,7 +127,31 @@ def _shard_problems(index: Path) -> list[str]:
     if absent:
         return [f"{index} names shard(s) {', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''} that are not in "
                 f"{index.parent}; copy them there (a partial download?)"]
-    return []
+    return weights_file_problems([index.parent / shard for shard in shards])
+
+
+def weights_file_problems(paths: list[Path], fix: str = "copy the file again") -> list[str]:
+    """The .safetensors files among `paths` that are damaged or truncated, found from their headers alone (a few KB
+    read per file): a header that cannot be read, or tensors that reach past the end of the file (an interrupted
+    copy or download). Each names the file and `fix`."""
+    problems = []
+    for path in paths:
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                if size < 8 or length > size - 8:
+                    raise ValueError(f"its header would need {length} bytes of a {size}-byte file")
+                header = json.loads(f.read(length))
+            end = 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                                   default=0)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            problems.append(f"{path} is damaged: its safetensors header cannot be read ({e}); {fix}")
+            continue
+        if end > size:
+            problems.append(f"{path} is truncated: {size} bytes where its tensors need {end} (an interrupted copy or "
+                            f"download?); {fix}")
+    return problems
 
 
 def normalize(text: str) -> str:

@@ -145,8 +145,13 @@ def inference_settings(path: str | os.PathLike | None) -> ProjectConfig:
     return project
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Fine-tune Qwen-Image-Edit / -2509 with DeepSpeed")
+TRAIN_DESCRIPTION = ("Fine-tune Qwen-Image-Edit (v1, 2509, 2511) or Qwen-Image (2512) with DeepSpeed: LoRA or "
+                     "full, ZeRO data parallel or the model-parallel split")
+
+
+def parse_args(argv: list[str] | None = None, description: str = TRAIN_DESCRIPTION) -> argparse.Namespace:
+    """The arguments of training (train/main.py) and of train.cache, which reads the same run."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--ds_config", required=True, help="JSON: DeepSpeed keys + the qwen_edit section")
     parser.add_argument("--model", help=f"overrides {PROJECT_KEY}.model.path")
     parser.add_argument("--data", help=f"overrides {PROJECT_KEY}.data.path")
@@ -204,13 +209,16 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
                        fp16=bool(isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled")),
                        node_local_storage=bool(checkpoint.get("use_node_local_storage")
                                                or raw.get("use_node_local_storage")))
-    ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, problems)
-    ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, problems)
-    ds_keys.check_deepcompile(project, raw, has_gpu, problems)
-    if problems:
-        raise ConfigError(problems)
-    resolved = ds_keys.resolve_deepspeed(raw, project.train.max_steps, has_gpu, project.train.deepcompile)
-    ds_keys.check_with_deepspeed(resolved, problems)  # only a config that passed the checks above
+    ds_problems: list[str] = []
+    ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, ds_problems)
+    ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, ds_problems)
+    ds_keys.check_deepcompile(project, raw, has_gpu, ds_problems)
+    problems += ds_problems
+    # DeepSpeed's own classes read the rest of its section too, so that their problems join the same error: the keys
+    # reported above are left out (resolving them could fail, and DeepSpeed would only name them again)
+    sound = {k: v for k, v in raw.items() if k not in ds_keys.reported_keys(ds_problems)}
+    resolved = ds_keys.resolve_deepspeed(sound, project.train.max_steps, has_gpu, project.train.deepcompile)
+    ds_keys.check_with_deepspeed(resolved, problems)
     if problems:
         raise ConfigError(problems)
     # encoding ahead runs where the encoders and the step can overlap (a GPU), in the zero2 mode: the model-parallel

@@ -24,10 +24,15 @@ one place. DeepSpeed's keys hold the precision (`bf16.enabled` / `fp16.enabled`)
 `train_batch_size` out so that one file fits any world size (if given, it must equal micro-batch x accumulation x
 world size). For `WarmupDecayLR` and `WarmupCosineLR` the schedule's length is filled from `train.max_steps`.
 
-Everything is checked before a model loads, and all problems come in one error that names each key and its fix.
-The `{PROJECT_KEY}` section is read strictly: no unknown key, no `"8"` for 8, no `1` for true, no NaN or Infinity.
-DeepSpeed's section is read by DeepSpeed's own config classes, so a misspelled `zero_optimization` key is named
-too. The resolved config is written to `OUTPUT/config.json` once the run starts and stored in every checkpoint.
+Everything is checked before a model loads, and all problems come in one error that names each key and its fix:
+the `{PROJECT_KEY}` section's, the trainer's checks of DeepSpeed's keys and DeepSpeed's own, together. The
+`{PROJECT_KEY}` section is read strictly: no unknown key, no `"8"` for 8, no `1` for true, no NaN or Infinity.
+DeepSpeed's section is read by DeepSpeed's own config classes too, every section of it, so a misspelled key is named
+with the nearest one it knows. A file with `"gradient_clipping": "1.0"` and `overlap_com` gets one error listing
+both, `gradient_clipping: must be a number >= 0 (0 = off), got "1.0"` and `zero_optimization.overlap_com: Extra
+inputs are not permitted (DeepSpeed's check); rename it to 'overlap_comm' or remove it`.
+
+The resolved config is written to `OUTPUT/config.json` once the run starts and stored in every checkpoint.
 
 The command line overrides five keys: `--model`, `--data`, `--output_dir`, `--max_steps` and `--seed`. Relative
 paths in the JSON are relative to the directory the command starts in, not to the JSON file's folder; the image

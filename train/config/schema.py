@@ -62,6 +62,15 @@ class DataConfig:
     the latent cache, validation and train.infer: a name ("white", "black") or "#rrggbb"."""
     bad_rows: Literal["stop", "skip"] = "stop"
     """What to do when the pre-flight check finds bad rows: stop with the report, or skip them (reported)."""
+    rows_without_reference: Literal["stop", "text_to_image"] = "stop"
+    """Rows without edit_image on an edit model (v1, 2509, 2511): stop names them before step 1 (a misspelt or
+    missing reference column would otherwise train every row without its reference); text_to_image trains them as
+    text-to-image samples (no reference, QwenImagePipeline's prompt template). Qwen-Image (t2i) takes only such
+    rows."""
+    ignore_columns: list[str] = field(default_factory=list)
+    """Columns of metadata.jsonl / metadata.csv that the trainer leaves unread (ids, notes of your own): any other
+    column than image, edit_image, prompt and category stops the run before step 1, naming it and the known
+    column it is closest to."""
     num_workers: int = 2
     """DataLoader worker processes per rank."""
     pin_memory: bool = True

@@ -24,21 +24,23 @@ never used or rebuilt silently.
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from train import config
+from train.config import files
 from train.data import pairs, sources
 from train.model import family, loading
 from train.model.interface import Batch, Encoders
 from train.plan import cache_plan
-from train.runtime import engine
+from train.runtime import engine, write_failures
 from train.runtime.console import print0, progress
 from train.runtime.exports import apply_umask
 from train.runtime.oom import out_of_memory
@@ -136,9 +138,19 @@ def dependencies(cfg: config.Config, variant: str, rows: list[pairs.Row], dtype:
 
 
 def read_index(directory: Path) -> dict | None:
-    """The finished cache's index, or None when there is none (no cache, or an unfinished one)."""
+    """The finished cache's index, or None when there is none (no cache, or an unfinished one); CacheError naming
+    it when it is damaged."""
     path = Path(directory) / INDEX
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CacheError(f"{path} is damaged ({type(e).__name__}: {e}); {REBUILD.format(directory=directory)}") \
+            from None
+
+
+REBUILD = "delete {directory}: data.cache \"auto\" (or python -m train.cache) then builds it again"
 
 
 def stale_message(directory: Path, index: dict, wanted: dict[str, str]) -> str | None:
@@ -164,14 +176,12 @@ def _write_part(directory: Path, rank: int, world_size: int, part: int, tensors:
     return name
 
 
-def _prepare_dir(directory: Path, d: engine.Dist) -> None:
-    """Rank 0 removes the index (the cache is unfinished from here on) and old shards; then all ranks go on."""
-    if d.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / INDEX).unlink(missing_ok=True)
-        for old in directory.glob("shard-*.safetensors"):
-            old.unlink()
-    engine.barrier()
+def _prepare_dir(directory: Path) -> None:
+    """Rank 0 removes the index (the cache is unfinished from here on) and old shards."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / INDEX).unlink(missing_ok=True)
+    for old in directory.glob("shard-*.safetensors"):
+        old.unlink()
 
 
 def _row_size(raw: dict) -> str:
@@ -225,13 +235,35 @@ def write_index(directory: Path, records: list[dict], rows: list[pairs.Row], wan
 
 def write_cache(directory: Path, dataset, rows: list[pairs.Row], encoders: Encoders, variant: str,
                 wanted: dict[str, str], d: engine.Dist, num_workers: int = 0) -> None:
-    """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last."""
+    """Every rank encodes its share (a collective: all ranks call it); rank 0 writes the index last. A write that
+    fails on any rank (a full disk, no permission) stops every rank together with CacheError naming the folder."""
     directory = Path(directory)
-    _prepare_dir(directory, d)
-    records = pairs.gather_lists(encode_share(directory, dataset, encoders, variant, d, num_workers))
-    if d.is_main:
-        write_index(directory, records, rows, wanted, variant, d.world_size)
-    engine.barrier()
+    _agree(d, directory, lambda: _prepare_dir(directory) if d.is_main else None)
+    mine = _agree(d, directory, lambda: encode_share(directory, dataset, encoders, variant, d, num_workers))
+    records = pairs.gather_lists(mine)
+    _agree(d, directory, lambda: write_index(directory, records, rows, wanted, variant, d.world_size) if d.is_main
+           else None)
+
+
+def _agree(d: engine.Dist, directory: Path, write):
+    """write()'s result, once every rank has learnt every rank's outcome (a collective): a write into `directory` that
+    failed on any rank (a full disk, no permission) raises CacheError on all of them, so that none waits for the
+    others in a later collective."""
+    result, failure = None, None
+    try:
+        result = write()
+    except (OSError, SafetensorError) as e:
+        code, cause = write_failures.write_cause(e, directory)
+        fix = {errno.ENOSPC: "free disk space there", errno.EDQUOT: "free space within your quota",
+               errno.EROFS: "its file system is read-only", errno.EACCES: f"make {directory} writable for this user",
+               errno.EPERM: f"make {directory} writable for this user"}.get(code, "check permissions and free space")
+        failure = (f"writing the cache into {directory} failed on rank {d.rank} ({cause}); {fix}, or set "
+                   "qwen_edit.data.cache_dir to a disk with room. The unfinished cache counts as missing: "
+                   "data.cache \"auto\" (or python -m train.cache) builds it again")
+    failures = [f for f in engine.all_gather_objects(failure) if f]
+    if failures:
+        raise CacheError(failures[0])
+    return result
 
 
 def build(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row], dataset,
@@ -288,6 +320,11 @@ class CachedDataset(torch.utils.data.Dataset):
         missing = [row.line for row in rows if row.line not in by_line]
         if missing:  # the rows digest makes this unreachable unless the index was edited by hand
             raise CacheError(f"{self.directory}/{INDEX} lacks rows {missing[:10]}; rebuild the cache")
+        # the shards' headers (a few KB each): a truncated or missing shard is named now, not at the step that reads it
+        damaged = files.weights_file_problems(sorted({self.directory / s["file"] for s in index["samples"]}),
+                                              REBUILD.format(directory=self.directory))
+        if damaged:
+            raise CacheError("; ".join(damaged))
         self.samples = [by_line[row.line] for row in rows]
         self._categories = [row.category for row in rows]  # the run's own (category_rules may have changed)
         self._files: dict[str, tuple[object, dict[int, list[str]]]] = {}  # opened lazily: each worker maps its own
@@ -320,9 +357,13 @@ class CachedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         """The sample's tensors (x0 and the conditioning's, by name) and SAMPLE_KEYS."""
         s = self.samples[i]
-        f, names = self._opened(s["file"])
-        return {**{k: f.get_tensor(f"{s['line']}.{k}") for k in ("x0", *names[s["line"]])},
-                "meta": _conditioning_meta(s), "target_hw": tuple(s["target_hw"]), "line": s["line"],
+        try:
+            f, names = self._opened(s["file"])
+            tensors = {k: f.get_tensor(f"{s['line']}.{k}") for k in ("x0", *names[s["line"]])}
+        except (OSError, SafetensorError) as e:  # checked when the run started, so the file changed since
+            raise CacheError(f"{self.directory / s['file']} cannot be read any more ({e}); "
+                             f"{REBUILD.format(directory=self.directory)}") from None
+        return {**tensors, "meta": _conditioning_meta(s), "target_hw": tuple(s["target_hw"]), "line": s["line"],
                 "bucket": self._bucket(s), "variant": self.variant}
 
 

@@ -6,7 +6,7 @@ an edit model trains on it without a reference). Paths are relative to the data 
 training (each rank checks a strided share, the reports are gathered); bad rows stop the run with a report naming
 each row and file, or are skipped and counted when data.bad_rows = "skip". Nothing is dropped silently.
 Pairs whose reference cannot land pixel for pixel on the target's resized lattice are named too (they train:
-a reframing edit is legitimate), all of them in misaligned_rows.txt next to the report.
+a reframing edit is legitimate), all of them in misaligned_rows.txt next to the report (train/data/alignment.py).
 
 Before the checks, prompts are processed (train/data/prompts.py: normalised, mapped, blocked rows dropped or kept)
 and rows without a `category` value get one from data.category_rules. The loader's batch sampler
@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from train.data import prompts, sampling
+from train.data import alignment, prompts, sampling
 from train.data.rows import BadRowsError, Row, assign_categories, read_rows
 from train.model import family, images
 from train.model.interface import ModelFamily
@@ -136,17 +136,16 @@ def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, co
 def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, world_size: int = 1,
               report_path: Path | None = None, processor: prompts.PromptProcessor | None = None,
               category_rules: dict[str, str] | None = None, area: int | None = None,
-              condition_area: int | None = None, tokens=None, steps: int = 0) -> list[Row]:
-    """Process the prompts (`processor`, whose `report` then holds the counts), assign categories from
+              condition_area: int | None = None, tokens=None, steps: int = 0, ignored: tuple = ()) -> list[Row]:
+    """Read the rows (columns other than the known and the `ignored` ones, data.ignore_columns, stop it: BadRowsError),
+    process the prompts (`processor`, whose `report` then holds the counts), assign categories from
     `category_rules`, then check every row (each rank a strided share; with `area`/`condition_area` also that
     the resized images, aspect ratios snapped by `steps` (`aspect_steps`), keep both sides, and with `tokens`,
     the family's prompt_tokenizer, that the prompt fits the transformer's text positions); stop or skip per
-    `policy`.
-
-    Same result on every rank: the good rows, with their image sizes.
+    `policy`. Same result on every rank: the good rows, with their image sizes.
     """
     data_dir = Path(data_dir)
-    rows, problems = read_rows(data_dir)
+    rows, problems = read_rows(data_dir, ignored)
     num_unparsed = len(problems)
     if processor is not None:
         num_read, rows = len(rows), processor.apply(rows)
@@ -177,79 +176,9 @@ def preflight(data_dir: str | Path, variant: str, policy: str, rank: int = 0, wo
         where = f"listed in {report_path}" if report_path is not None else "not written (no report path)"
         print0(f"data: bad_rows = \"skip\": {num_skipped} of {len(rows) + num_unparsed} rows left out "
                f"({len(problems)} problem(s), {where}); {len(good)} rows train", rank=rank)
-    report_alignment(misaligned(good, family.variant_family(variant), area, steps), report_path, rank)
+    alignment.report_alignment(alignment.misaligned(good, family.variant_family(variant), area, steps),
+                               report_path, rank)
     return good
-
-
-def report_alignment(found: list[str], report_path: Path | None, rank: int) -> None:
-    """Name the pairs that cannot align on the console; rank 0 writes all of them next to the bad-rows report
-    (`report_path`), and removes an earlier run's list when every pair aligns."""
-    path = None if report_path is None else report_path.parent / MISALIGNED_REPORT
-    if path is not None and rank == 0:
-        if found:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("\n".join(found) + "\n")
-        else:
-            path.unlink(missing_ok=True)
-    for line in alignment_report(found, path):
-        print0(f"data: {line}", rank=rank)
-
-
-ALIGN_TOLERANCE = 0.01  # aspect ratios this far apart shift the far edge by 1% of the side (10 px at 1024)
-MISALIGNED_REPORT = "misaligned_rows.txt"  # next to the bad-rows report: every pair that cannot align
-
-
-def misfit(target: tuple[int, int], reference: tuple[int, int], area: int | None, steps: int = 0, *,
-           fam: ModelFamily) -> str | None:
-    """Why a reference (width, height) cannot land pixel for pixel on its target's resized lattice, or None.
-
-    Both are resized to about `area` keeping their own aspect ratio, sides rounded to multiples of 32 (the
-    pipelines' sizing; at inference the output takes the reference's size). They align when the ratios agree and
-    the two roundings give one size: a same-size pair always does, and so does a reference of the same ratio at
-    another resolution. Ratios more than ALIGN_TOLERANCE apart stretch one against the other; ratios that round
-    to different sizes (near a rounding step) differ by one 32-px step in a side, a shift of up to 32 px at the
-    far edge. With `steps` (data.bucket_aspect_steps) the sizes are those of the snapped ratios; `fam` sizes
-    them (the model's family)."""
-    ratio = (reference[0] / reference[1]) / (target[0] / target[1]) - 1
-    if abs(ratio) > ALIGN_TOLERANCE:
-        return f"aspect ratio {ratio:+.1%} off the target's"
-    if area is None:
-        return None
-    resized, target_resized = fam.image_size(area, *reference, steps), fam.image_size(area, *target, steps)
-    if resized != target_resized:
-        return (f"resizes to {resized[0]}x{resized[1]}, the target to {target_resized[0]}x{target_resized[1]} "
-                "(their aspect ratios round to different sizes)")
-    return None
-
-
-def misaligned(rows: list[Row], fam: ModelFamily, area: int | None = None, steps: int = 0) -> list[str]:
-    """One line per row whose target and a reference cannot align (see `misfit`; the lattice is compared when
-    `area`, data.area, is given): the model would learn a shift or zoom as part of the edit. Expected when the
-    edit changes the framing (F2P: a face crop -> a full photo); otherwise crop or pad the pair to one size."""
-    found = []
-    for row in rows:
-        if not row.sizes:  # unchecked here: another rank's share when no process group is up
-            continue
-        (tw, th), *refs = row.sizes
-        for k, (name, size) in enumerate(zip(row.references, refs, strict=True)):
-            why = misfit((tw, th), size, area, steps, fam=fam)
-            if why:
-                found.append(f"row {row.line} ({row.target} {tw}x{th}): reference {k + 1} {name} "
-                             f"{size[0]}x{size[1]}: {why}")
-    return found
-
-
-def alignment_report(found: list[str], report_path: Path | None, limit: int = 10) -> list[str]:
-    """Console lines naming the first `limit` misaligned pairs and where the full list is; [] when none."""
-    if not found:
-        return []
-    where = f"; all listed in {report_path}" if report_path is not None else ""
-    head = (f"{len(found)} reference(s) cannot align pixel for pixel with their target (aspect ratios more than "
-            f"{ALIGN_TOLERANCE:.0%} apart, or resized to different sizes): the model learns the shift or zoom as "
-            "part of the edit. Expected when the edit reframes (F2P's face crop -> photo); otherwise crop or pad "
-            f"both images of a pair to one size{where}:")
-    more = [f"  ... and {len(found) - limit} more"] if len(found) > limit else []
-    return [head, *(f"  {f}" for f in found[:limit]), *more]
 
 
 class EditDataset(torch.utils.data.Dataset):

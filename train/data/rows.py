@@ -9,6 +9,8 @@ the pre-flight's (train/data/pairs.py).
 from __future__ import annotations
 
 import csv
+import difflib
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -17,6 +19,7 @@ from pathlib import Path
 from train.config import textfile
 
 COLUMNS = ("image", "edit_image", "prompt")
+KNOWN_COLUMNS = (*COLUMNS, "category")
 REQUIRED = ("image", "prompt")  # edit_image is left out by text-to-image rows
 
 
@@ -42,7 +45,8 @@ def _metadata_file(data_dir: Path) -> Path:
     raise FileNotFoundError(f"{data_dir} has no metadata.jsonl or metadata.csv; see docs/data.md")
 
 
-def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str], list[str] | None]:
+    """(records by line, problems of lines that are no record, the CSV header or None)."""
     if meta.suffix == ".csv":
         return _csv_records(meta)
     records, problems = [], []
@@ -62,10 +66,10 @@ def _raw_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
             problems.append(f"{meta.name} line {n}: expected a JSON object with keys {', '.join(COLUMNS)}")
             continue
         records.append((n, rec))
-    return records, problems
+    return records, problems, None
 
 
-def _csv_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+def _csv_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str], list[str] | None]:
     """Records of a metadata.csv; a row with more fields than the header (an unquoted comma in a prompt would
     cut it) is a problem, not a shortened prompt."""
     records, problems = [], []
@@ -85,13 +89,55 @@ def _csv_records(meta: Path) -> tuple[list[tuple[int, dict]], list[str]]:
             if rec.get("edit_image"):
                 rec["edit_image"] = [p.strip() for p in rec["edit_image"].split(";") if p.strip()]
             records.append((reader.line_num, rec))
-    return records, problems
+        header = list(reader.fieldnames or [])
+    return records, problems, header
 
 
-def read_rows(data_dir: str | Path) -> tuple[list[Row], list[str]]:
-    """Parse the metadata file; returns rows and the problems with rows that could not be parsed."""
+def _lines(numbers: list[int], limit: int = 5) -> str:
+    """'line 3', 'lines 1, 2, 5' or 'lines 1, 2, 3, 4, 5 and 8 more'."""
+    shown = ", ".join(map(str, numbers[:limit])) + (f" and {len(numbers) - limit} more" if len(numbers) > limit else "")
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}"
+
+
+def column_problems(meta: Path, records: list[tuple[int, dict]], ignored: tuple[str, ...] = (),
+                    header: list[str] | None = None) -> list[str]:
+    """The columns (CSV header, JSONL keys) that are not KNOWN_COLUMNS or `ignored` (data.ignore_columns), each named
+    once with the known column it is closest to, and the required columns that no row has: a misspelt column would
+    otherwise read as missing on every row, or its rows train as something else (a reference column spelt wrong:
+    text-to-image samples)."""
+    where: dict[str, list[int]] = {}
+    for n, rec in records:
+        for key in rec:
+            where.setdefault(key, []).append(n)
+    for key in header or []:
+        where.setdefault(key, [1])  # a CSV header names its columns once, on line 1
+    problems, suggested = [], set()
+    for key, lines in where.items():
+        if key in KNOWN_COLUMNS or key in ignored:
+            continue
+        near = difflib.get_close_matches(key, KNOWN_COLUMNS, n=1, cutoff=0.6)
+        suggested.update(near)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        found = "in the header" if header is not None else f"in {len(lines)} row(s) ({_lines(lines)})"
+        problems.append(f"{meta.name}: unknown column {key!r} {found}; {hint}the known columns are "
+                        f"{', '.join(KNOWN_COLUMNS)}. Rename it, or list it in qwen_edit.data.ignore_columns to "
+                        "leave it unread")
+    absent = [key for key in REQUIRED if key not in where and key not in suggested]  # a suggestion names it already
+    if records or header:
+        where_absent = "the header has no" if header is not None else "no row has the"
+        problems += [f"{meta.name}: {where_absent} column {key!r}; every row needs image and prompt"
+                     for key in absent]
+    return problems
+
+
+def read_rows(data_dir: str | Path, ignored: tuple[str, ...] = ()) -> tuple[list[Row], list[str]]:
+    """Parse the metadata file; returns rows and the problems with rows that could not be parsed. Columns it does
+    not know (column_problems; `ignored`: data.ignore_columns) stop it at once: BadRowsError naming each."""
     meta = _metadata_file(Path(data_dir))
-    records, problems = _raw_records(meta)
+    records, problems, header = _raw_records(meta)
+    columns = column_problems(meta, records, tuple(ignored), header)
+    if columns:
+        raise BadRowsError(f"{len(columns)} problem(s) with the columns of {meta}:\n" + "\n".join(columns))
     rows = []
     for n, rec in records:
         missing = [c for c in REQUIRED if rec.get(c) in (None, "", [])]
@@ -110,6 +156,29 @@ def read_rows(data_dir: str | Path) -> tuple[list[Row], list[str]]:
         rows.append(Row(n, str(rec["image"]), [str(r) for r in refs], prompt if isinstance(prompt, str) else "",
                         (category or "").strip() or None))
     return rows, problems
+
+
+def check_references(rows: list[Row], variant: str, choice: str) -> str | None:
+    """Rows without edit_image on an edit model: BadRowsError naming them unless `choice`
+    (data.rows_without_reference) is "text_to_image", and then the line that counts them; None when every row has
+    a reference, or the model is text-to-image (all its rows are such)."""
+    without = [row.line for row in rows if not row.references]
+    if not without or variant == "t2i":
+        return None
+    if choice == "stop":
+        raise BadRowsError(f"{len(without)} of {len(rows)} rows have no edit_image ({_lines(without)}), but the "
+                           f"{variant} variant is an edit model: give them their reference images in edit_image, "
+                           "or set qwen_edit.data.rows_without_reference to \"text_to_image\" to train them as "
+                           "text-to-image samples")
+    return (f"data: {len(without)} of {len(rows)} rows have no edit_image: trained as text-to-image samples "
+            "(data.rows_without_reference; no reference, the text-to-image pipeline's prompt template)")
+
+
+def fingerprint(rows: list[Row]) -> dict:
+    """What a checkpoint records of the rows it trained on, for a resume to compare: their number and a digest of
+    each row's line, files, prompt, category and image sizes (after prompt processing, as the loader deals them)."""
+    listed = [[r.line, r.target, r.references, r.prompt, r.category, r.sizes] for r in rows]
+    return {"rows": len(rows), "digest": hashlib.sha256(json.dumps(listed).encode()).hexdigest()[:16]}
 
 
 def assign_categories(rows: list[Row], rules: dict[str, str]) -> list[Row]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from train.config.files import transformer_class
+from train.config import files
 from train.model import fp8
 from train.model.offload import moves, placeholder
 
@@ -71,12 +71,19 @@ def shard_files(transformer_dir: Path) -> list[Path]:
 
 def checkpoint_tensors(transformer_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, host tensor) for every tensor of the shards, one at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    for path in shard_files(transformer_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+    paths = shard_files(transformer_dir)
+    damaged = files.weights_file_problems(paths)  # the pre-flight's check: the files may have changed since
+    if damaged:
+        raise WeightsError("; ".join(damaged))
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:
+            raise WeightsError(f"{path} is damaged: it cannot be read ({e}); copy the file again") from None
 
 
 def random_tensors(model: torch.nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,7 +106,7 @@ def empty_transformer(transformer_dir: Path):
     its non-parameter state (rotary tables) is real, as diffusers computes it in __init__."""
     from accelerate import init_empty_weights
 
-    cls = transformer_class(transformer_dir)
+    cls = files.transformer_class(transformer_dir)
     config = cls.load_config(transformer_dir)
     with init_empty_weights(include_buffers=False):
         return cls.from_config(config)

@@ -27,7 +27,10 @@ def build_tokenizer(corpus: list[str]):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=512,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars, drawn by Rust on the terminal, leave blank lines in a log
     )
     bpe.train_from_iterator(corpus, trainer)
     state = json.loads(bpe.to_str())["model"]

@@ -1,13 +1,12 @@
-"""DeepSpeed checkpoints that survive faults, exact resume, and the final exports.
+"""DeepSpeed checkpoints that survive faults, and exact resume.
 
 A save is a commit: every rank writes into `global_stepN.partial/`, then rank 0 writes trainer_state.json
 there (the completeness marker), renames the directory to `global_stepN/` and atomically replaces `latest`.
 A crash or a failed write at any point leaves `latest` on the previous complete checkpoint.
 
-Trust: a checkpoint is data, never code. DeepSpeed loads its files with `torch.load(weights_only=False)` (full
-pickle: a planted file runs any code); here every load goes through `safe_load` (torch's weights-only unpickler,
-allowing only the few DeepSpeed classes its ZeRO shards hold), and a resume only follows `latest` or a tag to a
-checkpoint directory inside the output directory. A file that needs anything else is refused, naming the file.
+Trust: a checkpoint is data, never code. Every file is read through checkpoint_files.safe_load, and a resume only
+follows `latest` or a tag to a checkpoint directory inside the output directory. What a resume changes against its
+checkpoint: train/runtime/resume_changes.py.
 """
 
 from __future__ import annotations
@@ -15,110 +14,20 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import re
 import shutil
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from train.runtime import faults
+from train.runtime.checkpoint_files import CheckpointFileError, ResumeError, SafeLoading, safe_load
+from train.runtime.write_failures import is_write_failure, write_cause
 
 STATE_FILE = "trainer_state.json"
 PARTIAL = ".partial"
-
-
-class ResumeError(ValueError):
-    """The requested checkpoint cannot be resumed; the message says what to do."""
-
-
-class CheckpointFileError(ResumeError):
-    """A checkpoint file that is refused (it would run code) or damaged; the message names the file."""
-
-
-def _allowed_globals() -> list:
-    """The classes besides tensors, dtypes and containers that DeepSpeed 0.19's checkpoints pickle: the ZeRO
-    optimizer shards hold the ZeRO stage enum, the loss scaler and the parameter fragment addresses (found with
-    torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO-1/2, bf16 and fp16 checkpoints). Each is a plain
-    data holder: rebuilding one sets attributes and runs no code of the file's choosing."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
-def _refusal(path, error: pickle.UnpicklingError) -> str:
-    """Why the weights-only unpickler refused `path`: the globals it names beyond the allowed ones (torch lists them
-    for zip-format files), else the unpickler's own reason without its advice to load with weights_only=False."""
-    allowed = {f"{c.__module__}.{c.__qualname__}" for c in _allowed_globals()}
-    try:
-        names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
-    except (RuntimeError, OSError, ValueError, pickle.UnpicklingError):
-        names = []
-    if names:
-        return f"it holds pickled references to {', '.join(names)}"
-    found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
-    return (found[1] if found else str(error).splitlines()[0]).split(" Please use")[0].rstrip(".")
-
-
-def safe_load(path: str | os.PathLike, map_location=None, mmap: bool | None = None):
-    """torch.load through the weights-only unpickler with DeepSpeed's few classes allowed (module doc).
-
-    Raises CheckpointFileError naming the file: refused when it needs any other global (a pickled object that
-    could run code), damaged when it cannot be read (truncated, not a torch file)."""
-    try:
-        with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        raise CheckpointFileError(
-            f"{path}: refused to load: {_refusal(path, e)}. A checkpoint of this trainer holds only tensors and plain "
-            "values, and a pickled object can run code; this file was not written by the trainer or was tampered "
-            "with. Delete it and use an earlier checkpoint that you trust") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        raise CheckpointFileError(f"{path}: damaged, cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
-
-
-class _SafeLoading:
-    """Stands in for a DeepSpeed engine's checkpoint engine (DeepSpeed's own hook for how checkpoint files are
-    written and read): loads go through safe_load, everything else to the engine it wraps."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def load(self, path, map_location=None):
-        return safe_load(path, map_location)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-class _WeightsOnlyTorch:
-    """The torch module as DeepSpeed's zero_to_fp32 sees it inside `weights_only_consolidation`: its loads
-    (written with weights_only=False) go through safe_load."""
-
-    @staticmethod
-    def load(f, map_location=None, mmap=None, **_):
-        return safe_load(f, map_location, mmap)
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-@contextmanager
-def weights_only_consolidation():
-    """While active, deepspeed.utils.zero_to_fp32 loads checkpoint files through safe_load (it calls torch.load
-    with weights_only=False and offers no hook; only its own module's `torch` name is replaced)."""
-    from deepspeed.utils import zero_to_fp32
-
-    zero_to_fp32.torch = _WeightsOnlyTorch()
-    try:
-        yield
-    finally:
-        zero_to_fp32.torch = torch
 
 
 def checkpoint_tag(step: int) -> str:
@@ -165,23 +74,9 @@ class SaveError(OSError):
         return self.strerror  # the whole message, without OSError's '[Errno 28] ' prefix
 
 
-# How torch reports a failed write: RuntimeError without an errno ('[enforce fail at inline_container.cc:672] .
-# unexpected pos ...', 'PytorchStreamWriter failed writing file ...', 'Parent directory ... does not exist').
-_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "Parent directory", "file write failed")
-MIN_FREE_BYTES = 64 * 2**20
-
-
 def _save_failure(error: Exception, tag: str, out_dir: Path) -> SaveError:
-    """The documented message for a failed save, with the cause found from the error's errno or, for torch's
-    errno-less RuntimeError, from the file system (little free space, or no write permission)."""
-    code = getattr(error, "errno", None)
-    if code is None:
-        try:
-            full = shutil.disk_usage(out_dir).free < MIN_FREE_BYTES
-        except OSError:
-            full = False
-        code = errno.ENOSPC if full else errno.EACCES if not os.access(out_dir, os.W_OK) else errno.EIO
-    cause = os.strerror(code) if isinstance(error, RuntimeError) else (error.strerror or str(error))
+    """The documented message for a failed save, with the cause found by write_cause."""
+    code, cause = write_cause(error, out_dir)
     hint = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space within your quota",
             errno.EROFS: "the file system is read-only; point --output_dir at a writable one",
             errno.EACCES: f"make {out_dir} writable for this user and resume", errno.EPERM: f"make {out_dir} "
@@ -189,11 +84,6 @@ def _save_failure(error: Exception, tag: str, out_dir: Path) -> SaveError:
         code, "check permissions and free space")
     return SaveError(code, f"saving checkpoint {tag} into {out_dir} failed ({cause}); {hint}. 'latest' still "
                            "names the previous complete checkpoint")
-
-
-def _is_write_failure(error: Exception) -> bool:
-    return isinstance(error, OSError) or (isinstance(error, RuntimeError) and
-                                          any(s in str(error) for s in _TORCH_WRITE_FAILURES))
 
 
 def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last: int = 0) -> Path:
@@ -219,7 +109,7 @@ def save(engine, out_dir: str | Path, step: int, trainer_state: dict, keep_last:
         torch.save(_rng_state(), partial / f"rng_state_rank{_rank()}.pt")
         faults.maybe_fail_save(step)
     except (OSError, RuntimeError) as e:
-        if not _is_write_failure(e):
+        if not is_write_failure(e):
             raise
         raise _save_failure(e, tag, out_dir) from e
     _barrier()
@@ -357,81 +247,11 @@ def check_world_size(state: dict, world_size: int, tag: str) -> None:
         )
 
 
-STRETCHED_SCHEDULES = ("WarmupDecayLR", "WarmupCosineLR")  # their length is filled from train.max_steps
-
-
-def saved_max_steps(state: dict) -> int | None:
-    """train.max_steps of the run that saved `state` (None when it was saved before configs were stored)."""
-    return (state.get("config") or {}).get("qwen_edit", {}).get("train", {}).get("max_steps")
-
-
-def schedule_note(state: dict, max_steps: int, step: int, scheduler) -> str | None:
-    """A warning when a resume with another train.max_steps changes the LR schedule, or None when nothing changes.
-
-    DeepSpeed's schedulers save only their position (last_batch_iteration); the length of WarmupDecayLR and
-    WarmupCosineLR comes from the config, i.e. from the new max_steps, so the rest of the curve is re-stretched
-    over the new length and the learning rate moves (up, for a longer run) from where the saved run left it. The
-    two rates are `scheduler`'s own formula (the loaded DeepSpeed scheduler) over the new and the saved length.
-    """
-    saved = saved_max_steps(state)
-    kind = ((state.get("config") or {}).get("scheduler") or {}).get("type")
-    if saved is None or saved == max_steps or kind not in STRETCHED_SCHEDULES or scheduler is None:
-        return None
-    now, length = scheduler.get_lr()[0], scheduler.total_num_steps
-    scheduler.total_num_steps = saved  # the saved curve: the same scheduler over the saved length, for one read
-    try:
-        before = scheduler.get_lr()[0]
-    finally:
-        scheduler.total_num_steps = length
-    return (f"warning: resume: train.max_steps is {max_steps}, the checkpoint's run had {saved}; DeepSpeed's {kind} "
-            f"is re-stretched over {max_steps} steps, so the learning rate of step {step + 1} is {now:.3g} instead of "
-            f"{before:.3g} on the saved curve{f' ({now / before:.3g}x)' if before else ''}. To keep the saved curve, "
-            "resume with the old --max_steps; to go on at a fixed rate, see docs/checkpoints.md, 'Extending a run'")
-
-
-# Settings a resume cannot honour: the checkpoint's tensors, ZeRO shards or optimizer state are laid out by them.
-FIXED_KEYS = ("qwen_edit.train.mode", "qwen_edit.lora.rank", "qwen_edit.lora.alpha", "qwen_edit.lora.target_modules",
-              "qwen_edit.model.variant", "qwen_edit.parallel.mode", "zero_optimization.stage", "bf16.enabled",
-              "fp16.enabled", "optimizer.type")
-# Settings expected to differ on a resume (a longer run, a moved output directory): not reported.
-FREE_KEYS = ("qwen_edit.train.max_steps", "scheduler.params.total_num_steps", "qwen_edit.output.dir")
-
-
-def _flat(cfg: dict, prefix: str = "") -> dict:
-    """{'a.b.c': value} of a nested config dict (lists are values)."""
-    out = {}
-    for key, value in cfg.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-def config_changes(state: dict, config: dict, tag: str) -> dict[str, list]:
-    """{key: [saved, now]} of the settings that differ between the checkpoint's stored config and `config` (the
-    resolved config of this run), for the record; ResumeError naming every key of FIXED_KEYS that changed."""
-    if not isinstance(state.get("config"), dict):
-        return {}  # saved before configs were stored: nothing to compare
-    saved, now = _flat(state["config"]), _flat(config)
-    changed = {k: [saved.get(k), now.get(k)] for k in sorted(saved.keys() | now.keys())
-               if saved.get(k) != now.get(k) and k not in FREE_KEYS}
-    fixed = {k: v for k, v in changed.items() if k in FIXED_KEYS}
-    if fixed:
-        listed = "; ".join(f"{k}: {json.dumps(old)} in the checkpoint, {json.dumps(new)} now"
-                           for k, (old, new) in fixed.items())
-        raise ResumeError(f"--resume {tag}: the checkpoint cannot continue with these changed settings ({listed}); "
-                          "its weights and optimizer state are laid out by them. Set them back to resume, or export "
-                          f"the weights (python -m train.export --checkpoint OUTPUT/{tag} --out DIR) and start a new "
-                          "run from them (qwen_edit.lora.init_from = DIR/pytorch_lora_weights.safetensors)")
-    return changed
-
-
 def load(engine, out_dir: str | Path, tag: str) -> None:
     """Restore module (trainable part), optimizer shards, LR scheduler and this rank's RNG state; every file is read
     through safe_load (DeepSpeed's checkpoint engine is wrapped for the load)."""
-    if not isinstance(engine.checkpoint_engine, _SafeLoading):
-        engine.checkpoint_engine = _SafeLoading(engine.checkpoint_engine)
+    if not isinstance(engine.checkpoint_engine, SafeLoading):
+        engine.checkpoint_engine = SafeLoading(engine.checkpoint_engine)
     path, _ = engine.load_checkpoint(str(out_dir), tag=tag, load_module_strict=False,
                                      load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:

@@ -84,9 +84,10 @@ def _tqdm_lines():
 
 
 def progress(iterable=None, *, desc: str, unit: str, total: int | None = None, disable: bool = False, file=None,
-             interval_s: float = 30.0):
+             interval_s: float = 10.0):
     """A tqdm bar over `iterable` on `file` (default sys.stderr, as tqdm's) when that is a terminal; elsewhere (a
-    log, a pipe, a batch job) the same tqdm text as one plain line every `interval_s` seconds and at the end."""
+    log, a pipe, a batch job) the same tqdm text as one plain line every `interval_s` seconds and at the end, so
+    that a phase longer than that shows it is moving."""
     file = sys.stderr if file is None else file
     if is_terminal(file):
         from tqdm import tqdm

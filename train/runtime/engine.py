@@ -17,6 +17,17 @@ from datetime import timedelta
 import torch
 
 
+def local_world_size(environ=None) -> int:
+    """Processes on this node: LOCAL_SIZE as the deepspeed launcher sets it (torchrun: LOCAL_WORLD_SIZE)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's share of the host)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def prepare_environment() -> None:
     """Environment that must be set before deepspeed is imported."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights only ever come from local directories
@@ -24,16 +35,45 @@ def prepare_environment() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # Processes on one CPU host share its cores; each using all of them oversubscribes the cores and
         # spinning OpenMP threads made a 2-process step 12x slower than a 1-process one.
-        # LOCAL_SIZE: processes on this node, as the deepspeed launcher sets it (torchrun: LOCAL_WORLD_SIZE).
-        env = os.environ
-        local_world = int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(max(1, usable_cores() // local_world_size()))
     else:
         # DeepSpeed's op builder cannot parse arch-specific entries such as Hopper's '9.0a' (from torch or a
         # preset TORCH_CUDA_ARCH_LIST): give it plain 'X.Y' entries.
         major, minor = torch.cuda.get_device_capability()
         os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}"))
+
+
+class TooManyProcessesError(ValueError):
+    """More processes on a node than it has GPUs; the message names both counts and the fix."""
+
+
+def processes_problem(num_procs: int, num_gpus: int, num_cores: int) -> tuple[str | None, str | None]:
+    """(error, warning) for `num_procs` processes on a node with `num_gpus` GPUs (0: the CPU) and `num_cores`
+    cores: each process takes a GPU of its own, so more processes than GPUs cannot start; without a GPU they
+    share the cores, and more processes than cores only take turns on them."""
+    if num_gpus and num_procs > num_gpus:
+        return (f"{num_procs} processes on this node (deepspeed --num_gpus {num_procs}) but torch sees "
+                f"{num_gpus} GPU(s) here; each process takes a GPU of its own: start at most {num_gpus} "
+                f"(deepspeed --num_gpus {num_gpus})"), None
+    if not num_gpus and num_procs > num_cores:
+        return None, (f"warning: {num_procs} processes on this node share its {num_cores} CPU core(s) (no GPU): "
+                      f"each runs one thread and they take turns on the cores, slower than {num_cores} "
+                      f"process(es) would be; start at most {num_cores} (deepspeed --num_gpus {num_cores})")
+    return None, None
+
+
+def check_processes(rank: int) -> None:
+    """Refuse more processes on this node than its GPUs (TooManyProcessesError, before anything loads); without a
+    GPU, rank 0 warns once when they outnumber the cores."""
+    from train.runtime.console import print0
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    error, warning = processes_problem(local_world_size(), num_gpus, usable_cores())
+    if error:
+        raise TooManyProcessesError(error)
+    if warning:
+        print0(warning, rank=rank, file=sys.stderr)
 
 
 def plain_arch_list(value: str) -> str:

@@ -26,18 +26,14 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
-from train.runtime.checkpoint import (
-    STATE_FILE,
-    CheckpointFileError,
-    previous_complete,
-    safe_load,
-    weights_only_consolidation,
-)
+from train.runtime.checkpoint import STATE_FILE, previous_complete
+from train.runtime.checkpoint_files import CheckpointFileError, safe_load, weights_only_consolidation
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -76,7 +72,7 @@ def consolidate(ckpt: Path, num_stages: int = 1) -> dict[str, torch.Tensor]:
         raise ValueError(f"--checkpoint {ckpt}: no ZeRO optimizer shards ({OPTIM_SHARDS}) hold the fp32 master "
                          "weights; export needs a checkpoint trained with zero_optimization.stage 1 or 2")
     print(f"consolidating fp32 master weights from {len(shards)} ZeRO shard(s) of {ckpt}", flush=True)
-    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (train/runtime/checkpoint.py)
+    with weights_only_consolidation():  # zero_to_fp32's own loads would unpickle anything (checkpoint_files.py)
         return _consolidate_stages(ckpt, num_stages)
 
 
@@ -182,13 +178,14 @@ def write_full(state: dict[str, torch.Tensor], model_dir: Path, out: Path, dtype
 
 
 def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtype: str = "float32",
-           model: str | Path | None = None, *, family_of) -> Path:
-    """Write the export of `checkpoint` into `out`; returns the file or directory written. `family_of(variant,
+           model: str | Path | None = None, overwrite: bool = False, *, family_of) -> Path:
+    """Write the export of `checkpoint` into `out`; returns the file or directory written. An export already there
+    is replaced only with `overwrite` (ValueError naming it otherwise, before anything is read). `family_of(variant,
     model_dir)`: the trained model's family (train/model/family.py family_for), which names its LoRA keys and
     transformer class."""
     ckpt, out = Path(checkpoint), Path(out)
     try:
-        return _export(ckpt, out, fmt, dtype, model, family_of)
+        return _export(ckpt, out, fmt, dtype, model, overwrite, family_of)
     except CheckpointFileError as e:  # a damaged or refused file: name a complete checkpoint to export instead
         earlier = previous_complete(ckpt.parent, ckpt.name)
         hint = f"; export the previous complete checkpoint instead: --checkpoint {ckpt.parent / earlier}" if earlier \
@@ -196,12 +193,19 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "diffusers", dtyp
         raise CheckpointFileError(f"{e}{hint}") from None
 
 
-def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None, family_of) -> Path:
+def _export(ckpt: Path, out: Path, fmt: str, dtype: str, model: str | Path | None, overwrite: bool,
+            family_of) -> Path:
     cfg = read_config(ckpt)
     mode = cfg["qwen_edit"]["train"]["mode"]
     if mode == "full" and fmt != "diffusers":
         raise ValueError(f"--format {fmt}: a full fine-tune exports only as a diffusers transformer directory; "
                          "use --format diffusers")
+    target = out / ("transformer" if mode == "full" else COMFYUI_WEIGHT_NAME if fmt == "comfyui" else LORA_WEIGHT_NAME)
+    if target.exists() and not overwrite:
+        raise ValueError(f"--out {out} already holds an export ({target}); pass --overwrite to replace it, or "
+                         "choose another --out")
+    if target.is_dir():  # --overwrite of a full export: no shard of the old one may stay beside the new ones
+        shutil.rmtree(target)
     state = consolidate(ckpt, num_decoder_stages(cfg))
     torch_dtype = getattr(torch, dtype)
     variant, model_dir = checkpoint_variant(ckpt, cfg), Path(model or cfg["qwen_edit"]["model"]["path"])

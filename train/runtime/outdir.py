@@ -35,8 +35,12 @@ class OutputDirError(ValueError):
     """The output directory cannot take this run; the message says what to do."""
 
 
-def _acquire(out_dir: Path) -> int:
-    """The open, flock-ed lock file's descriptor; OutputDirError when another process holds it."""
+def _acquire(out_dir: Path, created: list[Path]) -> int:
+    """The open, flock-ed lock file's descriptor; OutputDirError when another process holds it. `created` gets
+    what this makes that was not there (folders, then the lock file), for _leave_no_trace."""
+    created += reversed([d for d in (out_dir, *out_dir.parents) if not d.exists()])  # the outermost first
+    if not (out_dir / LOCK_FILE).exists():
+        created.append(out_dir / LOCK_FILE)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(out_dir, os.W_OK | os.X_OK):  # its files may still be writable, a new one is not
@@ -79,10 +83,10 @@ def claim(out_dir: str | os.PathLike, resume: bool, overwrite: bool, holder: boo
     """Hold the directory's lock for the `with` block (on the `holder` processes) and refuse a used directory for
     a fresh run. A collective: every rank learns the verdict, and every rank raises OutputDirError together."""
     out_dir = Path(out_dir)
-    fd, problem = None, None
+    fd, problem, created = None, None, []
     if holder:
         try:
-            fd = _acquire(out_dir)
+            fd = _acquire(out_dir, created)
             problem = _problem(out_dir, resume, overwrite)
         except OutputDirError as e:
             problem = str(e)
@@ -91,9 +95,22 @@ def claim(out_dir: str | os.PathLike, resume: bool, overwrite: bool, holder: boo
         if problems:
             raise OutputDirError(problems[0])
         yield
+    except BaseException:
+        _leave_no_trace(created)
+        raise
     finally:
         if fd is not None:
             os.close(fd)  # releases the flock
+
+
+def _leave_no_trace(created: list[Path]) -> None:
+    """A start that failed takes back the lock file and the folders its claim made, when nothing else came into them
+    (a pre-flight report or a cache that it wrote stays, and with them their folder)."""
+    for path in reversed(created):
+        try:
+            path.unlink() if path.name == LOCK_FILE else path.rmdir()
+        except OSError:  # not empty, or gone
+            pass
 
 
 def is_holder(ds: dict, d: engine.Dist) -> bool:

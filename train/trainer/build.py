@@ -15,10 +15,11 @@ import torch
 
 from train import config
 from train.data import latent_cache, pairs, prompts, sources
+from train.data.rows import check_references, fingerprint
 from train.model import family, fp8, loading, lora_io, prepare
 from train.model.interface import ModelFamily
 from train.plan import run_plan
-from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, steptime
+from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, resume_changes, steptime
 from train.runtime.console import print0
 from train.runtime.oom import out_of_memory
 from train.runtime.plot import write_loss_curve
@@ -35,17 +36,17 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
                           report_path=Path(p.output.dir) / "bad_rows.txt", processor=processor,
                           category_rules=p.data.category_rules, area=p.data.area,
                           condition_area=p.data.condition_area,
-                          tokens=family.variant_family(variant).prompt_tokenizer(p.model.path), steps=steps)
+                          tokens=family.variant_family(variant).prompt_tokenizer(p.model.path), steps=steps,
+                          ignored=tuple(p.data.ignore_columns))
+    unreferenced = check_references(rows, variant, p.data.rows_without_reference)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background, steps)
     loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,
                                p.data.num_workers, p.data.pin_memory, p.data.shuffle, buckets=p.data.buckets,
                                category_weights=p.data.category_weights, bucket_fill=p.data.bucket_fill)
     print0(f"{processor.report.summary()}\n{pairs.sampling_summary(loader.batch_sampler, rows)}", rank=d.rank)
-    without = sum(not r.references for r in rows)
-    if without and variant != "t2i":
-        print0(f"data: {without} of {len(rows)} rows have no edit_image: trained as text-to-image samples (no "
-               "reference; the text-to-image pipeline's prompt template)", rank=d.rank)
+    if unreferenced:
+        print0(unreferenced, rank=d.rank)
     return rows, loader
 
 
@@ -129,10 +130,10 @@ def resume_engine(cfg: config.Config, d: engine.Dist, eng, tag: str, state: dict
     p = cfg.project
     checkpoint.load(eng, p.output.dir, tag)
     print0(f"resumed from {tag} (step {state['step']})", rank=d.rank)
-    note = checkpoint.schedule_note(state, p.train.max_steps, state["step"], eng.lr_scheduler)
+    note = resume_changes.schedule_note(state, p.train.max_steps, state["step"], eng.lr_scheduler)
     if note:
         print0(note, rank=d.rank)
-        changes["qwen_edit.train.max_steps"] = [checkpoint.saved_max_steps(state), p.train.max_steps]
+        changes["qwen_edit.train.max_steps"] = [resume_changes.saved_max_steps(state), p.train.max_steps]
 
 
 def start_writing(cfg: config.Config, d: engine.Dist, overwrite: bool, start_step: int,
@@ -168,11 +169,17 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     fam, variant = family.detect(p.model.path, p.model.variant)
     tag, start_step, saved = resume_point(p.output.dir, d, resume)
     rows, loader = build_data(cfg, d, variant)
-    print0(f"{len(rows)} rows, variant {variant} ({fam.variant(variant).title}), world size {d.world_size}, "
+    where = "CPU processes: torch sees no GPU" if d.device.type == "cpu" else "one GPU per process"
+    print0(f"{len(rows)} rows, variant {variant} ({fam.variant(variant).title}), world size {d.world_size} ({where}), "
            f"precision {cfg.precision}", rank=d.rank)
     planned = run_plan.plan_run(cfg, d, variant, loader.dataset)  # before the config is resolved and written
     resolved = config.to_dict(cfg)
-    changes = checkpoint.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
+    changes = resume_changes.config_changes(saved, resolved, tag) if tag else {}  # the planned settings included
+    data = fingerprint(rows)
+    changed_data = resume_changes.data_change(saved, data, tag, start_step) if tag else None
+    if changed_data:
+        print0(changed_data, rank=d.rank)
+        changes["data rows"] = [saved["data"], data]
     source = build_source(cfg, d, variant, rows, loader)
     conditioning = validation.record_before_training(cfg, d)  # from the cache: encoders leave before the model
     transformer = build_transformer(cfg, d.device)
@@ -183,7 +190,8 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
                     exports.export_bytes(eng.module, p.train.mode), overwrite)  # before the directory is written
     start_writing(cfg, d, overwrite, start_step, changes)
     trainer_state = {"world_size": d.world_size, "micro_batch_size": cfg.micro_batch_size, "variant": variant,
-                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved}
+                     "gradient_accumulation_steps": cfg.deepspeed["gradient_accumulation_steps"], "config": resolved,
+                     "data": data}
     monitor = gpumon.start_monitor(p.output.dir, p.output.gpu_monitor_interval_s, d.local_rank, gpumon.node_rank())
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
                else NullMetrics())

@@ -109,7 +109,10 @@ def in_effect(cfg: Config, device: torch.device) -> oom.InEffect:
 
 
 class NonFiniteError(RuntimeError):
-    """Too many optimizer steps with a NaN/inf loss or gradient norm."""
+    """Too many optimizer steps with a NaN/inf loss or gradient norm: a stop the trainer decides itself, on every
+    rank at the same step (DeepSpeed's overflow check is global); its message says what to do."""
+
+    without_traceback = True  # engine.exit_with prints the message alone wherever no command catches it
 
 
 def start_position(start_step: int, gas: int, batches_per_epoch: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ records what it was trained on.
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from train.data import pairs
 from train.data.rows import read_rows
 from train.model import family, loading
 from train.model.interface import TINY_INFO, Batch
+from train.runtime.console import progress
 from train.trainer import loop
 
 MIN_STEPS = 10
@@ -74,6 +76,7 @@ def fit(transformer, data: Batch, p: Pretraining, scheduler_cfg: dict) -> list[f
     t = TrainConfig(mode="full", seed=p.seed)
     generator = torch.Generator().manual_seed(p.seed)
     losses = []
+    bar = progress(total=p.steps, desc="pre-training", unit="step", file=sys.stdout)  # minutes on a busy machine
     for _ in range(p.steps):
         index = torch.randperm(data.x0.shape[0], generator=generator)[: p.batch_size]
         loss = loop.forward_loss(transformer, take(data, index), t, generator, scheduler_cfg, torch.float32,
@@ -84,6 +87,9 @@ def fit(transformer, data: Batch, p: Pretraining, scheduler_cfg: dict) -> list[f
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
     return losses
 
 
