@@ -34,12 +34,13 @@ section = pydantic.dataclasses.dataclass(config=SCHEMA)
 @section
 class ModelConfig:
     path: str = ""
-    """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511 or Qwen-Image (model_index.json inside).
-    CLI: --model."""
-    variant: Literal["auto", "edit", "edit_plus", "edit_plus_2511", "t2i"] = "auto"
+    """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511, Qwen-Image or Qwen-Image-2.1
+    (model_index.json inside). CLI: --model."""
+    variant: Literal["auto", "edit", "edit_plus", "edit_plus_2511", "t2i", "qwen_image_21"] = "auto"
     """auto reads model_index.json and transformer/config.json; edit = v1 (one reference), edit_plus = 2509
-    (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference); an
-    explicit value must match the files."""
+    (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference),
+    qwen_image_21 = Qwen-Image-2.1 (QwenImage21Pipeline: 0-10 references, RGB or RGBA); an explicit value must match
+    the files."""
     encoder_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
     vae_2d_frames: bool = True
