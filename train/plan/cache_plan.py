@@ -1,5 +1,5 @@
 """The cache build's decision: whether the text encoder fits the GPU beside the VAE and the largest encode, or
-streams its blocks from pinned host memory (components.stream_from_host), or cannot be built within the budget."""
+streams its blocks from pinned host memory (loading.stream_from_host), or cannot be built within the budget."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from train.plan.workload import Workload
 
 
 def stream_vl_for_cache(cfg, d, bucket_keys) -> bool:
-    """Whether the cache build streams Qwen2.5-VL's blocks from pinned host memory (components.stream_from_host:
+    """Whether the cache build streams Qwen2.5-VL's blocks from pinned host memory (loading.stream_from_host:
     two device slots per block list, the next block prefetched) instead of holding it on the GPU: see
     cache_vl_decision. Measures the VAE's largest encode; prints a streamed decision. Never on a CPU, nor with
     memory.plan "off" (the config as written)."""
