@@ -275,7 +275,7 @@ def test_int_accepted_for_float(setup, key, value):
 
 @pytest.mark.parametrize("key, value, choices", [
     ("train.mode", "qlora", "lora, full"),
-    ("model.variant", "v2", "auto, edit, edit_plus, edit_plus_2511, t2i"),
+    ("model.variant", "v2", "auto, edit, edit_plus, edit_plus_2511, t2i, qwen_image_21"),
     ("model.encoder_dtype", "float16", "auto, bfloat16, float32"),
     ("data.bad_rows", "ignore", "stop, skip"),
     ("train.timestep_density", "normal", "shifted, uniform, logit_normal"),
