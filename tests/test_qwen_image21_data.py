@@ -31,8 +31,9 @@ FAM = family.family_named("qwen_image21")
 
 
 def preflight(data: Path, model: Path, area: int = AREA, **kwargs) -> list[pairs.Row]:
-    return pairs.preflight(data, VARIANT, "stop", area=area, condition_area=64 * 64,
-                           tokens=FAM.prompt_tokenizer(model), **kwargs)
+    return pairs.preflight(
+        data, VARIANT, "stop", area=area, condition_area=64 * 64, tokens=FAM.prompt_tokenizer(model), **kwargs
+    )
 
 
 def copy_data(tiny: Path, to: Path, extra_rows: list[dict] = ()) -> Path:
@@ -61,18 +62,26 @@ def test_the_preflight_names_bad_2_1_rows(tiny_21_edits, tmp_path):
     file and the fix, before training."""
     transparent = Image.open(tiny_21_edits / "data" / "0002_ref.png").copy()
     transparent.putalpha(0)
-    data = copy_data(tiny_21_edits, tmp_path, [
-        {"image": "0001_target.png", "edit_image": ["0001_ref.png"] * 11, "prompt": "eleven"},
-        {"image": "0002_target.png", "edit_image": "transparent.png", "prompt": "nothing shows"},
-    ])
+    data = copy_data(
+        tiny_21_edits,
+        tmp_path,
+        [
+            {"image": "0001_target.png", "edit_image": ["0001_ref.png"] * 11, "prompt": "eleven"},
+            {"image": "0002_target.png", "edit_image": "transparent.png", "prompt": "nothing shows"},
+        ],
+    )
     transparent.save(data / "transparent.png")
     with pytest.raises(BadRowsError) as e:
         preflight(data, tiny_21_edits / "model")
     report = str(e.value).splitlines()
-    assert "row 17 (0001_target.png): 11 edit images but the qwen_image_21 variant takes at most 10; keep at most 10 " \
-           "in 'edit_image' or remove the row" in report
-    assert ("row 18 (transparent.png): its alpha channel is 0 everywhere (fully transparent: nothing of it shows); "
-            "re-export it with its alpha channel, or without one (opaque) or remove the row") in report
+    assert (
+        "row 17 (0001_target.png): 11 edit images but the qwen_image_21 variant takes at most 10; keep at most 10 "
+        "in 'edit_image' or remove the row" in report
+    )
+    assert (
+        "row 18 (transparent.png): its alpha channel is 0 everywhere (fully transparent: nothing of it shows); "
+        "re-export it with its alpha channel, or without one (opaque) or remove the row"
+    ) in report
     assert len([line for line in report if line.startswith("row ")]) == 2, report
 
     # at 2 MP a 128 px reference is sized 1440 x 1440, past the tiny processor's longest_edge of 1024 x 1024 px
@@ -82,9 +91,11 @@ def test_the_preflight_names_bad_2_1_rows(tiny_21_edits, tmp_path):
         preflight(data, tiny_21_edits / "model", area=2 * 1024 * 1024)
     named = [line for line in str(e.value).splitlines() if line.startswith("row ")]
     assert len(named) == 16, named  # every reference of the 12 rows with references: 8 + 2 x 4
-    assert named[0] == ("row 2 (0001_ref.png): 128x128 px is resized to 1440x1440, which the VL processor (pixel "
-                        "limits 1024-1048576) turns into 1024 image slots where the latents need 2025; change "
-                        "data.area so that references land within those limits, or resize the image")
+    assert named[0] == (
+        "row 2 (0001_ref.png): 128x128 px is resized to 1440x1440, which the VL processor (pixel "
+        "limits 1024-1048576) turns into 1024 image slots where the latents need 2025; change "
+        "data.area so that references land within those limits, or resize the image"
+    )
 
 
 def test_the_sampler_buckets_by_the_slot_layout(tiny_21_edits, tmp_path):
@@ -102,8 +113,10 @@ def test_the_sampler_buckets_by_the_slot_layout(tiny_21_edits, tmp_path):
     assert len(set(keys)) == 4  # no reference, one, two (the swatch is sized as the scene), and the wide target
     loader = pairs.build_loader(dataset, 2, 0, 1, 0, 0, False, True, bucket_fill=False)
     summary = pairs.sampling_summary(loader.batch_sampler, rows)
-    assert ("sampling: 1 row(s) are never drawn: their shape bucket has fewer rows than a micro-batch of 2: row 17 "
-            "(wide.png). To train them, set qwen_edit.data.bucket_fill = true") in summary
+    assert (
+        "sampling: 1 row(s) are never drawn: their shape bucket has fewer rows than a micro-batch of 2: row 17 "
+        "(wide.png). To train them, set qwen_edit.data.bucket_fill = true"
+    ) in summary
 
 
 def test_the_dataset_keeps_alpha(tiny_21_edits):
@@ -136,8 +149,15 @@ def pipeline_call(pipe, prompt: str, references: list[Image.Image]) -> dict:
     calls = []
     handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kwargs: calls.append(kwargs), with_kwargs=True)
     try:
-        pipe(prompt=prompt, image=references, num_inference_steps=1, output_resolution=128, output_type="latent",
-             use_kv_cache=False, generator=torch.Generator().manual_seed(0))
+        pipe(
+            prompt=prompt,
+            image=references,
+            num_inference_steps=1,
+            output_resolution=128,
+            output_type="latent",
+            use_kv_cache=False,
+            generator=torch.Generator().manual_seed(0),
+        )
     finally:
         handle.remove()
     return calls[0]
@@ -155,8 +175,7 @@ def test_a_training_step_s_loss_is_the_loss_of_the_pipelines_transformer_call(ti
     b = FAM.encode_batch(pairs.collate([dataset[0]]), Encoders(pipe.text_encoder, pipe.processor, pipe.vae), VARIANT)
     t, schedule = TrainConfig(seed=0), loading.scheduler_config(tiny_21_edits / "model")
     with torch.no_grad():
-        loss = loop.forward_loss(pipe.transformer, b, t, torch.Generator().manual_seed(7), schedule, torch.float32,
-                                 FAM)
+        loss = loop.forward_loss(pipe.transformer, b, t, torch.Generator().manual_seed(7), schedule, torch.float32, FAM)
     _, noise, sigmas = loop.noisy_inputs(b, t, torch.Generator().manual_seed(7), schedule, torch.float32, FAM)
 
     kwargs = pipeline_call(pipe, row.prompt, [Image.open(data / name) for name in row.references])
@@ -164,11 +183,12 @@ def test_a_training_step_s_loss_is_the_loss_of_the_pipelines_transformer_call(ti
     x0 = pipe._pack_latents(pipe._encode_vae_image(target, None), 1, 16, 8, 8)
     assert torch.equal(b.x0, x0)
     num_refs = kwargs["hidden_states"].shape[1] - x0.shape[1]
-    kwargs.update(hidden_states=torch.cat([kwargs["hidden_states"][:, :num_refs], objective.noisy_input(x0, noise,
-                                                                                                        sigmas)], 1),
-                  timestep=sigmas)
+    kwargs.update(
+        hidden_states=torch.cat([kwargs["hidden_states"][:, :num_refs], objective.noisy_input(x0, noise, sigmas)], 1),
+        timestep=sigmas,
+    )
     with torch.no_grad():
-        prediction = pipe.transformer(**kwargs)[0][:, -x0.shape[1]:]
+        prediction = pipe.transformer(**kwargs)[0][:, -x0.shape[1] :]
     assert torch.equal(loss, ((prediction - (noise - x0)) ** 2).mean())
 
 
@@ -179,12 +199,23 @@ def test_cached_samples_equal_online_encoding(tiny_21_edits, tmp_path):
 
     from train import config
 
-    cfg_path = write_config(tmp_path / "cfg.json", **{"qwen_edit.data.num_workers": 0,
-                                                      "qwen_edit.lora.target_modules": None})
+    cfg_path = write_config(
+        tmp_path / "cfg.json", **{"qwen_edit.data.num_workers": 0, "qwen_edit.lora.target_modules": None}
+    )
     longer = {"image": "0001_target.png", "edit_image": "0001_ref.png", "prompt": "make it green, keep the rest"}
     data = copy_data(tiny_21_edits, tmp_path, [longer])
-    args = config.parse_args(["--ds_config", str(cfg_path), "--model", str(tiny_21_edits / "model"), "--data",
-                              str(data), "--output_dir", str(tmp_path / "out")])
+    args = config.parse_args(
+        [
+            "--ds_config",
+            str(cfg_path),
+            "--model",
+            str(tiny_21_edits / "model"),
+            "--data",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     cfg = config.load_config(args, 1, has_gpu=False)
     rows = preflight(data, tiny_21_edits / "model")
     rows = rows[:4] + rows[-1:]  # a t2i row, 1 reference, 2, RGBA; the longer prompt

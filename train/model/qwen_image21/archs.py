@@ -12,17 +12,49 @@ the released 2.1 processor's: the pipeline loads it unchanged).
 """
 
 # QwenImage21Transformer2DModel: every value is diffusers' default; written out so that a change there shows.
-TRANSFORMER = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
-                   num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56),
-                   causal_condition=True)
+TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    out_channels=64,
+    num_layers=32,
+    attention_head_dim=128,
+    num_attention_heads=32,
+    context_in_dim=4096,
+    mlp_ratio=3,
+    axes_dims_rope=(16, 56, 56),
+    causal_condition=True,
+)
 
 # Qwen3-VL-8B-Instruct's config.json (transformers 5 spells rope_scaling rope_parameters).
-VL_TEXT = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
-               vocab_size=151936, tie_word_embeddings=False,
-               rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
-                                "mrope_interleaved": True})
-VL_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                 patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-                 deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
+VL_TEXT = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
+)
+VL_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    out_hidden_size=4096,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+    hidden_act="gelu_pytorch_tanh",
+)
 VL_PIXELS = {"shortest_edge": 65536, "longest_edge": 16777216}  # the released processor's image limits

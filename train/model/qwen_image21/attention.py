@@ -75,8 +75,11 @@ def set_attention(transformer, choice: str, compiled_on_cuda: bool) -> str:
     from diffusers.models.transformers import transformer_qwenimage21 as T
 
     name = processor_name(choice, compiled_on_cuda)
-    make = {"flex": T.QwenImage21FlexAttnProcessor, "sdpa": T.QwenImage21AttnProcessor,
-            "segmented": SegmentedSDPAProcessor}[name]
+    make = {
+        "flex": T.QwenImage21FlexAttnProcessor,
+        "sdpa": T.QwenImage21AttnProcessor,
+        "segmented": SegmentedSDPAProcessor,
+    }[name]
     for block in transformer.transformer_blocks:
         block.attn.set_processor(make())
     return name

@@ -20,8 +20,13 @@ def load_processor(model_dir: str | Path):
     return Qwen3VLProcessor.from_pretrained(Path(model_dir) / "processor", local_files_only=True)
 
 
-def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                  stream_text_encoder: bool = False, vae_2d_frames: bool = True) -> Encoders:
+def load_encoders(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    stream_text_encoder: bool = False,
+    vae_2d_frames: bool = True,
+) -> Encoders:
     """Qwen3-VL, its processor and the VAE, frozen, on `device`; with stream_text_encoder Qwen3-VL stays in host
     memory and runs on `device` block by block (loading.stream_from_host). vae_2d_frames: see load_vae."""
     from transformers import Qwen3VLForConditionalGeneration
@@ -40,6 +45,7 @@ def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, va
             config = AutoencoderKLQwenImage21.load_config(Path(model_dir) / "vae")
             vae = AutoencoderKLQwenImage21.from_config(config)
     else:
-        vae = AutoencoderKLQwenImage21.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype,
-                                                       local_files_only=True)
+        vae = AutoencoderKLQwenImage21.from_pretrained(
+            model_dir, subfolder="vae", torch_dtype=dtype, local_files_only=True
+        )
     return vae.requires_grad_(False).eval().to(device)

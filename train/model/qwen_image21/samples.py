@@ -36,8 +36,14 @@ def prepare(image: Image.Image, area: int, aspect_steps: int = 0):
     return conditioning.prepare_image(cropped, area, size=(width, height))
 
 
-def sample_images(target: Image.Image, references: list[Image.Image], variant: str, area: int,
-                  condition_area: int, aspect_steps: int = 0) -> dict:
+def sample_images(
+    target: Image.Image,
+    references: list[Image.Image],
+    variant: str,
+    area: int,
+    condition_area: int,
+    aspect_steps: int = 0,
+) -> dict:
     """A row's images as encode_batch reads them: the target's VAE pixels, and per reference its VAE pixels and
     its VL copy (references in the row's order). RGB and RGBA images alike (RGB is made opaque RGBA)."""
     refs = [prepare(im, area, aspect_steps) for im in references]
@@ -55,9 +61,16 @@ def text_positions(processor, prompt: str, num_references: int) -> int:
     return len(ids) - num_references - conditioning.drop_index(processor)
 
 
-def prompt_overflow(processor, prompt: str, variant: str, sizes: list[tuple[int, int]], area: int,
-                    condition_area: int, with_target: bool = True,
-                    aspect_steps: int = 0) -> tuple[int, int] | None:
+def prompt_overflow(
+    processor,
+    prompt: str,
+    variant: str,
+    sizes: list[tuple[int, int]],
+    area: int,
+    condition_area: int,
+    with_target: bool = True,
+    aspect_steps: int = 0,
+) -> tuple[int, int] | None:
     """(text positions, room) when the prompt next to references of (width, height) `sizes` (the target's first
     when `with_target`) runs past the rotary embedding's frame positions, else None. Each text token takes one
     position and each reference as many as its longer latent side (QwenImage21Rope), the target the next one."""
@@ -78,8 +91,13 @@ def image_problems(processor, sizes: list[tuple[int, int]], area: int, aspect_st
         if mismatch:
             made, needed = mismatch
             limits = processor.image_processor.size
-            problems.append((k, f"{width}x{height} px is resized to {size[0]}x{size[1]}, which the VL processor "
-                                f"(pixel limits {limits.get('shortest_edge')}-{limits.get('longest_edge')}) turns "
-                                f"into {made} image slots where the latents need {needed}; change data.area so that "
-                                "references land within those limits, or resize the image"))
+            problems.append(
+                (
+                    k,
+                    f"{width}x{height} px is resized to {size[0]}x{size[1]}, which the VL processor "
+                    f"(pixel limits {limits.get('shortest_edge')}-{limits.get('longest_edge')}) turns "
+                    f"into {made} image slots where the latents need {needed}; change data.area so that "
+                    "references land within those limits, or resize the image",
+                )
+            )
     return problems

@@ -190,8 +190,9 @@ def draw_scene(shape: str, colour: str, xy: tuple[int, int], size: int, ground: 
     return image
 
 
-def make_dataset(out: Path, variant: str = VARIANT, num_samples: int = 32, size: int = 128,
-                 seed: int = 0) -> list[Image.Image]:
+def make_dataset(
+    out: Path, variant: str = VARIANT, num_samples: int = 32, size: int = 128, seed: int = 0
+) -> list[Image.Image]:
     """Recolouring rows in the dataset format, cycling through ROW_KINDS: text-to-image ("a red circle on grey", no
     edit_image), one reference ("make the circle red"), two references (a scene and a swatch of the new colour:
     "paint the circle of picture 1 in the colour of picture 2") and one RGBA reference; the RGBA scenes and their
@@ -213,8 +214,10 @@ def make_dataset(out: Path, variant: str = VARIANT, num_samples: int = 32, size:
             row.update(edit_image=f"{i:04d}_ref.png", prompt=f"make the {shape} {new}")
         if num_refs == 2:
             written[f"{i:04d}_swatch.png"] = Image.new("RGB", (size // 2, size // 2), COLOURS[new])
-            row.update(edit_image=[f"{i:04d}_ref.png", f"{i:04d}_swatch.png"],
-                       prompt=f"paint the {shape} of picture 1 in the colour of picture 2")
+            row.update(
+                edit_image=[f"{i:04d}_ref.png", f"{i:04d}_swatch.png"],
+                prompt=f"paint the {shape} of picture 1 in the colour of picture 2",
+            )
         for name, image in written.items():
             image.save(out / name)
         images += written.values()
@@ -255,8 +258,11 @@ def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None
     ids = special_token_ids(processor.tokenizer)
     Qwen3VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
-        vision_config=VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=VL_VISION,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     ).save_pretrained(model_dir / "text_encoder")
     processor.image_processor.size = dict(VL_PIXELS)
