@@ -629,6 +629,14 @@ def test_resolve_on_gpu_leaves_precision_and_adam(setup):
     assert config.precision == "float16"
 
 
+def test_flex_attention_needs_a_cuda_gpu(setup):
+    """train.attention "flex" has no backward on the CPU: refused there with the fix, taken on a GPU machine."""
+    setup.set("qwen_edit.train.attention", "flex")
+    assert setup.problem(has_gpu=False) == ('qwen_edit.train.attention: "flex" needs a CUDA GPU (torch\'s '
+                                            'flex_attention has no backward on the CPU); set it to "auto" or "sdpa"')
+    assert setup.load(has_gpu=True).project.train.attention == "flex"
+
+
 def test_resolve_cpu_precision_property(setup):
     """The precision property follows the resolved CPU choice."""
     assert fp16_adam(setup).load(has_gpu=False).precision == "bfloat16"

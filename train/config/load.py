@@ -207,6 +207,7 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     ds_keys.check_deepspeed(raw, world_size, project.train.max_steps, problems)
     ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, problems)
     ds_keys.check_deepcompile(project, raw, has_gpu, problems)
+    checks.check_machine(project, has_gpu, problems)
     if problems:
         raise ConfigError(problems)
     resolved = ds_keys.resolve_deepspeed(raw, project.train.max_steps, has_gpu, project.train.deepcompile)
