@@ -233,3 +233,21 @@ def test_cached_samples_equal_online_encoding(tiny_21_edits, tmp_path):
             assert (a is None and b is None) or torch.allclose(a, b, atol=5e-5), name  # batch of 2 rounds apart
         assert torch.equal(got.x0, online.x0)
     assert got.cond.prompt_mask is not None and got.cond.image_slots.dtype == torch.bool
+
+
+def test_streamed_qwen3_vl_encodes_the_same(tiny_21_edits):
+    """Qwen3-VL streamed from host memory block by block (loading.stream_from_host, as the cache build uses it where
+    the encoder does not fit the budget) gives exactly the resident encoder's embeddings and image slots."""
+    data, model = tiny_21_edits / "data", tiny_21_edits / "model"
+    rows = preflight(data, model)[:3]
+    dataset = pairs.EditDataset(data, rows, VARIANT, AREA, 64 * 64)
+    cpu = torch.device("cpu")
+    resident = FAM.load_encoders(model, torch.float32, cpu)
+    streamed = FAM.load_encoders(model, torch.float32, cpu, stream_text_encoder=True)
+    vision, text = streamed.text_encoder.stream_offloaders
+    assert len(text.blocks) == len(streamed.text_encoder.model.language_model.layers)
+    for i in (0, 2):  # no reference, two
+        raw = pairs.collate([dataset[i]])
+        a, b = (sources.encode_batch(raw, e, VARIANT).cond for e in (resident, streamed))
+        assert torch.equal(a.prompt_embeds, b.prompt_embeds) and torch.equal(a.image_slots, b.image_slots)
+    assert vision.fetches == len(vision.blocks) and text.fetches == 2 * len(text.blocks)
