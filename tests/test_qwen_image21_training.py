@@ -148,9 +148,20 @@ def test_the_plan_runs_a_2_1_block_at_a_workload(tiny_21):
     assert arch.largest_bucket(keys, 1, 300, "qwen_image_21") == Workload(1, 144, (8, 8), 300)
 
 
-def test_make_tiny_refuses_the_mmdit_s_options_for_2_1(tmp_path, capsys):
+def test_make_tiny_s_options_for_2_1(tmp_path, capsys):
+    """--references N gives every 2.1 row N references (one slot layout, for a benchmark row); the MMDiT's options
+    are refused for 2.1, --references for the MMDiT."""
     from train import make_tiny
+    from train.data.rows import read_rows
+    from train.model.qwen_image21.tiny import make_dataset
 
-    with pytest.raises(SystemExit):
-        make_tiny.main(["--out", str(tmp_path), "--variant", "qwen_image_21", "--vae", "pooling"])
-    assert "leave them out for --variant qwen_image_21" in capsys.readouterr().err
+    make_dataset(tmp_path / "data", num_samples=3, size=64, references=3)
+    rows, _ = read_rows(tmp_path / "data")
+    assert [len(r.references) for r in rows] == [3, 3, 3] and len({tuple(r.references) for r in rows}) == 3
+    for argv, words in (
+        (["--variant", "qwen_image_21", "--vae", "pooling"], "leave them out for --variant qwen_image_21"),
+        (["--variant", "edit", "--references", "1"], "--references is 0-10 and for --variant qwen_image_21 only"),
+    ):
+        with pytest.raises(SystemExit):
+            make_tiny.main(["--out", str(tmp_path / "out"), *argv])
+        assert words in capsys.readouterr().err

@@ -2,12 +2,13 @@
 train/model/qwen_image21/tiny.py).
 
     python -m train.make_tiny --out DIR [--variant edit|edit_plus|edit_plus_2511|t2i|qwen_image_21] [--num_samples N]
-        [--size PX] [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N]
+        [--size PX] [--vae random|pooling] [--transformer tests|demo] [--pretrain_steps N] [--references N]
         [--full_size_configs [--num_layers N]]
 
 writes DIR/model (the diffusers layout of Qwen/Qwen-Image-Edit, -2509 or -2511; of Qwen/Qwen-Image for t2i; of
 Qwen-Image-2.1 for qwen_image_21) and DIR/data (images + metadata.jsonl; qwen_image_21's rows have 0, 1 or 2
-references, some RGBA). The demo's model is `--vae pooling --transformer demo --pretrain_steps 300`.
+references, some RGBA, or all --references N). The demo's model is `--vae pooling --transformer demo
+--pretrain_steps 300`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="pre-train the transformer for N full-parameter steps on identity edits (target = "
                              "reference), as the demo's base is (train/trainer/pretrain.py); 0: random; edit "
                              "variants only")
+    parser.add_argument("--references", type=int, default=None,
+                        help="qwen_image_21 only: every row with this many references (0-10, 0 = text-to-image), "
+                             "for a benchmark of one slot layout; default: rows of 0, 1 and 2 references")
     parser.add_argument("--full_size_configs", action="store_true",
                         help="write the released architectures' configs and no weights (load with "
                              "QWEN_EDIT_RANDOM_INIT=1; for GPU measurements)")
@@ -57,8 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.variant == QWEN_IMAGE_21 and (args.vae, args.transformer, args.pretrain_steps) != ("random", "tests", 0):
         parser.error("--vae, --transformer and --pretrain_steps build Qwen-Image's tiny models; leave them out for "
                      f"--variant {QWEN_IMAGE_21}")
+    if args.references is not None and (args.variant != QWEN_IMAGE_21 or not 0 <= args.references <= 10):
+        parser.error(f"--references is 0-10 and for --variant {QWEN_IMAGE_21} only (the other variants' rows have "
+                     "their variant's references)")
     if args.variant == QWEN_IMAGE_21:
-        out = tiny21.make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed)
+        out = tiny21.make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.references)
     else:
         out = tiny.make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.vae,
                              args.transformer)

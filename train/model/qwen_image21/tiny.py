@@ -191,18 +191,24 @@ def draw_scene(shape: str, colour: str, xy: tuple[int, int], size: int, ground: 
 
 
 def make_dataset(
-    out: Path, variant: str = VARIANT, num_samples: int = 32, size: int = 128, seed: int = 0
+    out: Path,
+    variant: str = VARIANT,
+    num_samples: int = 32,
+    size: int = 128,
+    seed: int = 0,
+    references: int | None = None,
 ) -> list[Image.Image]:
     """Recolouring rows in the dataset format, cycling through ROW_KINDS: text-to-image ("a red circle on grey", no
     edit_image), one reference ("make the circle red"), two references (a scene and a swatch of the new colour:
     "paint the circle of picture 1 in the colour of picture 2") and one RGBA reference; the RGBA scenes and their
-    targets show the shape on a transparent ground (a real alpha channel: 255 on the shape, 0 around it). Returns
-    the images written."""
+    targets show the shape on a transparent ground (a real alpha channel: 255 on the shape, 0 around it). With
+    `references`, every row has that many instead (the scene, then swatches: the new colour's, then others; RGBA
+    on every other row), for a benchmark of one slot layout. Returns the images written."""
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     rows, images = [], []
     for i in range(num_samples):
-        num_refs, rgba = ROW_KINDS[i % len(ROW_KINDS)]
+        num_refs, rgba = ROW_KINDS[i % len(ROW_KINDS)] if references is None else (references, i % 2 == 1)
         shape, (old, new) = rng.choice(SHAPES), rng.sample(list(COLOURS), 2)
         grey = rng.randint(150, 240)
         ground = (0, 0, 0, 0) if rgba else (grey, grey, grey)
@@ -212,10 +218,14 @@ def make_dataset(
         if num_refs:
             written[f"{i:04d}_ref.png"] = draw_scene(shape, old, xy, size, ground)
             row.update(edit_image=f"{i:04d}_ref.png", prompt=f"make the {shape} {new}")
-        if num_refs == 2:
-            written[f"{i:04d}_swatch.png"] = Image.new("RGB", (size // 2, size // 2), COLOURS[new])
+        if num_refs >= 2:
+            others = [c for c in COLOURS if c != new]
+            for k in range(num_refs - 1):
+                colour = new if k == 0 else others[(k - 1) % len(others)]
+                name = f"{i:04d}_swatch{'' if k == 0 else k + 1}.png"
+                written[name] = Image.new("RGB", (size // 2, size // 2), COLOURS[colour])
             row.update(
-                edit_image=[f"{i:04d}_ref.png", f"{i:04d}_swatch.png"],
+                edit_image=list(written)[1:],
                 prompt=f"paint the {shape} of picture 1 in the colour of picture 2",
             )
         for name, image in written.items():
@@ -227,10 +237,18 @@ def make_dataset(
     return images
 
 
-def make_tiny(out: str | Path, variant: str = VARIANT, num_samples: int = 32, size: int = 128, seed: int = 0) -> Path:
-    """Write OUT/model (the tiny checkpoint, with OUT/model/tiny.json) and OUT/data (make_dataset); returns OUT."""
+def make_tiny(
+    out: str | Path,
+    variant: str = VARIANT,
+    num_samples: int = 32,
+    size: int = 128,
+    seed: int = 0,
+    references: int | None = None,
+) -> Path:
+    """Write OUT/model (the tiny checkpoint, with OUT/model/tiny.json) and OUT/data (make_dataset, `references` per
+    row or the mix); returns OUT."""
     out = Path(out)
-    make_dataset(out / "data", variant, num_samples, size, seed)
+    make_dataset(out / "data", variant, num_samples, size, seed, references)
     make_tiny_model(out / "model", seed)
     (out / "model" / TINY_INFO).write_text(json.dumps({"variant": variant}) + "\n")
     return out
