@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 from train.model.interface import TINY_INFO
 from train.model.qwen_image21.conditioning import SYSTEM_PROMPT
 from train.model.qwen_image21.variant import VARIANT
-from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
+from train.model.tiny_tokenizer import build_tokenizer, special_token_ids, vl_config_ids
 
 TEXT_DIM = 32  # hidden size of the tiny Qwen3-VL = context_in_dim of the tiny transformer
 LATENT_CHANNELS = 16  # the released VAE has 64; the tiny one fewer, the transformer reads them unpatched
@@ -107,10 +107,7 @@ def build_text_encoder(tokenizer):
             num_position_embeddings=64,
             deepstack_visual_indexes=[0],
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vl_config_ids(tokenizer),
     )
     return Qwen3VLForConditionalGeneration(config).eval()
 
@@ -277,11 +274,8 @@ def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None
     Qwen3VLConfig(
         text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
         vision_config=VL_VISION,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **vl_config_ids(processor.tokenizer),
     ).save_pretrained(model_dir / "text_encoder")
     processor.image_processor.size = dict(VL_PIXELS)
     processor.save_pretrained(model_dir / "processor")
