@@ -251,3 +251,18 @@ def test_streamed_qwen3_vl_encodes_the_same(tiny_21_edits):
         a, b = (sources.encode_batch(raw, e, VARIANT).cond for e in (resident, streamed))
         assert torch.equal(a.prompt_embeds, b.prompt_embeds) and torch.equal(a.image_slots, b.image_slots)
     assert vision.fetches == len(vision.blocks) and text.fetches == 2 * len(text.blocks)
+
+
+def test_text_positions_and_the_rotary_room(tiny_21_edits, pipe):
+    """text_positions counts the prompt embeddings that are not image slots, as encode_prompts makes them; a prompt
+    longer than the frame positions QwenImage21Rope has left next to its references is named with both numbers."""
+    from train.model.qwen_image21 import conditioning, samples
+
+    prompt, image = "paint the circle of picture 1 in the colour of picture 2", Image.new("RGB", (128, 128))
+    embeds, _, slots = conditioning.encode_prompts(pipe.text_encoder, pipe.processor, [prompt], [[image, image]])
+    assert samples.text_positions(pipe.processor, prompt, 2) == embeds.shape[1] - int(slots.sum())
+    sizes = [(128, 128), (128, 128), (256, 128)]  # the target; references of 8 x 8 and 6 x 12 latents: 8 + 12 positions
+    assert samples.prompt_overflow(pipe.processor, prompt, VARIANT, sizes, AREA, 0) is None
+    long = " ".join(["colour"] * 8200)
+    length, room = samples.prompt_overflow(pipe.processor, long, VARIANT, sizes, AREA, 0)
+    assert room == samples.ROPE_POSITIONS - 1 - (8 + 12) and length == samples.text_positions(pipe.processor, long, 2)
