@@ -165,3 +165,26 @@ def test_make_tiny_s_options_for_2_1(tmp_path, capsys):
         with pytest.raises(SystemExit):
             make_tiny.main(["--out", str(tmp_path / "out"), *argv])
         assert words in capsys.readouterr().err
+
+
+def test_the_streamed_load_trains_like_the_prepared_model(tiny_21):
+    """prepare.load_for_training on the 2.1 checkpoint (weights streamed into their training form: fp8 linears
+    quantised as they load, both blocks' frozen weights in host memory, checkpointed, segmented attention) gives the
+    loss and gradients of the from_pretrained transformer prepared alike."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from train.model import fp8
+
+    options = dict(gradient_checkpointing=True, compile_blocks=False, fp8_base=True, attention="segmented")
+    torch.manual_seed(0)
+    streamed, offloader = prepare.load_for_training(
+        tiny_21, torch.float32, torch.device("cpu"), "lora", LORA, offload_blocks=2, **options
+    )
+    assert len(offloader.blocks) == 2
+    assert sum(isinstance(m, fp8.Float8FrozenLinear) for m in streamed.modules()) == 2 * len(FAM.lora.targets)
+    torch.manual_seed(0)
+    reference = QwenImage21Transformer2DModel.from_pretrained(tiny_21, subfolder="transformer")
+    prepare.prepare_for_training(reference, "lora", LORA, **options)
+    loss, grads = loss_and_grads(streamed.train())
+    other_loss, other = loss_and_grads(reference.train())
+    assert torch.equal(loss, other_loss) and all(torch.equal(grads[n], other[n]) for n in grads)
