@@ -63,11 +63,18 @@ def small_tmpfs(path: Path, size: str):
 
 
 @pytest.fixture(scope="session")
-def tiny_21(tmp_path_factory) -> Path:
-    """Tiny Qwen-Image-2.1 checkpoint (QwenImage21Pipeline layout; no dataset): DIR is the model directory."""
-    from train.model.qwen_image21.tiny import make_tiny_model
+def tiny_21_edits(tmp_path_factory) -> Path:
+    """Tiny Qwen-Image-2.1 checkpoint + its synthetic dataset (rows of 0, 1 and 2 references, RGBA ones among them):
+    DIR/model, DIR/data."""
+    from train.model.qwen_image21.tiny import make_tiny
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_21"))
+    return make_tiny(tmp_path_factory.mktemp("tiny_21"), num_samples=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_21(tiny_21_edits) -> Path:
+    """The tiny Qwen-Image-2.1 checkpoint alone (QwenImage21Pipeline layout): DIR is the model directory."""
+    return tiny_21_edits / "model"
 
 
 @pytest.fixture(scope="session")

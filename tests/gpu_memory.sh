@@ -24,6 +24,8 @@
 # gets SIGTERM, then SIGKILL 20 s later: a SIGTERM during a compile can hang torch 2.11 (docs/benchmarks.md).
 # SET="train.kept_attention_blocks=0 ..." also sets these qwen_edit keys (JSON values) in every generated config, for
 # a same-call comparison with a lever off; TAG=name is added to the records' names.
+# REFS=N (VARIANT=qwen_image_21 only) gives every row N references (make_tiny --references; 0 = text-to-image), in
+# its own data directory, for a row of one slot layout; without it the rows mix 0, 1 and 2 references.
 # LAYERS=N builds the full-size transformer with N blocks (make_tiny --num_layers) in its own data directory: with
 # SET='train.mode="full"' it measures the deepest full fine-tune a budget fits (docs/benchmarks.md).
 # VALIDATION=1 adds validation renders: a validation file of the first VAL_ROWS (2) rows of the dataset (their
@@ -40,14 +42,14 @@ config_name=$(basename "$config" .json)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} HF_HUB_OFFLINE=1 QWEN_EDIT_RANDOM_INIT=1
 layers=${LAYERS:-0}
-data=${DATA:-/tmp/gpu_memory_data_$variant${LAYERS:+_L$LAYERS}}
+data=${DATA:-/tmp/gpu_memory_data_$variant${LAYERS:+_L$LAYERS}${REFS:+_R$REFS}}
 if [ ! -f "$data/model/model_index.json" ]; then
   python -m train.make_tiny --out "$data" --variant "$variant" --size 1024 --num_samples 24 --full_size_configs \
-    --num_layers "$layers" > "$out/make_tiny_$variant.log" 2>&1
+    --num_layers "$layers" ${REFS:+--references "$REFS"} > "$out/make_tiny_$variant.log" 2>&1
 fi
 for cache in ${CACHE:-auto}; do
   for budget in ${BUDGETS:-141 80 48 24}; do
-    name=${config_name}_${variant}${LAYERS:+_L$LAYERS}_${cache}_${budget}${TAG:+_$TAG}
+    name=${config_name}_${variant}${LAYERS:+_L$LAYERS}${REFS:+_R$REFS}_${cache}_${budget}${TAG:+_$TAG}
     cfg=$out/$name.json
     python - "$cfg" "$budget" "$cache" "$steps" "$data" "$config" "${VALIDATION:-0}" "${VAL_ROWS:-2}" \
       "${VAL_STEPS:-4}" "${SET:-}" <<'PY'

@@ -109,7 +109,7 @@ def test_cache_files_follow_the_users_umask(built):
 
 
 def test_streamed_text_encoder_encodes_the_same(built):
-    """Qwen2.5-VL streamed from host memory (components.stream_from_host: a BlockOffloader per block list, as the
+    """Qwen2.5-VL streamed from host memory (loading.stream_from_host: a BlockOffloader per block list, as the
     cache build uses it where the encoder does not fit the budget) gives exactly the resident encoder's
     embeddings; every block's matrices are in the offloaders' host buffers, the rest stays a parameter."""
     cfg, variant, rows, dataset, _ = built

@@ -275,7 +275,7 @@ def test_int_accepted_for_float(setup, key, value):
 
 @pytest.mark.parametrize("key, value, choices", [
     ("train.mode", "qlora", "lora, full"),
-    ("model.variant", "v2", "auto, edit, edit_plus, edit_plus_2511, t2i"),
+    ("model.variant", "v2", "auto, edit, edit_plus, edit_plus_2511, t2i, qwen_image_21"),
     ("model.encoder_dtype", "float16", "auto, bfloat16, float32"),
     ("data.bad_rows", "ignore", "stop, skip"),
     ("train.timestep_density", "normal", "shifted, uniform, logit_normal"),
@@ -667,6 +667,14 @@ def test_resolve_on_gpu_leaves_precision_and_adam(setup):
     assert ds["fp16"]["enabled"] is True and "bf16" not in ds
     assert "torch_adam" not in ds["optimizer"]["params"]
     assert config.precision == "float16"
+
+
+def test_flex_attention_needs_a_cuda_gpu(setup):
+    """train.attention "flex" has no backward on the CPU: refused there with the fix, taken on a GPU machine."""
+    setup.set("qwen_edit.train.attention", "flex")
+    assert setup.problem(has_gpu=False) == ('qwen_edit.train.attention: "flex" needs a CUDA GPU (torch\'s '
+                                            'flex_attention has no backward on the CPU); set it to "auto" or "sdpa"')
+    assert setup.load(has_gpu=True).project.train.attention == "flex"
 
 
 def test_resolve_cpu_precision_property(setup):

@@ -125,13 +125,15 @@ def _everything_on():
         data=DataConfig(cache="auto"),
         validation=ValidationConfig(file="edits.jsonl"),
         parallel=ParallelConfig(mode="model_parallel", decoder_cuts=[1]),
-        train=TrainConfig(fp8_base=True, gradient_checkpointing=True),
+        train=TrainConfig(fp8_base=True, gradient_checkpointing=True, kept_attention_blocks=2),
     )
 
 
 def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
     """Every setting that needs a part Qwen-Image-2.1 does not provide yet is named with its fix, all at once (a
-    ModelError, before anything loads); Qwen-Image provides all of them."""
+    ModelError, before anything loads); Qwen-Image provides all of them. 2.1 trains and builds its cache."""
+    import dataclasses
+
     from train.model import support
 
     qwen, qwen21 = family.family_named("qwen_image"), family.family_named("qwen_image21")
@@ -139,35 +141,33 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
     for command in (support.TRAIN, support.CACHE, support.INFER):
         assert support.unsupported(qwen, project, command, gpu=True) == []
     problems = support.unsupported(qwen21, project, support.TRAIN, gpu=True)
-    assert problems[0].startswith("Qwen-Image-2.1 cannot be trained by this version yet")
-    starts = [p.split(":")[0] for p in problems[1:]]
+    starts = [p.split(":")[0] for p in problems]
     assert starts == [
-        "qwen_edit.data.cache",
         "qwen_edit.validation.file",
         "Qwen-Image-2.1 does not support the model-parallel mode's decoder cuts yet",
         "qwen_edit.train.kept_attention_blocks",
-        "qwen_edit.memory.plan",
     ], problems
-    assert problems[3].endswith("set qwen_edit.parallel.decoder_cuts to []")
-    assert not any("memory.plan" in p for p in support.unsupported(qwen21, project, support.TRAIN, gpu=False))
+    assert problems[1].endswith("set qwen_edit.parallel.decoder_cuts to []")
+    all_that_can = dataclasses.replace(project, train=dataclasses.replace(project.train, kept_attention_blocks=-1))
+    assert not any("kept_attention" in p for p in support.unsupported(qwen21, all_that_can, support.TRAIN))
+    assert support.unsupported(qwen21, project, support.CACHE) == []
     assert support.unsupported(qwen21, project, support.INFER)[0].startswith("train.infer does not render Qwen-Im")
-    with pytest.raises(ModelError, match=r"is Qwen-Image-2.1, and this run needs .*\n  Qwen-Image-2.1 cannot be"):
-        support.check_supported(qwen21, project, support.CACHE)
+    with pytest.raises(ModelError, match=r"is Qwen-Image-2.1, and this run needs .*\n  qwen_edit.validation.file"):
+        support.check_supported(qwen21, project, support.TRAIN)
 
 
-def test_the_trainer_refuses_a_qwen_image21_directory_before_it_starts(tiny_21, tmp_path):
-    """train/main.py on a 2.1 directory: exit 2 and the refusal, no traceback and no advice to upgrade diffusers."""
+def test_the_trainer_refuses_what_qwen_image21_lacks_before_it_starts(tiny_21_edits, tmp_path):
+    """train/main.py on a 2.1 directory with validation renders on (which 2.1 does not provide yet): exit 2 and the
+    refusal naming the key, no traceback and no advice to upgrade diffusers."""
     from conftest import run_trainer, write_config
-    from PIL import Image
 
-    (tmp_path / "model").symlink_to(tiny_21)
-    (tmp_path / "data").mkdir()
-    Image.new("RGB", (64, 64)).save(tmp_path / "data" / "a.png")
-    (tmp_path / "data" / "metadata.jsonl").write_text(json.dumps({"file_name": "a.png", "prompt": "a cat"}) + "\n")
-    config = write_config(tmp_path / "cfg.json", **{"qwen_edit.lora.target_modules": None})
-    out = run_trainer(tmp_path, tmp_path / "out", config, timeout=300)
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text(json.dumps({"edit_image": str(tiny_21_edits / "data" / "0001_ref.png"), "prompt": "x"}) + "\n")
+    config = write_config(tmp_path / "cfg.json", **{"qwen_edit.lora.target_modules": None,
+                                                    "qwen_edit.validation.file": str(edits)})
+    out = run_trainer(tiny_21_edits, tmp_path / "out", config, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert "Qwen-Image-2.1 cannot be trained by this version yet" in out.stderr
+    assert "qwen_edit.validation.file: Qwen-Image-2.1 renders no validation images yet" in out.stderr
     assert "Traceback" not in out.stderr and "install" not in out.stderr
 
 

@@ -75,7 +75,7 @@ def test_the_cache_build_streams_the_vl_encoder_only_when_it_must():
     host = Host(120 * GB, ranks_per_node=1, world_size=1)
     line = cache_vl_decision(need, 13.7 * GB, 16 * GB, host)
     assert line.startswith(
-        "latent cache: Qwen2.5-VL 16.6 GB + VAE 0.2 GB + the largest encode 2.0 GB do not fit "
+        "latent cache: the VL encoder 16.6 GB + VAE 0.2 GB + the largest encode 2.0 GB do not fit "
         "the 13.7 GB that qwen_edit.memory.budget_gb 16.0 leaves"
     )
     assert "streamed block by block from 16.6 GB of pinned host memory" in line and "3.2 GB of it on the GPU" in line

@@ -101,7 +101,7 @@ def test_sdpa_calls_take_no_mask_without_padding(model, monkeypatch):
         calls.append((attn_mask is None, is_causal))
         return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
 
-    attention.use_segmented_attention(model)
+    attention.set_attention(model, "segmented", False)
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     with torch.no_grad():
         model(**layout_inputs(model, *LAYOUTS["three_references"]))
@@ -133,7 +133,7 @@ def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21):
         ).images
 
     expected = sample()
-    attention.use_segmented_attention(pipe.transformer)
+    attention.set_attention(pipe.transformer, "segmented", False)
     torch.testing.assert_close(sample(), expected, rtol=1e-4, atol=1e-5)
 
 

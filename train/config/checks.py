@@ -63,6 +63,13 @@ def check_project(cfg: ProjectConfig, problems: list[str]) -> None:
     _check_sampling(cfg, problems)
 
 
+def check_machine(cfg: ProjectConfig, has_gpu: bool, problems: list[str]) -> None:
+    """What the machine must have for the settings: train.attention "flex" trains on a CUDA GPU only."""
+    if cfg.train.attention == "flex" and not has_gpu:
+        problems.append(f'{PROJECT_KEY}.train.attention: "flex" needs a CUDA GPU (torch\'s flex_attention has no '
+                        'backward on the CPU); set it to "auto" or "sdpa"')
+
+
 def _check_paths(cfg: ProjectConfig, problems: list[str]) -> None:
     """The model and data directories exist and hold what they must; the output directory is named."""
     p = PROJECT_KEY

@@ -214,6 +214,7 @@ def load_config(args: argparse.Namespace, world_size: int, has_gpu: bool, num_gp
     ds_keys.check_deepspeed_values({k: v for k, v in raw.items() if k != PROJECT_KEY}, ds_problems)
     ds_keys.check_deepcompile(project, raw, has_gpu, ds_problems)
     problems += ds_problems
+    checks.check_machine(project, has_gpu, problems)
     # DeepSpeed's own classes read the rest of its section too, so that their problems join the same error: the keys
     # reported above are left out (resolving them could fail, and DeepSpeed would only name them again)
     sound = {k: v for k, v in raw.items() if k not in ds_keys.reported_keys(ds_problems)}

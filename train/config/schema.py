@@ -34,12 +34,13 @@ section = pydantic.dataclasses.dataclass(config=SCHEMA)
 @section
 class ModelConfig:
     path: str = ""
-    """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511 or Qwen-Image (model_index.json inside).
-    CLI: --model."""
-    variant: Literal["auto", "edit", "edit_plus", "edit_plus_2511", "t2i"] = "auto"
+    """Local diffusers-format directory of Qwen-Image-Edit, -2509, -2511, Qwen-Image or Qwen-Image-2.1
+    (model_index.json inside). CLI: --model."""
+    variant: Literal["auto", "edit", "edit_plus", "edit_plus_2511", "t2i", "qwen_image_21"] = "auto"
     """auto reads model_index.json and transformer/config.json; edit = v1 (one reference), edit_plus = 2509
-    (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference); an
-    explicit value must match the files."""
+    (1-3 references), edit_plus_2511 = 2511 (2509 with zero_cond_t), t2i = Qwen-Image / 2512 (no reference),
+    qwen_image_21 = Qwen-Image-2.1 (QwenImage21Pipeline: 0-10 references, RGB or RGBA); an explicit value must match
+    the files."""
     encoder_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of the frozen VL encoder and VAE; auto = bfloat16 on GPU, float32 on CPU."""
     vae_2d_frames: bool = True
@@ -163,13 +164,21 @@ class TrainConfig:
     its activations' memory and saves its recomputation."""
     kept_attention_blocks: int = -1
     """With gradient_checkpointing: how many of the recomputed blocks (the first ones) keep their attention output
-    and its log-sum-exp, so that their recomputation skips the attention kernel; -1 = all of them, 0 = none. Each
+    and its log-sum-exp, so that their recomputation skips the attention kernel; -1 = all of them (none for
+    Qwen-Image-2.1, whose block-causal attention cannot keep it yet), 0 = none. Each
     costs batch x tokens x heads x (2 x head_dim + 4) bytes of GPU memory (81 MB at 12.5k tokens) and saves about
     half of a block's recomputation (train/model/kept_attention.py, docs/levers.md). The memory plan chooses it
     unless set."""
     compile: bool = False
     """torch.compile each transformer block: a faster step with less activation memory, after a compile of a minute
     or two at the start of a run (and again for each new shape bucket)."""
+    attention: Literal["auto", "sdpa", "flex", "segmented"] = "auto"
+    """Qwen-Image-2.1's attention processor (its block-causal mask; Qwen-Image models ignore the key): auto = flex
+    where train.compile runs on a CUDA GPU, else sdpa; flex = diffusers' QwenImage21FlexAttnProcessor (one
+    flex_attention call per block, fastest compiled; uncompiled it builds a dense float32 score matrix); sdpa =
+    diffusers' QwenImage21AttnProcessor (one SDPA call per prompt, reference and target run); segmented = this
+    project's mask-free SDPA calls (train/model/qwen_image21/attention.py: exact, but measured slower than both on
+    one H200, docs/results/attention21_h200_2026-12-04.md)."""
     fp8_base: bool = False
     """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
     (GPUs with compute capability >= 8.9): a faster step; changes the frozen model slightly (train/model/fp8.py),

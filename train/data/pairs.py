@@ -38,25 +38,14 @@ def image_sizes(data_dir: Path, names: list[str]) -> list[tuple[int, int]]:
     return [images.shown_size(data_dir / name) for name in names]
 
 
-def _check_image(path: Path) -> str | None:
-    if not path.is_file():
-        return "file not found; fix the path (relative to the data folder) or remove the row"
-    if path.stat().st_size == 0:
-        return "file is empty (0 bytes); re-export the image or remove the row"
-    try:
-        images.decoded_size(path)  # what the dataset will do with it (orientation, alpha, bit depth)
-    except images.ImageProblem as e:
-        return f"{e} or remove the row"
-    return None
-
-
 def check_row(row: Row, data_dir: Path, variant: str) -> list[str]:
     """Problems of one row, each naming the row, the file and the fix."""
     where = f"row {row.line}"
     problems = []
     if not row.prompt.strip():
         problems.append(f"{where} ({row.target}): empty or non-text prompt; write the edit instruction in 'prompt'")
-    limit = family.variant_family(variant).variant(variant).max_references
+    fam = family.variant_family(variant)
+    limit = fam.variant(variant).max_references
     if row.references and not limit:
         problems.append(f"{where} ({row.target}): has edit_image but the {variant} variant (text-to-image) takes no "
                         "reference; remove 'edit_image' or train an edit model")
@@ -64,7 +53,7 @@ def check_row(row: Row, data_dir: Path, variant: str) -> list[str]:
         problems.append(f"{where} ({row.target}): {len(row.references)} edit images but the {variant} variant takes "
                         f"at most {limit}; keep at most {limit} in 'edit_image' or remove the row")
     for name in [row.target, *row.references]:
-        issue = _check_image(data_dir / name)
+        issue = images.file_problem(data_dir / name, fam.rgba)
         if issue:
             problems.append(f"{where} ({name}): {issue}")
     return problems
@@ -130,6 +119,10 @@ def _inspect(row: Row, data_dir: Path, variant: str, area: int | None = None, co
     problems = size_problems(row, sizes, variant, area, condition_area, steps)
     if not problems and tokens is not None and area and condition_area:
         problems = prompt_problems(row, sizes, variant, area, condition_area, tokens, steps)
+    check = family.variant_family(variant).image_problems
+    if not problems and tokens is not None and area and check is not None:
+        names = [row.target, *row.references]
+        problems = [f"row {row.line} ({names[k]}): {why}" for k, why in check(tokens, sizes, area, steps)]
     return row.line, problems, None if problems else sizes
 
 
@@ -222,7 +215,7 @@ class EditDataset(torch.utils.data.Dataset):
 
     def _open(self, name: str, line: int) -> Image.Image:
         try:
-            return images.open_rgb(self.data_dir / name, self.background)
+            return images.open_rgb(self.data_dir / name, self.background, keep_alpha=self.family.rgba)
         except OSError as e:  # checked before training, so the file changed since
             raise BadRowsError(f"row {line} ({name}): cannot be read any more ({e})") from e
 

@@ -24,6 +24,7 @@ from train.config.files import DEFAULT_BACKGROUND, background_rgb
 
 # EXIF orientations 5-8 rotate by 90 or 270 degrees, so the shown width and height are swapped.
 _SWAPS_SIDES = {5, 6, 7, 8}
+_ALPHA_MODES = ("RGBA", "LA", "RGBa", "La")  # what Pillow decodes with an alpha channel
 _HIGH_DEPTH = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535}
 
 
@@ -46,9 +47,10 @@ def _to_8bit(im: Image.Image) -> Image.Image:
     return Image.merge("LA", (grey, alpha))
 
 
-def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image:
-    """An opened image as 8-bit RGB: oriented by its EXIF tag, alpha composited over `background`, high bit
-    depths scaled. Every mode Pillow decodes converts (CMYK, YCbCr, palette, 1-bit ...)."""
+def to_rgba(im: Image.Image) -> Image.Image:
+    """An opened image as 8-bit RGBA when it has transparency (an alpha channel, a palette's transparent entries, a
+    tRNS chunk's colour), else as 8-bit RGB: oriented by its EXIF tag, high bit depths scaled. What a model whose
+    VAE reads RGBA takes (Qwen-Image-2.1); `to_rgb` composites the same RGBA over a background."""
     im = ImageOps.exif_transpose(im)
     if im.mode in _HIGH_DEPTH or im.mode == "F":
         im = _to_8bit(im)
@@ -56,18 +58,41 @@ def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image
         # a palette's transparent entries, or the one transparent colour of a grey/RGB PNG's tRNS chunk (or a
         # GIF's): Pillow's convert turns them into alpha
         im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "RGBa", "La"):
-        rgba = im.convert("RGBA")
-        canvas = Image.new("RGBA", rgba.size, background_rgb(background) + (255,))
-        return Image.alpha_composite(canvas, rgba).convert("RGB")
-    return im.convert("RGB")
+    return im.convert("RGBA") if im.mode in _ALPHA_MODES else im.convert("RGB")
 
 
-def open_rgb(path: str | Path, background: str = DEFAULT_BACKGROUND) -> Image.Image:
-    """Decode `path` fully into 8-bit RGB as a viewer shows it (see `to_rgb`); the file is closed on return."""
+
+def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image:
+    """An opened image as 8-bit RGB: oriented by its EXIF tag, alpha composited over `background`, high bit
+    depths scaled. Every mode Pillow decodes converts (CMYK, YCbCr, palette, 1-bit ...)."""
+    im = to_rgba(im)
+    if im.mode == "RGBA":
+        canvas = Image.new("RGBA", im.size, background_rgb(background) + (255,))
+        return Image.alpha_composite(canvas, im).convert("RGB")
+    return im
+
+
+def open_rgb(path: str | Path, background: str = DEFAULT_BACKGROUND, keep_alpha: bool = False) -> Image.Image:
+    """Decode `path` fully into 8-bit RGB as a viewer shows it (see `to_rgb`); with `keep_alpha`, into RGBA when it
+    has transparency (`to_rgba`). The file is closed on return."""
     with Image.open(path) as im:
         im.load()
-        return to_rgb(im, background)
+        return to_rgba(im) if keep_alpha else to_rgb(im, background)
+
+
+def alpha_problem(path: str | Path) -> str | None:
+    """Why the transparency of an image that a model reads as RGBA is broken, or None (also for an image without
+    transparency). Broken: every pixel is fully transparent (alpha 0 everywhere once decoded as `to_rgba` decodes
+    it), so the image shows nothing and its colour channels hold whatever an editor left under the alpha, often
+    black; an export that wrote the alpha plane inverted or empty does that. A file whose alpha cannot be decoded at
+    all is refused by `decoded_size` already."""
+    with Image.open(path) as im:
+        im.load()
+        rgba = to_rgba(im)
+    if rgba.mode != "RGBA" or rgba.getchannel("A").getextrema()[1] > 0:
+        return None
+    return ("its alpha channel is 0 everywhere (fully transparent: nothing of it shows); re-export it with its "
+            "alpha channel, or without one (opaque)")
 
 
 def oriented_size(im: Image.Image) -> tuple[int, int]:
@@ -106,3 +131,18 @@ def decoded_size(path: str | Path) -> tuple[int, int]:
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
         raise ImageProblem(f"cannot be decoded ({type(e).__name__}: {e}); re-save it as PNG/JPEG (8 or 16 bits "
                            "per channel)") from e
+
+
+def file_problem(path: Path, rgba: bool = False) -> str | None:
+    """Why the image file cannot be trained on, with the fix, or None; `rgba`: the model reads its transparency (the
+    family's `rgba`), which must then show something (`alpha_problem`)."""
+    if not path.is_file():
+        return "file not found; fix the path (relative to the data folder) or remove the row"
+    if path.stat().st_size == 0:
+        return "file is empty (0 bytes); re-export the image or remove the row"
+    try:
+        decoded_size(path)  # what the dataset will do with it (orientation, alpha, bit depth)
+    except ImageProblem as e:
+        return f"{e} or remove the row"
+    broken = alpha_problem(path) if rgba else None
+    return f"{broken} or remove the row" if broken else None

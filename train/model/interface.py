@@ -118,9 +118,12 @@ class ModelFamily:
     # the transformer
     transformer_inputs: Callable[..., dict]  # (batch, noisy target B L C, sigmas B, dtype) -> forward kwargs
     target_prediction: Callable[[Any, Batch], torch.Tensor]  # the forward's output -> B L C, the target's tokens
+    rgba: bool = False  # the VAE reads RGBA: images keep their transparency (images.to_rgba; else composited)
     fp8_linears: Fp8Linears | None = None  # what train.fp8_base converts
     attention_module: str | None = None  # the diffusers module whose dispatch_attention_fn kept attention routes
     real_rope: Callable[[torch.nn.Module], None] | None = None  # rotary embedding that compiled blocks fuse, if any
+    set_attention: Callable[[torch.nn.Module, str, bool], Any] | None = None  # (transformer, train.attention, compiled
+    # on CUDA): the attention processor it trains with; None: its transformer's own
     cut: Any = None  # model-parallel stages (prune, embed, run_blocks, head, later_inputs)
     block_list: str = "transformer_blocks"  # the transformer's attribute holding its blocks
     # loading the encoders
@@ -132,6 +135,9 @@ class ModelFamily:
     image_size: Callable[[int, int, int, int], tuple[int, int]] | None = None  # (area, w, h, aspect_steps) -> (w, h)
     condition_size: Callable[..., tuple[int, int] | None] | None = None  # a reference's VL copy, None: none
     prompt_overflow: Callable[..., tuple[int, int] | None] | None = None  # (length, room) of a prompt too long
+    # (prompt_tokenizer's, [(w, h) of the target, then each reference], area, aspect steps) -> [(image index, why and
+    # the fix)]: images of a row the family's pipeline would refuse at these sizes (None: none it would)
+    image_problems: Callable[..., list[tuple[int, str]]] | None = None
     sample_images: Callable[..., dict] | None = None  # a row's opened images -> what encode_batch reads
     encode_batch: Callable[[dict, Encoders, str], Batch] | None = None  # (collated samples, encoders, variant)
     join_conditioning: Callable[[list[tuple[dict, dict]]], Conditioning] | None = None  # Conditioning.samples^-1

@@ -41,7 +41,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
                          fp8_transposed: bool = False, real_rope: bool = True,
                          quantized: dict | None = None, offload: set[int] | None = None,
                          compile_mode: str | None = None, share=None, kept_attention_blocks: int = 0,
-                         fp8_fast_accum: bool = False):
+                         fp8_fast_accum: bool = False, attention: str = "auto"):
     """LoRA on a frozen base (optionally stored in fp8) or every weight trainable; then block offloading,
     activation checkpointing and compiled blocks. real_rope: the family's rotary embedding that compiled blocks fuse
     (the same rotation; Qwen-Image: real pairs). quantized: fp8 weights already made by the streaming loader.
@@ -50,7 +50,7 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     share: the node's shared host copy of the offloaded blocks (offload.NodeShare), or None for this process's own.
     kept_attention_blocks: how many of the checkpointed blocks (the first ones) keep their attention output for the
     recomputation (train/model/kept_attention.py); -1 = all of them. fp8_fast_accum: the fp8 matmuls accumulate
-    fast (train.fp8_fast_accum).
+    fast (train.fp8_fast_accum). attention: train.attention, for a family whose record sets its processors.
     Returns the BlockOffloader, or None."""
     offload = offload or set()
     fam = family.transformer_family(transformer)
@@ -76,6 +76,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
             checkpoint_first(blocks, checkpoint_blocks, kept_attention_blocks, fam.attention_module))
     if real_rope and fam.real_rope is not None:
         fam.real_rope(transformer)
+    if fam.set_attention is not None:  # CUDA is where the plan, DeepSpeed or the model-parallel split place it
+        fam.set_attention(transformer, attention, compile_blocks and torch.cuda.is_available())
     if compile_blocks:
         for block in blocks:
             # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
@@ -91,7 +93,8 @@ def _device_of(module: torch.nn.Module, block_list: str) -> torch.device:
 def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.device, mode: str,
                       lora: LoraConfig, gradient_checkpointing: bool, compile_blocks: bool, fp8_base: bool = False,
                       checkpoint_blocks: int = 0, fp8_transposed: bool = False, offload_blocks: int = 0,
-                      share=None, kept_attention_blocks: int = 0, fp8_fast_accum: bool = False):
+                      share=None, kept_attention_blocks: int = 0, fp8_fast_accum: bool = False,
+                      attention: str = "auto"):
     """(transformer, offloader or None) streamed from `model_dir` straight into its training form
     (train/model/streaming.py: fp8 weights quantised one by one on the device, offloaded blocks' weights kept on the
     host), then prepared as prepare_for_training does. The first `offload_blocks` blocks are offloaded. share: the
@@ -107,7 +110,8 @@ def load_for_training(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     offloader = prepare_for_training(transformer, mode, lora, gradient_checkpointing, compile_blocks, fp8_base,
                                      checkpoint_blocks, fp8_transposed, quantized=quantized,
                                      offload=placement.offload, share=share,
-                                     kept_attention_blocks=kept_attention_blocks, fp8_fast_accum=fp8_fast_accum)
+                                     kept_attention_blocks=kept_attention_blocks, fp8_fast_accum=fp8_fast_accum,
+                                     attention=attention)
     return transformer, offloader
 
 

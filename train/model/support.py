@@ -64,8 +64,9 @@ NEEDS = (
     Need(
         ("attention_module",),
         (TRAIN,),
-        "qwen_edit.train.kept_attention_blocks: {title}'s attention cannot keep its output yet; set it to 0",
-        lambda p, gpu: p.train.gradient_checkpointing and p.train.kept_attention_blocks != 0,
+        "qwen_edit.train.kept_attention_blocks: {title}'s attention cannot keep its output yet; set it to 0 or -1 "
+        "(all that can: none)",
+        lambda p, gpu: p.train.gradient_checkpointing and p.train.kept_attention_blocks > 0,
     ),
     Need(
         ("synthetic_batch", "text_tokens_bound", "image_size", "load_vae"),

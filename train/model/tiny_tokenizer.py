@@ -43,3 +43,14 @@ def build_tokenizer(corpus: list[str]):
 def special_token_ids(tokenizer) -> dict[str, int]:
     """{special token: its id}, for the VL configs that name them."""
     return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def vl_config_ids(tokenizer) -> dict[str, int]:
+    """The token ids a Qwen VL model's config names (image, video, vision start and end), from `tokenizer`."""
+    ids = special_token_ids(tokenizer)
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }

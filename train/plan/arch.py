@@ -50,6 +50,11 @@ def _transformer_config(model_dir: Path) -> dict:
     return dict(transformer_class(model_dir / "transformer").load_config(model_dir / "transformer"))
 
 
+def keeps_attention(model_dir: str | Path) -> bool:
+    """Whether the family's checkpointed blocks can keep their attention output (train.kept_attention_blocks)."""
+    return family.family_of(model_dir).attention_module is not None
+
+
 def attention_dims(model_dir: str | Path) -> tuple[int, int]:
     """(heads, head dimension) of the transformer's attention."""
     config = _transformer_config(Path(model_dir))

@@ -112,7 +112,7 @@ def measure(
     train.fp8_fast_accum runs them. Seconds, plus compilation."""
     from train.model import kept_attention
 
-    keep = kept and kept_attention.available(device, dtype)
+    keep = kept and kept_attention.available(device, dtype) and arch.keeps_attention(model_dir)
     prepare = dict(
         mode=mode,
         lora=lora,

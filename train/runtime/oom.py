@@ -30,8 +30,8 @@ _LOWER = {
     ),
     "cache": (
         "a smaller qwen_edit.data.area or data.condition_area (the largest image's encode), a larger "
-        "qwen_edit.memory.margin_gb or a lower memory.budget_gb (below what Qwen2.5-VL and the VAE need, "
-        "Qwen2.5-VL's blocks stream from host memory), or build the cache with python -m train.cache on a "
+        "qwen_edit.memory.margin_gb or a lower memory.budget_gb (below what the VL encoder and the VAE need, "
+        "the VL encoder's blocks stream from host memory), or build the cache with python -m train.cache on a "
         "larger GPU and point data.cache_dir at it; the rows encoded so far are rewritten on the next run"
     ),
     "step": (

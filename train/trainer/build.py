@@ -63,7 +63,7 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
         transformer, offloader = prepare.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
             t.gradient_checkpointing, t.compile, t.fp8_base, t.checkpoint_blocks, t.fp8_transposed, t.offload_blocks,
-            share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum)
+            share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum, attention=t.attention)
     except torch.cuda.OutOfMemoryError as e:
         raise out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
     if offloader is not None:

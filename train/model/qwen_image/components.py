@@ -7,7 +7,6 @@ Everything loads with `local_files_only=True` from the directory given; nothing 
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from train.config.files import random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
 from train.model import streaming
 from train.model.interface import Encoders, ModelError
-from train.model.loading import random_init_scope, streamed_transformer
+from train.model.loading import load_text_encoder, random_init_scope, random_text_encoder, streamed_transformer
 from train.model.qwen_image import conditioning, vae_frames
 
 
@@ -88,32 +87,12 @@ def load_encoders(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
     model_dir = Path(model_dir)
-    vl_device = torch.device("cpu") if stream_text_encoder else device
     if (model_dir / "processor").is_dir():
         processor = Qwen2VLProcessor.from_pretrained(model_dir / "processor", local_files_only=True)
     else:  # Qwen-Image / 2512 (text-to-image): its prompts are tokenized without images
         processor = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer", local_files_only=True)
-    if random_init():
-        text_encoder = _random_text_encoder(model_dir, dtype, device, on_host=stream_text_encoder)
-    else:
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            model_dir / "text_encoder", dtype=dtype, local_files_only=True
-        )
-    text_encoder.requires_grad_(False).eval().to(vl_device)
-    if stream_text_encoder:
-        stream_from_host(text_encoder, device)
+    text_encoder = load_text_encoder(Qwen2_5_VLForConditionalGeneration, model_dir, dtype, device, stream_text_encoder)
     return Encoders(text_encoder, processor, load_vae(model_dir, dtype, device, vae_2d_frames))
-
-
-def _random_text_encoder(model_dir: Path, dtype: torch.dtype, device: torch.device, on_host: bool = False):
-    """Qwen2.5-VL from its config at random init on `device`; on_host: kept in host memory, drawn on `device`."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-    with random_init_scope("text encoder", dtype, torch.device("cpu") if on_host else device):
-        vl_config = AutoConfig.from_pretrained(Path(model_dir) / "text_encoder")
-        if on_host:
-            return _random_vl_in_host_memory(vl_config, device)
-        return Qwen2_5_VLForConditionalGeneration(vl_config)
 
 
 def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
@@ -125,9 +104,11 @@ def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: to
     drawn on `device` tensor by tensor: a CPU draws 8 B and 20 B parameters for minutes, and the GPU's budget may
     not hold a whole model, which is what offload is for."""
     from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     host = torch.device("cpu")
-    text_encoder = _random_text_encoder(model_dir, dtype, device, on_host).requires_grad_(False).eval()
+    text_encoder = random_text_encoder(Qwen2_5_VLForConditionalGeneration, model_dir, dtype, device, on_host)
+    text_encoder.requires_grad_(False).eval()
     vae = load_vae(model_dir, dtype, host if on_host else device)
     num_blocks = QwenImageTransformer2DModel.load_config(Path(model_dir) / "transformer")["num_layers"]
     placement = streaming.Placement(transformer_device or device, dtype,
@@ -135,43 +116,6 @@ def random_pipeline_models(model_dir: str | Path, dtype: torch.dtype, device: to
     kept = host if on_host else placement.device
     transformer, _ = streamed_transformer(model_dir, placement, frozen=True, kept=kept)
     return {"text_encoder": text_encoder, "vae": vae, "transformer": transformer.to(kept).requires_grad_(False).eval()}
-
-
-def _random_vl_in_host_memory(vl_config, device: torch.device):
-    """A random-init Qwen2.5-VL in host memory, its values drawn on `device` (transformers' initialisation on a CPU
-    takes minutes for 8 B parameters): normal(0, initializer_range) matrices and embeddings, ones for norm weights,
-    zeros for biases, from a fixed seed. Its values differ from the resident random init's (measurements only)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = Qwen2_5_VLForConditionalGeneration(vl_config)
-    generator = torch.Generator(device).manual_seed(zlib.crc32(b"streamed text encoder"))
-    std = getattr(vl_config, "initializer_range", 0.02)
-    with torch.no_grad():
-        for name, t in model.named_parameters():
-            if t.ndim == 1:
-                t.fill_(1.0 if "norm" in name else 0.0)
-            else:
-                t.copy_(torch.randn(t.shape, generator=generator, device=device, dtype=t.dtype).mul_(std))
-    return model
-
-
-def stream_from_host(text_encoder: torch.nn.Module, device: torch.device) -> None:
-    """Qwen2.5-VL's blocks (the ViT's and the decoder's) keep their matrices in pinned host memory and are copied
-    to `device` ahead of use, the next one prefetched on a side stream: train/model/offload.py's BlockOffloader,
-    one per block list (two device slots each); everything else (embeddings, lm_head, norms, the ViT's patch
-    embedding and merger, the blocks' vectors) moves to `device`.
-
-    Not diffusers' group offloading: Qwen2.5-VL's blocks are two levels down, and with its block_modules reaching
-    them (diffusers 0.42.1) the embeddings, which the parent module calls, stay in host memory, and its stream
-    prefetch registers its layer tracker twice (both seen on an H200)."""
-    from train.model.offload import BlockOffloader
-
-    model = text_encoder.model
-    text_encoder.stream_offloaders = [BlockOffloader(dict(enumerate(blocks)), device)
-                                      for blocks in (model.visual.blocks, model.language_model.layers)]
-    text_encoder.to(device)  # what the offloaders left: their placeholders and slots are on `device` already
 
 
 def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, vae_2d_frames: bool = True):

@@ -15,13 +15,15 @@ Shape legend: B batch, C latent channels (16), h/w latent height/width, L packed
 from __future__ import annotations
 
 import contextlib
-import math
 from types import SimpleNamespace
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
+
+from train.model import aspect
+from train.model.aspect import snapped_ratio
 
 VARIANTS = ("edit", "edit_plus", "edit_plus_2511", "t2i")
 MAX_REFERENCES = {"edit": 1, "edit_plus": 3, "edit_plus_2511": 3, "t2i": 0}
@@ -63,14 +65,6 @@ _image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_LATENT * 2)
 _calculate_dimensions = pipeline_qwenimage_edit_plus.calculate_dimensions
 
 
-def snapped_ratio(ratio: float, aspect_steps: int = 0) -> float:
-    """`ratio` (width / height) snapped to the nearest of 2^(k / aspect_steps) for whole k (log scale), a fixed set
-    in which similar aspect ratios coincide (data.bucket_aspect_steps); 0 = unchanged."""
-    if not aspect_steps:
-        return ratio
-    return 2.0 ** (round(aspect_steps * math.log2(ratio)) / aspect_steps)
-
-
 def dimensions(area: int, image: Image.Image, aspect_steps: int = 0) -> tuple[int, int]:
     """(width, height) of `image` scaled to about `area` pixels, multiples of 32, as the pipelines round; with
     `aspect_steps`, the pipelines' size for its snapped aspect ratio (the image is then cropped to it, `fit`)."""
@@ -79,24 +73,15 @@ def dimensions(area: int, image: Image.Image, aspect_steps: int = 0) -> tuple[in
 
 
 def crop_size(image: Image.Image, aspect_steps: int = 0) -> tuple[int, int]:
-    """(width, height) of the centred window of `image` that `fit` keeps: the largest with its snapped aspect
-    ratio (all of it when `aspect_steps` is 0; else at most 1 - 2^(-1 / (2 aspect_steps)) of one side is cut)."""
-    ratio = snapped_ratio(image.width / image.height, aspect_steps)
-    if image.width > image.height * ratio:  # wider than the snapped ratio: trim the sides
-        return max(1, min(image.width, round(image.height * ratio))), image.height
-    return image.width, max(1, min(image.height, round(image.width / ratio)))
+    """(width, height) of the centred window of `image` that `fit` keeps (train/model/aspect.py)."""
+    return aspect.crop_size(image.width, image.height, aspect_steps)
 
 
 def fit(image: Image.Image, area: int, aspect_steps: int = 0) -> tuple[Image.Image, tuple[int, int]]:
     """`image` cropped at its centre to its snapped aspect ratio (unchanged when `aspect_steps` is 0) and the size
-    (width, height) to resize it to. Images of one size get the same window, so a target and a reference of one
-    size still land on the same pixel lattice."""
+    (width, height) to resize it to (aspect.centre_crop)."""
     size = dimensions(area, image, aspect_steps)  # of the whole image: the crop's own ratio is a pixel off
-    width, height = crop_size(image, aspect_steps)
-    if (width, height) != image.size:
-        left, top = (image.width - width) // 2, (image.height - height) // 2
-        image = image.crop((left, top, left + width, top + height))
-    return image, size
+    return aspect.centre_crop(image, aspect_steps), size
 
 
 def resize(image: Image.Image, area: int, aspect_steps: int = 0) -> Image.Image:

@@ -61,10 +61,28 @@ class SegmentedSDPAProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def use_segmented_attention(transformer) -> None:
-    """Give every block of a QwenImage21Transformer2DModel the SegmentedSDPAProcessor."""
+def processor_name(choice: str, compiled_on_cuda: bool) -> str:
+    """train.attention resolved: "auto" is flex where the blocks are compiled on a CUDA GPU (the fastest there:
+    docs/results/attention21_h200_2026-12-04.md), else sdpa (an uncompiled flex_attention builds a dense float32
+    score matrix)."""
+    if choice != "auto":
+        return choice
+    return "flex" if compiled_on_cuda else "sdpa"
+
+
+def set_attention(transformer, choice: str, compiled_on_cuda: bool) -> str:
+    """Give every block the processor of train.attention (`choice`, resolved by processor_name); returns its name."""
+    from diffusers.models.transformers import transformer_qwenimage21 as T
+
+    name = processor_name(choice, compiled_on_cuda)
+    make = {
+        "flex": T.QwenImage21FlexAttnProcessor,
+        "sdpa": T.QwenImage21AttnProcessor,
+        "segmented": SegmentedSDPAProcessor,
+    }[name]
     for block in transformer.transformer_blocks:
-        block.attn.set_processor(SegmentedSDPAProcessor())
+        block.attn.set_processor(make())
+    return name
 
 
 def block_causal_attention(

@@ -8,6 +8,7 @@ C latent channels.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,60 @@ def transformer_inputs(b: Batch, noisy_BLC: torch.Tensor, sigmas_B: torch.Tensor
 def target_prediction(output, b: Batch) -> torch.Tensor:
     """The prediction of the target's tokens: the last L of the joint sequence."""
     return sequence.target_prediction(output[0], b.target_hw)
+
+
+def cached_bucket_key(target_hw: tuple[int, int], meta: dict) -> tuple[tuple[int, int], ...]:
+    """Latent (h, w) of the target, then of each reference, from a cached sample's metadata: its slot layout, as the
+    dataset's bucket keys give it."""
+    return (tuple(target_hw), *((s[1], s[2]) for s in meta["reference_shapes"]))
+
+
+def fingerprint() -> str:
+    """What the cached prompt embeddings depend on besides the model files: the templates and image slots."""
+    return json.dumps([conditioning.T2I_TEMPLATE, conditioning.prompt_text("{}", 1), conditioning.IMAGE_SLOT])
+
+
+# Prompt embeddings besides the image slots, bounded: the template after the dropped system turn (8 tokens) and a
+# prompt of up to ~300 tokens; each reference adds its "<imageK><|vision_start|>...<|vision_end|>" tokens (< 12).
+TEXT_BOUND, REFERENCE_TEXT_BOUND = 320, 12
+
+
+def text_tokens_bound(variant: str, num_references: int, area: int, condition_area: int) -> int:
+    """Prompt embeddings per sample, bounded, image slots included (one per 32 x 32 px of each reference at `area`;
+    10% over for the rounding of the sides to multiples of 32)."""
+    slots = int(1.1 * area) // (conditioning.SIZE_MULTIPLE**2)
+    return TEXT_BOUND + num_references * (slots + REFERENCE_TEXT_BOUND)
+
+
+def synthetic_batch(
+    model: torch.nn.Module,
+    batch_size: int,
+    latent_hw: tuple[int, int],
+    reference_hws: list[tuple[int, int]],
+    text_tokens: int,
+    device: torch.device,
+    cond_dtype: torch.dtype,
+    text_mask: bool = False,
+    seed: int = 0,
+) -> Batch:
+    """A Batch of random tensors shaped as encode_batch returns them (conditioning in `cond_dtype`): a target of
+    latent size `latent_hw`, references of the latent sizes `reference_hws` (each side rounded down to the 2x2
+    groups an image slot covers), `text_tokens` prompt embeddings holding their slots (more when the slots need
+    them), a mask of ones when `text_mask`."""
+    g = torch.Generator(device).manual_seed(seed)
+    channels, width = model.config.in_channels, model.config.context_in_dim
+    h, w = (max(2, side // 2 * 2) for side in latent_hw)
+    shapes = [(1, max(2, rh // 2 * 2), max(2, rw // 2 * 2)) for rh, rw in reference_hws]
+    slot_runs = [rh * rw // conditioning.TOKENS_PER_SLOT for _, rh, rw in shapes]
+    length = max(text_tokens, sum(slot_runs) + 2 * len(slot_runs) + 2)
+    slots = torch.zeros(length, dtype=torch.bool, device=device)
+    start = 2
+    for run in slot_runs:  # two text tokens before each reference's slots, as its "<imageK>..." tokens
+        slots[start : start + run] = True
+        start += run + 2
+    x0 = torch.randn(batch_size, h * w, channels, generator=g, device=device)
+    refs = torch.randn(batch_size, sum(rh * rw for _, rh, rw in shapes), channels, generator=g, device=device)
+    embeds = torch.randn(batch_size, length, width, generator=g, device=device).to(cond_dtype)
+    mask = torch.ones(batch_size, length, dtype=torch.long, device=device) if text_mask else None
+    cond = BatchConditioning(embeds, mask, slots.expand(batch_size, -1).clone(), refs.to(cond_dtype), shapes)
+    return Batch(x0, (h, w), cond)

@@ -72,11 +72,14 @@ def on_white(image: Image.Image) -> Image.Image:
     return white
 
 
-def prepare_image(image: Image.Image, area: int = DEFAULT_AREA) -> tuple[Image.Image, torch.Tensor]:
+def prepare_image(
+    image: Image.Image, area: int = DEFAULT_AREA, size: tuple[int, int] | None = None
+) -> tuple[Image.Image, torch.Tensor]:
     """(the VL model's RGB copy, VAE pixels (4, H, W) in [-1, 1]) of one image: made RGBA, resized to
-    `dimensions(area)` once for both. A target goes through the same path (its VL copy unused)."""
+    `dimensions(area)` (or to `size`, (width, height)) once for both. A target goes through the same path (its VL
+    copy unused)."""
     rgba = image if image.mode == "RGBA" else image.convert("RGBA")
-    width, height = dimensions(rgba.size, area)
+    width, height = size or dimensions(rgba.size, area)
     vl_copy = on_white(_image_processor.resize(rgba, height=height, width=width))
     return vl_copy, _image_processor.preprocess(rgba, height=height, width=width)[0]
 

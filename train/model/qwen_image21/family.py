@@ -1,24 +1,22 @@
-"""The Qwen-Image-2.1 family's record for the generic trainer (train/model/interface.py), with what is wired so far:
-variant detection, the conditioning of a batch, the transformer's inputs and the target's prediction, the LoRA
-targets and export keys (ComfyUI's fused gate_up included), the fp8 base's linears and the tiny checkpoint. The
-parts left None (loading the encoders, a row's images, the latent cache, validation and inference pipelines, the
-memory plan's hooks, model-parallel cuts, kept attention) are refused at start-up by train/model/support.py."""
+"""The Qwen-Image-2.1 family's record for the generic trainer (train/model/interface.py). The parts left None
+(validation and inference pipelines, model-parallel decoder cuts, kept attention, the benchmarks' models) are refused
+at start-up by train/model/support.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 from train.model.interface import Fp8Linears, LoraKeys, ModelFamily, Variant
-from train.model.qwen_image21 import attention, batches, conditioning, lora_keys, tiny, variant
-
-
-def make_tiny(out: str | Path, name: str = variant.VARIANT, num_samples: int = 0, size: int = 0, seed: int = 0) -> Path:
-    """OUT/model: the tiny 2.1 checkpoint (the family has no tiny dataset yet: `num_samples` and `size` are
-    unused)."""
-    tiny.make_tiny_model(Path(out) / "model", seed)
-    return Path(out)
-
+from train.model.qwen_image21 import (
+    attention,
+    batches,
+    components,
+    conditioning,
+    lora_keys,
+    samples,
+    tiny,
+    variant,
+)
 
 FAMILY = ModelFamily(
     name="qwen_image21",
@@ -31,10 +29,25 @@ FAMILY = ModelFamily(
     detect_variant=variant.detect_variant,
     transformer_inputs=batches.transformer_inputs,
     target_prediction=batches.target_prediction,
+    rgba=True,
     # every linear of a block is a token linear; the one shared modulation sits outside the blocks
     fp8_linears=Fp8Linears(lora_keys.DEFAULT_TARGETS),
+    set_attention=attention.set_attention,
+    load_encoders=components.load_encoders,
+    load_vae=components.load_vae,
+    prompt_tokenizer=components.load_processor,
+    image_size=samples.image_size,
+    condition_size=samples.condition_size,
+    prompt_overflow=samples.prompt_overflow,
+    image_problems=samples.image_problems,
+    sample_images=samples.sample_images,
     encode_batch=batches.encode_batch,
     join_conditioning=batches.join_conditioning,
-    make_tiny=make_tiny,
+    cached_bucket_key=batches.cached_bucket_key,
+    conditioning_fingerprint=batches.fingerprint,
+    make_tiny=tiny.make_tiny,
+    make_dataset=tiny.make_dataset,
+    synthetic_batch=batches.synthetic_batch,
+    text_tokens_bound=batches.text_tokens_bound,
     bench=SimpleNamespace(attention_processor=attention.SegmentedSDPAProcessor),  # train/benchmarks/attention21.py
 )

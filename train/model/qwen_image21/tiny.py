@@ -1,21 +1,28 @@
-"""A tiny random Qwen-Image-2.1 checkpoint in the released diffusers layout, built offline.
+"""A tiny random Qwen-Image-2.1 checkpoint in the released diffusers layout and a synthetic dataset, built offline
+(the command train/make_tiny.py --variant qwen_image_21 and the tests use them).
 
-make_tiny_model(DIR) writes DIR with model_index.json (QwenImage21Pipeline), transformer/
-(QwenImage21Transformer2DModel), vae/ (AutoencoderKLQwenImage21: RGBA in and out, 16x), text_encoder/
-(Qwen3VLForConditionalGeneration), processor/ (Qwen3VLProcessor with its tokenizer and chat template) and
-scheduler/, through the pipeline's own save_pretrained, so `QwenImage21Pipeline.from_pretrained(DIR)` loads it as
-it loads the released weights. Nothing is downloaded: the tokenizer is a byte-level BPE trained here on the
-pipeline's templates, and every network is randomly initialised from a fixed seed.
+make_tiny(OUT) writes OUT/model (make_tiny_model) and OUT/data (make_dataset). make_tiny_model(DIR) writes DIR with
+model_index.json (QwenImage21Pipeline), transformer/ (QwenImage21Transformer2DModel), vae/ (AutoencoderKLQwenImage21:
+RGBA in and out, 16x), text_encoder/ (Qwen3VLForConditionalGeneration), processor/ (Qwen3VLProcessor with its
+tokenizer and chat template) and scheduler/, through the pipeline's own save_pretrained, so
+`QwenImage21Pipeline.from_pretrained(DIR)` loads it as it loads the released weights. Nothing is downloaded: the
+tokenizer is a byte-level BPE trained here on the pipeline's templates, and every network is randomly initialised
+from a fixed seed.
 """
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import torch
+from PIL import Image, ImageDraw
 
+from train.model.interface import TINY_INFO
 from train.model.qwen_image21.conditioning import SYSTEM_PROMPT
-from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
+from train.model.qwen_image21.variant import VARIANT
+from train.model.tiny_tokenizer import build_tokenizer, special_token_ids, vl_config_ids
 
 TEXT_DIM = 32  # hidden size of the tiny Qwen3-VL = context_in_dim of the tiny transformer
 LATENT_CHANNELS = 16  # the released VAE has 64; the tiny one fewer, the transformer reads them unpatched
@@ -100,10 +107,7 @@ def build_text_encoder(tokenizer):
             num_position_embeddings=64,
             deepstack_visual_indexes=[0],
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vl_config_ids(tokenizer),
     )
     return Qwen3VLForConditionalGeneration(config).eval()
 
@@ -165,3 +169,113 @@ def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
     out = Path(out)
     build_pipeline(seed).save_pretrained(out)
     return out
+
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
+SHAPES = ("circle", "square")
+# The kinds of rows make_dataset cycles through: (references, whether the scene is RGBA on a transparent ground).
+ROW_KINDS = ((0, False), (1, False), (2, True), (1, True))
+
+
+def draw_scene(shape: str, colour: str, xy: tuple[int, int], size: int, ground: tuple[int, ...]) -> Image.Image:
+    """A shape on a plain ground: RGB for a 3-value `ground`, RGBA for 4 values (alpha 0 = transparent)."""
+    image = Image.new("RGBA" if len(ground) == 4 else "RGB", (size, size), ground)
+    r = size // 5
+    box = (xy[0] - r, xy[1] - r, xy[0] + r, xy[1] + r)
+    draw = ImageDraw.Draw(image)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour] + (255,) * (len(ground) - 3))
+    return image
+
+
+def make_dataset(
+    out: Path,
+    variant: str = VARIANT,
+    num_samples: int = 32,
+    size: int = 128,
+    seed: int = 0,
+    references: int | None = None,
+) -> list[Image.Image]:
+    """Recolouring rows in the dataset format, cycling through ROW_KINDS: text-to-image ("a red circle on grey", no
+    edit_image), one reference ("make the circle red"), two references (a scene and a swatch of the new colour:
+    "paint the circle of picture 1 in the colour of picture 2") and one RGBA reference; the RGBA scenes and their
+    targets show the shape on a transparent ground (a real alpha channel: 255 on the shape, 0 around it). With
+    `references`, every row has that many instead (the scene, then swatches: the new colour's, then others; RGBA
+    on every other row), for a benchmark of one slot layout. Returns the images written."""
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, images = [], []
+    for i in range(num_samples):
+        num_refs, rgba = ROW_KINDS[i % len(ROW_KINDS)] if references is None else (references, i % 2 == 1)
+        shape, (old, new) = rng.choice(SHAPES), rng.sample(list(COLOURS), 2)
+        grey = rng.randint(150, 240)
+        ground = (0, 0, 0, 0) if rgba else (grey, grey, grey)
+        xy = (rng.randint(size // 4, 3 * size // 4), rng.randint(size // 4, 3 * size // 4))
+        written = {f"{i:04d}_target.png": draw_scene(shape, new, xy, size, ground)}
+        row = {"image": f"{i:04d}_target.png", "prompt": f"a {new} {shape} on grey"}
+        if num_refs:
+            written[f"{i:04d}_ref.png"] = draw_scene(shape, old, xy, size, ground)
+            row.update(edit_image=f"{i:04d}_ref.png", prompt=f"make the {shape} {new}")
+        if num_refs >= 2:
+            others = [c for c in COLOURS if c != new]
+            for k in range(num_refs - 1):
+                colour = new if k == 0 else others[(k - 1) % len(others)]
+                name = f"{i:04d}_swatch{'' if k == 0 else k + 1}.png"
+                written[name] = Image.new("RGB", (size // 2, size // 2), COLOURS[colour])
+            row.update(
+                edit_image=list(written)[1:],
+                prompt=f"paint the {shape} of picture 1 in the colour of picture 2",
+            )
+        for name, image in written.items():
+            image.save(out / name)
+        images += written.values()
+        rows.append(row)
+    with open(out / "metadata.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return images
+
+
+def make_tiny(
+    out: str | Path,
+    variant: str = VARIANT,
+    num_samples: int = 32,
+    size: int = 128,
+    seed: int = 0,
+    references: int | None = None,
+) -> Path:
+    """Write OUT/model (the tiny checkpoint, with OUT/model/tiny.json) and OUT/data (make_dataset, `references` per
+    row or the mix); returns OUT."""
+    out = Path(out)
+    make_dataset(out / "data", variant, num_samples, size, seed, references)
+    make_tiny_model(out / "model", seed)
+    (out / "model" / TINY_INFO).write_text(json.dumps({"variant": variant}) + "\n")
+    return out
+
+
+def write_full_size_configs(model_dir: str | Path, num_layers: int | None = None) -> None:
+    """Turn a tiny model directory into a weightless one with the released architecture's configs (archs.py): the
+    2.1 transformer, Qwen3-VL-8B (with the tiny tokenizer's token ids) and the RGBA VAE; the processor gets the
+    released image limits. Loading it needs QWEN_EDIT_RANDOM_INIT=1 (each model is built at random init on the
+    device). `num_layers` (None = the released 32) keeps the released width with that many blocks."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLProcessor
+
+    from train.model.qwen_image21.archs import TRANSFORMER, VL_PIXELS, VL_TEXT, VL_VISION
+
+    model_dir = Path(model_dir)
+    for sub in ("transformer", "text_encoder", "vae"):
+        for f in (model_dir / sub).glob("*.safetensors*"):
+            f.unlink()
+    with torch.device("meta"):
+        arch = {**TRANSFORMER, "num_layers": num_layers or TRANSFORMER["num_layers"]}
+        QwenImage21Transformer2DModel(**arch).save_config(model_dir / "transformer")
+        AutoencoderKLQwenImage21().save_config(model_dir / "vae")
+    processor = Qwen3VLProcessor.from_pretrained(model_dir / "processor")
+    ids = special_token_ids(processor.tokenizer)
+    Qwen3VLConfig(
+        text_config={**VL_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
+        vision_config=VL_VISION,
+        tie_word_embeddings=False,
+        **vl_config_ids(processor.tokenizer),
+    ).save_pretrained(model_dir / "text_encoder")
+    processor.image_processor.size = dict(VL_PIXELS)
+    processor.save_pretrained(model_dir / "processor")
