@@ -128,7 +128,7 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     from train.config import LoraConfig, ModelConfig
     from train.model import family, loading, prepare
     from train.runtime import exports
-    from train.trainer import validation
+    from train.trainer.grid import CAPTION
 
     tiny_edit = request.getfixturevalue(tiny_name)
     edit = tiny_name != "tiny_t2i"
@@ -150,10 +150,10 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     out, found = demo.render(work, num_rows=2, steps=2)
     grid = Image.open(out)
     cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]
-    assert grid.size == (num_columns * cell, 16 + 2 * (validation.CAPTION + cell))
+    assert grid.size == (num_columns * cell, 16 + 2 * (CAPTION + cell))
     header = np.asarray(grid.convert("L"))[:16]
     assert all((header[:, j * cell:(j + 1) * cell] < 128).any() for j in range(num_columns)), "a column has no label"
-    caption = np.asarray(grid.convert("L"))[16:16 + validation.CAPTION]
+    caption = np.asarray(grid.convert("L"))[16:16 + CAPTION]
     assert (caption < 128).any(), "no prompt above the first row"
     new = [json.loads(line) for line in (work / "new_scenes" / "metadata.jsonl").read_text().splitlines()]
     trained = [json.loads(line) for line in (tiny_edit / "data" / "metadata.jsonl").read_text().splitlines()]

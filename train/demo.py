@@ -154,7 +154,7 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     from diffusers import DiffusionPipeline
 
     from train.config import PROJECT_KEY
-    from train.trainer.validation import make_grid
+    from train.trainer.grid import make_grid
 
     data = json.loads((workdir / "run" / "config.json").read_text())[PROJECT_KEY]["data"]
     num_trained = num_rows // 2

@@ -70,6 +70,25 @@ def open_rgb(path: str | Path, background: str = DEFAULT_BACKGROUND) -> Image.Im
         return to_rgb(im, background)
 
 
+def to_rgba(im: Image.Image) -> Image.Image:
+    """An opened image as 8-bit RGBA for a model that reads transparency (Qwen-Image-2.1): oriented and scaled as
+    `to_rgb`, its transparency (alpha channel, transparent palette entries, a tRNS colour) kept as alpha; an image
+    without any is opaque."""
+    im = ImageOps.exif_transpose(im)
+    if im.mode in _HIGH_DEPTH or im.mode == "F":
+        im = _to_8bit(im)
+    return im.convert("RGBA")
+
+
+def open_image(path: str | Path, background: str = DEFAULT_BACKGROUND, alpha: bool = False) -> Image.Image:
+    """`open_rgb`, or with `alpha` the 8-bit RGBA picture (`to_rgba`); the file is closed on return."""
+    if not alpha:
+        return open_rgb(path, background)
+    with Image.open(path) as im:
+        im.load()
+        return to_rgba(im)
+
+
 def oriented_size(im: Image.Image) -> tuple[int, int]:
     """(width, height) as shown after the EXIF orientation, read from the header (nothing is decoded)."""
     orientation = im.getexif().get(ExifTags.Base.Orientation, 1)

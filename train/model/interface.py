@@ -118,6 +118,7 @@ class ModelFamily:
     # the transformer
     transformer_inputs: Callable[..., dict]  # (batch, noisy target B L C, sigmas B, dtype) -> forward kwargs
     target_prediction: Callable[[Any, Batch], torch.Tensor]  # the forward's output -> B L C, the target's tokens
+    rgba: bool = False  # its pipelines read images' alpha: renders open references as RGBA, not composited
     fp8_linears: Fp8Linears | None = None  # what train.fp8_base converts
     attention_module: str | None = None  # the diffusers module whose dispatch_attention_fn kept attention routes
     real_rope: Callable[[torch.nn.Module], None] | None = None  # rotary embedding that compiled blocks fuse, if any
