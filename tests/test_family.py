@@ -139,35 +139,35 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
     for command in (support.TRAIN, support.CACHE, support.INFER):
         assert support.unsupported(qwen, project, command, gpu=True) == []
     problems = support.unsupported(qwen21, project, support.TRAIN, gpu=True)
-    assert problems[0].startswith("Qwen-Image-2.1 cannot be trained by this version yet")
-    starts = [p.split(":")[0] for p in problems[1:]]
+    starts = [p.split(":")[0] for p in problems]
     assert starts == [
         "qwen_edit.data.cache",
-        "qwen_edit.validation.file",
         "Qwen-Image-2.1 does not support the model-parallel mode's decoder cuts yet",
         "qwen_edit.train.kept_attention_blocks",
         "qwen_edit.memory.plan",
     ], problems
-    assert problems[3].endswith("set qwen_edit.parallel.decoder_cuts to []")
+    assert problems[1].endswith("set qwen_edit.parallel.decoder_cuts to []")
     assert not any("memory.plan" in p for p in support.unsupported(qwen21, project, support.TRAIN, gpu=False))
-    assert support.unsupported(qwen21, project, support.INFER)[0].startswith("train.infer does not render Qwen-Im")
-    with pytest.raises(ModelError, match=r"is Qwen-Image-2.1, and this run needs .*\n  Qwen-Image-2.1 cannot be"):
+    assert support.unsupported(qwen21, project, support.INFER) == []
+    with pytest.raises(ModelError, match=r"is Qwen-Image-2.1, and this run needs .*\n  qwen_edit.data.cache: "):
         support.check_supported(qwen21, project, support.CACHE)
 
 
-def test_the_trainer_refuses_a_qwen_image21_directory_before_it_starts(tiny_21, tmp_path):
-    """train/main.py on a 2.1 directory: exit 2 and the refusal, no traceback and no advice to upgrade diffusers."""
+def test_the_trainer_refuses_what_qwen_image21_lacks_before_it_starts(tiny_21, tmp_path):
+    """train/main.py on a 2.1 directory with a setting its family does not provide yet (the latent cache): exit 2
+    and the refusal, no traceback and no advice to upgrade diffusers."""
     from conftest import run_trainer, write_config
     from PIL import Image
 
     (tmp_path / "model").symlink_to(tiny_21)
     (tmp_path / "data").mkdir()
     Image.new("RGB", (64, 64)).save(tmp_path / "data" / "a.png")
-    (tmp_path / "data" / "metadata.jsonl").write_text(json.dumps({"file_name": "a.png", "prompt": "a cat"}) + "\n")
-    config = write_config(tmp_path / "cfg.json", **{"qwen_edit.lora.target_modules": None})
+    (tmp_path / "data" / "metadata.jsonl").write_text(json.dumps({"image": "a.png", "prompt": "a cat"}) + "\n")
+    changes = {"qwen_edit.lora.target_modules": None, "qwen_edit.data.cache": "auto"}
+    config = write_config(tmp_path / "cfg.json", **changes)
     out = run_trainer(tmp_path, tmp_path / "out", config, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert "Qwen-Image-2.1 cannot be trained by this version yet" in out.stderr
+    assert "qwen_edit.data.cache: Qwen-Image-2.1 has no latent cache yet" in out.stderr
     assert "Traceback" not in out.stderr and "install" not in out.stderr
 
 

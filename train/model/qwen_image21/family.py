@@ -47,6 +47,7 @@ FAMILY = ModelFamily(
     rgba=True,
     load_encoders=components.load_encoders,
     load_vae=components.load_vae,
+    random_pipeline_models=components.random_pipeline_models,
     prompt_tokenizer=rows.prompt_tokenizer,
     image_size=rows.image_size,
     condition_size=rows.condition_size,

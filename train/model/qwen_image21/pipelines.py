@@ -52,9 +52,7 @@ def pipeline_from_components(model_dir: str | Path, name: str, transformer, enco
     device or dtype differ."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
 
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-        model_dir, subfolder="scheduler", local_files_only=True
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler", local_files_only=True)
     sigmas = json.loads((Path(model_dir) / "model_index.json").read_text()).get("sample_sigmas")
     pipe = QwenImage21Pipeline(
         scheduler=scheduler,
