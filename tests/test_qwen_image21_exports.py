@@ -36,7 +36,9 @@ def run_21(tiny: Path, out: Path, **changes) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_checkpoint(tiny_21_edits, tmp_path_factory) -> Path:
-    return run_21(tiny_21_edits, tmp_path_factory.mktemp("lora21") / "run")
+    """A LoRA run at a high learning rate from the first step, so that three steps move the render."""
+    fast = {"optimizer.params.lr": 0.05, "scheduler.params.warmup_num_steps": 1}
+    return run_21(tiny_21_edits, tmp_path_factory.mktemp("lora21") / "run", **fast)
 
 
 def render(pipe, reference: Image.Image) -> np.ndarray:
