@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from test_train import check
 
 from train import export
+from train.model import placement
 from train.model.qwen_image21 import lora_keys
 from train.runtime.exports import COMFYUI_WEIGHT_NAME, LORA_WEIGHT_NAME
 
@@ -108,6 +109,24 @@ def test_comfyui_export_merges_to_the_diffusers_exports_weights(lora_checkpoint,
         else:
             assert torch.allclose(update, split.pop(module), atol=1e-9), module
     assert not split, sorted(split)[:4]
+
+
+@pytest.mark.slow
+def test_comfyui_export_renders_as_the_diffusers_export_through_train_infers_loader(
+    lora_checkpoint, tiny_21_edits, tmp_path
+):
+    """train.infer --lora with the ComfyUI file: its fused gate_up LoRAs are split back before diffusers' loader
+    (which would drop them), and the render equals the diffusers export's."""
+    renders = {}
+    for fmt, name in (("diffusers", LORA_WEIGHT_NAME), ("comfyui", COMFYUI_WEIGHT_NAME)):
+        assert export.main(["--checkpoint", str(lora_checkpoint), "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+        pipe = QwenImage21Pipeline.from_pretrained(tiny_21_edits / "model", local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        placement.load_loras(pipe, [(tmp_path / fmt / name, 1.0)])
+        lora_modules = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A") and m.lora_A}
+        assert any(n.endswith("img_mlp.gate_layer") for n in lora_modules), fmt
+        renders[fmt] = render(pipe, Image.open(tiny_21_edits / "data" / "0000_ref.png"))
+    assert np.abs(renders["comfyui"] - renders["diffusers"]).max() < 1e-4
 
 
 @pytest.mark.slow

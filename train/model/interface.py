@@ -88,6 +88,9 @@ class LoraKeys:
     targets: tuple[str, ...]  # module-name suffixes inside a block that get LoRA by default
     pipeline_class: str  # the diffusers pipeline whose lora_state_dict reads and save_lora_weights writes its files
     comfyui: Callable[[dict[str, torch.Tensor], float, int], dict[str, torch.Tensor]]  # (layers, alpha, rank)
+    # a LoRA file's tensors as the pipeline's load_lora_weights must get them, when its converter misses a layout
+    # (Qwen-Image-2.1: ComfyUI's fused gate_up, which it would drop); None: the file as it is
+    reads: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ FAMILY = ModelFamily(
     transformer_class=variant.TRANSFORMER_CLASS,
     pixels_per_latent=conditioning.PIXELS_PER_TOKEN,
     patch_size=1,  # the transformer reads the latents unpatched
-    lora=LoraKeys(lora_keys.DEFAULT_TARGETS, variant.PIPELINE_CLASS, lora_keys.comfyui_state_dict),
+    lora=LoraKeys(
+        lora_keys.DEFAULT_TARGETS, variant.PIPELINE_CLASS, lora_keys.comfyui_state_dict, lora_keys.split_comfyui
+    ),
     detect_variant=variant.detect_variant,
     transformer_inputs=batches.transformer_inputs,
     target_prediction=batches.target_prediction,
