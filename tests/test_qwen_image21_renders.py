@@ -179,3 +179,38 @@ def test_validation_renders_the_pipelines_images_encoded_or_replayed(tiny_21, ed
             assert rendered.mode == "RGBA" and np.array_equal(np.asarray(rendered), image), index
     saved = Image.open(tmp_path / "out" / "validation" / "before" / "000000.png")
     assert saved.mode == "RGBA" and np.array_equal(np.asarray(saved), wanted["000000"])
+
+
+def test_a_prompt_past_the_rotary_positions_is_a_bad_row(tiny_21, edits):
+    """train.infer's row check: a prompt whose text positions, with the references', push the target's position
+    past the rotary embedding's table is refused with the count to cut; an ordinary prompt passes. The room it
+    counts is diffusers' own: with that many text tokens the target's block sits on the table's last positive
+    position, with one more past it."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    from train.model import renders
+    from train.model.qwen_image21 import rows
+
+    processor = components.load_processor(tiny_21)
+    (request, *_), _ = renders.read_requests(edits / "edits.jsonl")  # one 128 x 128 reference
+    area = 128 * 96
+    assert renders.check_request(request, "qwen_image_21", area, 0, processor) is None
+    request.prompt = " ".join(["circle"] * rows.ROPE_POSITIONS)
+    length, room = rows.prompt_overflow(processor, request.prompt, "", [(128, 128)], area, 0, with_target=False)
+    problem = renders.check_request(request, "qwen_image_21", area, 0, processor)
+    assert problem.startswith(f"the prompt takes {length} text positions") and f"has {room};" in problem
+
+    rope = QwenImage21Rope(theta=10000, axes_dim=[4, 6, 6])
+    rope.freqs[0] = rope.freqs[0][: rows.ROPE_POSITIONS]  # the positive positions alone: one past them fails
+    width, height = rows.image_size(area, 128, 128)
+    reference, target = (1, height // 16, width // 16), (1, 4, 4)  # the reference's latent grid; any target
+
+    def positions(num_text: int) -> None:
+        before = 3  # text tokens ahead of the reference's slot, the rest after it
+        blocks = [reference[1] * reference[2], target[1] * target[2]]
+        mask = [False] * before + [True] * blocks[0] + [False] * (num_text - before) + [True] * blocks[1]
+        rope([reference, target], torch.tensor(mask), torch.device("cpu"))
+
+    positions(room)
+    with pytest.raises(IndexError):
+        positions(room + 1)
