@@ -3,7 +3,7 @@ the decoder stage.
 
 The encoder stage holds the text encoder and the VAE, the decoder stage the transformer being trained. Once, at
 start, each pipeline's encoder records the conditioning of its share of validation.file
-(`train.trainer.validation.encode_requests`: prompt embeddings and masks, reference latents, as diffusers' pipeline
+(`train.trainer.replay.encode_requests`: prompt embeddings and masks, reference latents, as diffusers' pipeline
 computes them) and sends it after its opening message. The decoder loads only a VAE (to decode latents to
 images) and renders with the live transformer through `train.trainer.validation.Validator`, which replays the
 recordings instead of encoding: the same cadence, grids, tensorboard images and 'before' images as the ZeRO-2
@@ -20,10 +20,10 @@ from train.config import Config, ValidationConfig
 from train.model import family, loading
 from train.model.interface import Encoders
 from train.runtime.engine import Dist
-from train.trainer import validation
+from train.trainer import replay, validation
 
 
-def conditioning_message(recorded: dict[int, validation.Recorded]) -> tuple[dict, dict[str, torch.Tensor]]:
+def conditioning_message(recorded: dict[int, replay.Recorded]) -> tuple[dict, dict[str, torch.Tensor]]:
     """Recordings as (meta, tensors) for `transport.Sender.send`. A call's layout is None for a bare tensor, else
     which elements of its tuple are tensors (the prompt mask may be None)."""
     items, tensors = {}, {}
@@ -40,7 +40,7 @@ def conditioning_message(recorded: dict[int, validation.Recorded]) -> tuple[dict
     return {"kind": "validation", "items": items}, tensors
 
 
-def message_conditioning(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[int, validation.Recorded]:
+def message_conditioning(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[int, replay.Recorded]:
     """Inverse of `conditioning_message` (tensors stay on the CPU; the replay moves them)."""
     assert meta["kind"] == "validation", meta
     recorded = {}
@@ -66,10 +66,10 @@ def encoder_opening(cfg: Config, d: Dist, encoders: Encoders | None) -> list[tup
         dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
         encoders = family.family_of(p.model.path, p.model.variant).load_encoders(
             p.model.path, dtype, d.device, vae_2d_frames=p.model.vae_2d_frames)
-    return [conditioning_message(validation.encode_requests(cfg, encoders, d.rank, d.world_size))]
+    return [conditioning_message(replay.encode_requests(cfg, encoders, d.rank, d.world_size))]
 
 
-def receive_conditioning(v: ValidationConfig, link, peer: int) -> dict[int, validation.Recorded] | None:
+def receive_conditioning(v: ValidationConfig, link, peer: int) -> dict[int, replay.Recorded] | None:
     """Decoder side: the encoder's validation conditioning (None without validation.file)."""
     if not v.file:
         return None
@@ -77,9 +77,9 @@ def receive_conditioning(v: ValidationConfig, link, peer: int) -> dict[int, vali
 
 
 def decoder_hook(cfg: Config, d: Dist, module: torch.nn.Module, metrics, start_step: int,
-                 conditioning: dict[int, validation.Recorded] | None) -> validation.Validator | None:
+                 conditioning: dict[int, replay.Recorded] | None) -> validation.Validator | None:
     """loop.train's after_step hook on the decoder stage, its 'before' images rendered; None without a file."""
     if conditioning is None:
         return None
-    vae = validation.vae_only(cfg.project.model, d)
+    vae = replay.vae_only(cfg.project.model, d)
     return validation.build_hook(cfg, d, module, vae, metrics, start_step, conditioning)

@@ -41,6 +41,38 @@ def test_demo_rebuilds_a_model_of_another_variant(tiny_edit, tmp_path, capsys):
         assert not (work / "model").exists() and f"holds {said}: rebuilding" in capsys.readouterr().out
 
 
+def test_demo_keeps_its_qwen_image21_model_and_rebuilds_another(tiny_21, tiny_edit, tmp_path, capsys):
+    """A demo_out of the 2.1 demo (its random tiny model, with tiny.json) is kept for --variant qwen_image_21 and
+    rebuilt for --variant edit; an MMDiT demo's model is rebuilt for --variant qwen_image_21."""
+    work = tmp_path / "demo_out"
+    shutil.copytree(tiny_21, work / "model")
+    (work / "model" / "tiny.json").write_text(json.dumps({"variant": "qwen_image_21", "vae": "random"}))
+    demo.prepare_workdir(work, "qwen_image_21")
+    assert (work / "model").exists() and capsys.readouterr().out == ""
+    demo.prepare_workdir(work, "edit")
+    assert not (work / "model").exists() and "holds a tiny 'qwen_image_21' model, not 'edit'" in capsys.readouterr().out
+    shutil.copytree(tiny_edit / "model", work / "model")
+    (work / "model" / "tiny.json").write_text(json.dumps({"variant": "edit", "vae": "pooling", "transformer": "demo"}))
+    demo.prepare_workdir(work, "qwen_image_21")
+    assert not (work / "model").exists() and "holds a tiny 'edit' model, not 'qwen_image_21'" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_qwen_image21_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
+    """--variant qwen_image_21 (a few steps): the tiny 2.1 model and the edits built, said to be random, LoRA
+    training on 2 processes, the export, and the before/after PNG with its figures."""
+    from conftest import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    work = tmp_path / "demo_out"
+    demo.main(["--workdir", str(work), "--variant", "qwen_image_21", "--max_steps", "3"])
+    out = capfd.readouterr().out
+    assert "qwen_image_21: the tiny base stays random" in out and "step 3/3" in out
+    assert (work / "run" / "export" / "pytorch_lora_weights.safetensors").is_file()
+    assert f"wrote {work / 'before_after.png'}" in out and "  new scenes: reference (unedited)" in out
+    assert json.loads((work / "model" / "tiny.json").read_text())["variant"] == "qwen_image_21"
+
+
 def test_demo_never_deletes_a_model_make_tiny_did_not_write(tiny_edit, tmp_path, capsys):
     """demo_out/model without tiny.json (say, real weights copied there) stops the demo with exit 2 and a line
     naming --workdir; the folder is left as it was."""
@@ -71,7 +103,7 @@ def test_pretrained_base_copies_its_reference(tmp_path, capsys):
     def distances() -> tuple[float, float]:
         pipe = DiffusionPipeline.from_pretrained(tmp_path / "model", local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
-        outs = demo.edit_all(pipe, rows, references, targets, 128 * 128, 64 * 64, steps=10)
+        outs = demo.edit_all(pipe, "edit", rows, references, 128 * 128, 64 * 64, steps=10)
         return demo.distance(outs, [r[0] for r in references]), demo.distance(outs, targets)
 
     random_to_reference, _ = distances()
@@ -135,12 +167,13 @@ def test_make_tiny_refuses_pretraining_without_a_reference(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i"])
+@pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i", "tiny_21_edits"])
 def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     """render(): reference | target | base model | base + LoRA under a header, a training row and a new scene (drawn
     with a seed nothing was trained on) each under its marked prompt, and for both groups each column's distance to
     the targets, whole image and edited pixels, beside the unedited reference's (a LoRA that changes the model changes
-    them); text-to-image (t2i, through QwenImagePipeline): no reference column, no edited-pixel figure."""
+    them); text-to-image (t2i, through QwenImagePipeline): no reference column, no edited-pixel figure; Qwen-Image-2.1
+    (QwenImage21Pipeline, RGBA renders shown over white) as the edits."""
     import numpy as np
     import torch
     from PIL import Image
@@ -148,7 +181,7 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     from train.config import LoraConfig, ModelConfig
     from train.model import family, loading, prepare
     from train.runtime import exports
-    from train.trainer import validation
+    from train.trainer.grid import CAPTION
 
     tiny_edit = request.getfixturevalue(tiny_name)
     edit = tiny_name != "tiny_t2i"
@@ -166,14 +199,14 @@ def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     for name, p in transformer.named_parameters():
         if ".lora_B." in name:
             p.data.normal_(0, 0.5)  # a LoRA that moves the output (a fresh one is zero)
-    exports.export_lora(transformer, work / "run" / "export", 4.0, 4, keys=family.family_named("qwen_image").lora)
+    exports.export_lora(transformer, work / "run" / "export", 4.0, 4, keys=family.transformer_family(transformer).lora)
     out, found = demo.render(work, num_rows=2, steps=2)
     grid = Image.open(out)
     cell = Image.open(tiny_edit / "data" / "0000_target.png").size[0]
-    assert grid.size == (num_columns * cell, 16 + 2 * (validation.CAPTION + cell))
+    assert grid.size == (num_columns * cell, 16 + 2 * (CAPTION + cell))
     header = np.asarray(grid.convert("L"))[:16]
     assert all((header[:, j * cell:(j + 1) * cell] < 128).any() for j in range(num_columns)), "a column has no label"
-    caption = np.asarray(grid.convert("L"))[16:16 + validation.CAPTION]
+    caption = np.asarray(grid.convert("L"))[16:16 + CAPTION]
     assert (caption < 128).any(), "no prompt above the first row"
     new = [json.loads(line) for line in (work / "new_scenes" / "metadata.jsonl").read_text().splitlines()]
     trained = [json.loads(line) for line in (tiny_edit / "data" / "metadata.jsonl").read_text().splitlines()]
@@ -240,3 +273,7 @@ def test_demo_config_is_tiny_cpu_with_the_demo_changes(tmp_path):
     assert written["qwen_edit"]["lora"] == {**base["qwen_edit"]["lora"], "rank": 64, "alpha": 64}
     assert {k: v for k, v in written.items() if k != "qwen_edit"} == {
         **{k: v for k, v in base.items() if k != "qwen_edit"}, "train_micro_batch_size_per_gpu": 8}
+    # Qwen-Image-2.1: its family's targets (null), online encoding (its family has no cache yet)
+    written = json.loads(demo.demo_config(tmp_path, "qwen_image_21").read_text())
+    assert written["qwen_edit"]["data"]["cache"] == "off" and written["qwen_edit"]["lora"]["target_modules"] is None
+    assert written["qwen_edit"]["lora"]["rank"] == 64

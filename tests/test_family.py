@@ -143,7 +143,6 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
     problems = support.unsupported(qwen21, project, support.TRAIN, gpu=True)
     starts = [p.split(":")[0] for p in problems]
     assert starts == [
-        "qwen_edit.validation.file",
         "Qwen-Image-2.1 does not support the model-parallel mode's decoder cuts yet",
         "qwen_edit.train.kept_attention_blocks",
     ], problems
@@ -151,23 +150,22 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
     all_that_can = dataclasses.replace(project, train=dataclasses.replace(project.train, kept_attention_blocks=-1))
     assert not any("kept_attention" in p for p in support.unsupported(qwen21, all_that_can, support.TRAIN))
     assert support.unsupported(qwen21, project, support.CACHE) == []
-    assert support.unsupported(qwen21, project, support.INFER)[0].startswith("train.infer does not render Qwen-Im")
-    with pytest.raises(ModelError, match=r"is Qwen-Image-2.1, and this run needs .*\n  qwen_edit.validation.file"):
+    assert support.unsupported(qwen21, project, support.INFER) == []
+    with pytest.raises(ModelError, match=r"is Qwen-Image-2.1, and this run needs .*\n  Qwen-Image-2.1 does not supp"):
         support.check_supported(qwen21, project, support.TRAIN)
 
 
 def test_the_trainer_refuses_what_qwen_image21_lacks_before_it_starts(tiny_21_edits, tmp_path):
-    """train/main.py on a 2.1 directory with validation renders on (which 2.1 does not provide yet): exit 2 and the
-    refusal naming the key, no traceback and no advice to upgrade diffusers."""
+    """train/main.py on a 2.1 directory with a setting its family does not provide yet (kept attention outputs
+    under checkpointing): exit 2 and the refusal naming the key, no traceback and no advice to upgrade diffusers."""
     from conftest import run_trainer, write_config
 
-    edits = tmp_path / "edits.jsonl"
-    edits.write_text(json.dumps({"edit_image": str(tiny_21_edits / "data" / "0001_ref.png"), "prompt": "x"}) + "\n")
-    config = write_config(tmp_path / "cfg.json", **{"qwen_edit.lora.target_modules": None,
-                                                    "qwen_edit.validation.file": str(edits)})
+    changes = {"qwen_edit.lora.target_modules": None, "qwen_edit.train.gradient_checkpointing": True,
+               "qwen_edit.train.kept_attention_blocks": 1}
+    config = write_config(tmp_path / "cfg.json", **changes)
     out = run_trainer(tiny_21_edits, tmp_path / "out", config, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert "qwen_edit.validation.file: Qwen-Image-2.1 renders no validation images yet" in out.stderr
+    assert "qwen_edit.train.kept_attention_blocks: Qwen-Image-2.1's attention cannot keep its output yet" in out.stderr
     assert "Traceback" not in out.stderr and "install" not in out.stderr
 
 

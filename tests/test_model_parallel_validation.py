@@ -20,7 +20,7 @@ from train.model import loading
 from train.model.qwen_image import components
 from train.runtime.engine import Dist
 from train.runtime.record import NullMetrics
-from train.trainer import validation
+from train.trainer import replay, validation
 
 
 def edits_file(tiny: Path, path: Path, num_edits: int = 3, references: bool = True) -> Path:
@@ -55,7 +55,7 @@ def test_replayed_conditioning_renders_what_the_encoders_render(variant, num_ref
     transformer = loading.load_transformer(p.model, torch.float32)
     encoders = components.load_encoders(p.model.path, torch.float32, d.device)
 
-    recorded = validation.encode_requests(cfg, encoders, 0, 1)
+    recorded = replay.encode_requests(cfg, encoders, 0, 1)
     assert [name for name, _ in recorded[0]] == ["encode_prompt", "encode_prompt"] + ["_encode_vae_image"] * num_refs
     received = mp_validation.message_conditioning(*mp_validation.conditioning_message(recorded))
     direct = validation.Validator(cfg, d, transformer, encoders, NullMetrics()).render()

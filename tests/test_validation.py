@@ -17,7 +17,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from train.config import Config, ProjectConfig, ValidationConfig
-from train.trainer import validation
+from train.trainer import replay, validation
+from train.trainer.grid import CAPTION, caption_lines, make_grid
 
 TINY_INFERENCE = {"num_inference_steps": 2, "true_cfg_scale": 1.0, "area": 128 * 128, "condition_area": 64 * 64}
 
@@ -51,7 +52,7 @@ def check_validated_run(tiny: Path, tmp_path: Path, edits: Path, **common) -> No
     assert sorted(p.name for p in (out / "before").glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
     before = Image.open(out / "before" / "000000.png")
     grids = {s: np.asarray(Image.open(out / f"step_00000{s}.png").convert("RGB")) for s in (2, 4)}
-    w, h, c = before.size + (validation.CAPTION,)
+    w, h, c = before.size + (CAPTION,)
     assert grids[4].shape == (16 + 3 * (c + h), 3 * w, 3)  # header + 3 edits under their prompts; ref | before | now
     first_before = grids[4][16 + c:16 + c + h, w:2 * w]
     assert np.array_equal(first_before, np.asarray(before.convert("RGB")))
@@ -100,7 +101,7 @@ def test_preserved_training_state_restores_everything():
     for fail in (True, False):
         reseed()
         with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
-            with validation.preserved_training_state(module, vae, True, False):
+            with replay.preserved_training_state(module, vae, True, False):
                 assert not module.training and not torch.is_grad_enabled()
                 assert vae.use_tiling and not vae.use_slicing
                 draw(), draw()
@@ -114,13 +115,13 @@ def test_preserved_training_state_restores_everything():
 def test_make_grid_layout():
     """Columns: as many reference cells as the edit with most references, then the named columns; a header line."""
     red, blue = Image.new("RGB", (32, 16), "red"), Image.new("RGB", (16, 16), "blue")
-    grid = validation.make_grid([[red], [red, blue]], {"before": [None, blue], "now": [blue, red]})
+    grid = make_grid([[red], [red, blue]], {"before": [None, blue], "now": [blue, red]})
     assert grid.size == (4 * 32, 16 + 2 * 16)
     assert grid.getpixel((32 + 16, 16 + 8)) == (255, 255, 255)  # edit 1 has no second reference
     assert grid.getpixel((2 * 32 + 16, 16 + 8)) == (255, 255, 255)  # nor a 'before' image
     assert grid.getpixel((3 * 32 + 16, 16 + 16 + 8)) == (255, 0, 0)
-    captioned = validation.make_grid([[red], [red, blue]], {"now": [blue, red]}, ["make it red", "make it blue"])
-    c = validation.CAPTION
+    captioned = make_grid([[red], [red, blue]], {"now": [blue, red]}, ["make it red", "make it blue"])
+    c = CAPTION
     assert captioned.size == (3 * 32, 16 + 2 * (c + 16))
     text_rows = np.asarray(captioned.convert("L"))[16:16 + c]
     assert (text_rows < 128).any() and captioned.getpixel((16, 16 + c + 8)) == (255, 0, 0)
@@ -133,13 +134,13 @@ def test_make_grid_wraps_long_prompts():
 
     red = Image.new("RGB", (32, 32), "red")
     prompt = "replace the sky with a sunset over the sea and keep the face of the person exactly as it is"
-    lines = validation.caption_lines(prompt, 2 * 32 - 4)
+    lines = caption_lines(prompt, 2 * 32 - 4)
     draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     assert len(lines) > 2 and " ".join(lines) == prompt
     assert all(draw.textlength(line) <= 60 for line in lines)
-    assert validation.caption_lines("a-single-word-wider-than-the-grid", 10) == ["a-single-word-wider-than-the-grid"]
-    grid = validation.make_grid([[red], [red]], {"now": [red, red]}, [prompt, "short"])
-    c = validation.CAPTION
+    assert caption_lines("a-single-word-wider-than-the-grid", 10) == ["a-single-word-wider-than-the-grid"]
+    grid = make_grid([[red], [red]], {"now": [red, red]}, [prompt, "short"])
+    c = CAPTION
     assert grid.size == (2 * 32, 16 + len(lines) * c + 32 + c + 32)
     assert grid.getpixel((16, 16 + len(lines) * c + 8)) == (255, 0, 0)  # edit 1's reference under its lines
     assert grid.getpixel((16, 16 + len(lines) * c + 32 + c + 8)) == (255, 0, 0)  # edit 2's under its one line

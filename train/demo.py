@@ -1,6 +1,7 @@
 """The embedded default: tiny model + synthetic edits -> ZeRO-2 LoRA training -> export -> before/after PNG.
 
-    python -m train.demo [--workdir demo_out] [--max_steps 600] [--variant edit|edit_plus|edit_plus_2511|t2i]
+    python -m train.demo [--workdir demo_out] [--max_steps 600]
+        [--variant edit|edit_plus|edit_plus_2511|t2i|qwen_image_21]
 
 Builds the tiny checkpoint and dataset (train.make_tiny: the pooling VAE, the demo's transformer) and pre-trains
 its base on identity edits, so that the base copies its reference (train/trainer/pretrain.py; not for t2i), trains
@@ -9,6 +10,10 @@ target | base model | with the exported LoRA through diffusers' own pipeline (th
 for t2i, whose rows are prompts without a reference: that column is left out), for two training rows and two new
 scenes that nothing was trained on. It prints each column's distance to the targets over the whole image and over
 the pixels the edit changes, beside the unedited reference's (what a model that ignores the prompt scores).
+
+Qwen-Image-2.1 (`--variant qwen_image_21`): the tiny 2.1 checkpoint (train/model/qwen_image21/tiny.py) stays random,
+its VAE too, so its renders are noise and show only that the export changes them; it trains on the same recolour
+edits (one reference each), encoding online (its family has no latent cache yet).
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_VAE = "pooling"  # qwen_image.tiny's averaging autoencoder: the decoded images show what the model learnt
 DEMO_TRANSFORMER = "demo"  # qwen_image.tiny.TRANSFORMER_SIZES: wider heads whose RoPE tells positions apart
 TINY_INFO = "tiny.json"  # train.model.qwen_image.tiny.TINY_INFO (not imported here: it pulls in torch)
+QWEN_IMAGE_21 = "qwen_image_21"
+# What a demo model of each kind is built with (tiny.json's keys): the MMDiT's averaging VAE and wider transformer;
+# Qwen-Image-2.1's tiny checkpoint as the tests build it (no averaging VAE of its own yet).
+DEMO_BUILDS = {"qwen_image": {"vae": DEMO_VAE, "transformer": DEMO_TRANSFORMER},
+               "qwen_image21": {"vae": "random", "transformer": "tests"}}
 
 
 # The demo's changes to ds_configs/tiny_cpu.json (the tests' config): latents and prompt embeddings are encoded
@@ -36,26 +46,30 @@ TINY_INFO = "tiny.json"  # train.model.qwen_image.tiny.TINY_INFO (not imported h
 # the edited pixels' distance to the targets on new scenes from the base's 76.0 to 22.6 (docs/performance.md, the demo).
 DEMO_DS_CHANGES = {"train_micro_batch_size_per_gpu": 8}
 DEMO_CHANGES = {"data": {"cache": "auto"}, "lora": {"rank": 64, "alpha": 64}}
+# Qwen-Image-2.1 on top: its family's LoRA targets (tiny_cpu.json names the MMDiT's) and online encoding (no latent
+# cache yet); 600 steps take ~5 min with launch on 2 CPU cores (0.5 s a step).
+DEMO_21_CHANGES = {"data": {"cache": "off"}, "lora": {"target_modules": None}}
 
 
-def demo_config(workdir: Path) -> Path:
-    """WORKDIR/demo_config.json: ds_configs/tiny_cpu.json with DEMO_DS_CHANGES, and DEMO_CHANGES merged into its
-    qwen_edit section."""
+def demo_config(workdir: Path, variant: str = "edit") -> Path:
+    """WORKDIR/demo_config.json: ds_configs/tiny_cpu.json with DEMO_DS_CHANGES, and DEMO_CHANGES (for Qwen-Image-2.1
+    then DEMO_21_CHANGES) merged into its qwen_edit section."""
     cfg = json.loads((REPO / "ds_configs" / "tiny_cpu.json").read_text())
     cfg.update(DEMO_DS_CHANGES)
-    for section, changes in DEMO_CHANGES.items():
-        cfg["qwen_edit"].setdefault(section, {}).update(changes)
+    for changes in [DEMO_CHANGES] + ([DEMO_21_CHANGES] if variant == QWEN_IMAGE_21 else []):
+        for section, values in changes.items():
+            cfg["qwen_edit"].setdefault(section, {}).update(values)
     path = workdir / "demo_config.json"
     path.write_text(json.dumps(cfg, indent=2) + "\n")
     return path
 
 
-def launch_training(workdir: Path, max_steps: int, num_procs: int) -> None:
+def launch_training(workdir: Path, max_steps: int, num_procs: int, variant: str = "edit") -> None:
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
         "--master_port", os.environ.get("MASTER_PORT", "29511"),
         "--log_level", "error",  # the launcher's own lines (its command, world info): its errors still show
-        str(REPO / "train" / "main.py"), "--ds_config", str(demo_config(workdir)),
+        str(REPO / "train" / "main.py"), "--ds_config", str(demo_config(workdir, variant)),
         "--model", str(workdir / "model"), "--data", str(workdir / "data"),
         "--output_dir", str(workdir / "run"), "--max_steps", str(max_steps),
         "--overwrite",  # every demo is a fresh run: an earlier demo's run/ is replaced, not refused
@@ -75,26 +89,20 @@ def read_rows(data_dir: Path, num_rows: int) -> tuple[list[dict], list[list], li
     return rows, references, [open_rgb(data_dir / row["image"]) for row in rows]
 
 
-def edit_all(pipe, rows: list[dict], references: list[list], targets: list, area: int, condition_area: int,
+def edit_all(pipe, variant: str, rows: list[dict], references: list[list], area: int, condition_area: int,
              steps: int = 20, desc: str = "rendering") -> list:
-    """Each row edited by `pipe` (seed 0, no classifier-free guidance) at the training areas; a text-to-image row
-    (QwenImagePipeline) is generated at its target's size."""
-    import torch
-
-    from train.model.qwen_image.conditioning import pipeline_areas
+    """Each row rendered by `pipe` through its family's sample (seed 0, no classifier-free guidance) at the training
+    areas (a text-to-image row: a square of `area`), as an RGB picture (an RGBA render over white)."""
+    from train.config import InferenceConfig
+    from train.model import family
+    from train.model.images import to_rgb
     from train.runtime.console import progress
 
-    outs = []
-    for row, images, target in progress(list(zip(rows, references, targets, strict=True)), desc=desc, unit="image",
-                                        file=sys.stdout):
-        common = dict(prompt=row["prompt"], num_inference_steps=steps, true_cfg_scale=1.0,
-                      generator=torch.Generator().manual_seed(0))
-        if not images:
-            outs.append(pipe(height=target.height, width=target.width, **common).images[0])
-            continue
-        with pipeline_areas(area, condition_area):
-            outs.append(pipe(image=images if len(images) > 1 else images[0], **common).images[0])
-    return outs
+    sample = family.variant_family(variant).sample
+    settings = InferenceConfig(num_inference_steps=steps, true_cfg_scale=1.0, area=area, condition_area=condition_area)
+    return [to_rgb(sample(pipe, variant, images, row["prompt"], 0, settings))
+            for row, images in progress(list(zip(rows, references, strict=True)), desc=desc, unit="image",
+                                        file=sys.stdout)]
 
 
 NEW_SCENES_SEED = 2  # make_tiny's rows are drawn with seed 0 and pre-training's scenes with seed 1: neither saw these
@@ -106,15 +114,27 @@ def new_scenes(workdir: Path, num_rows: int) -> Path:
     import shutil
 
     from train.model.images import shown_size
-    from train.model.qwen_image.components import detect_variant
     from train.model.qwen_image.tiny import make_dataset
 
     first = json.loads((workdir / "data" / "metadata.jsonl").read_text().splitlines()[0])
     size = shown_size(workdir / "data" / first["image"])[0]
-    variant = detect_variant(workdir / "model", "auto")
     shutil.rmtree(workdir / "new_scenes", ignore_errors=True)  # an earlier demo's, perhaps of another variant
-    make_dataset(workdir / "new_scenes", variant, num_rows, size, NEW_SCENES_SEED)
+    make_dataset(workdir / "new_scenes", data_variant(model_variant(workdir / "model")), num_rows, size,
+                 NEW_SCENES_SEED)
     return workdir / "new_scenes"
+
+
+def model_variant(model_dir: Path) -> str:
+    """The variant of the tiny model in `model_dir` (any family's)."""
+    from train.model import family
+
+    return family.detect(model_dir)[1]
+
+
+def data_variant(variant: str) -> str:
+    """The MMDiT tiny dataset's kind of rows a demo of `variant` trains on: Qwen-Image-2.1 takes v1's (one
+    reference each; the dataset format is every family's)."""
+    return "edit" if variant == QWEN_IMAGE_21 else variant
 
 
 def edited_pixels(references: list[list], targets: list) -> list | None:
@@ -159,9 +179,10 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     from diffusers import DiffusionPipeline
 
     from train.config import PROJECT_KEY
-    from train.trainer.validation import make_grid
+    from train.trainer.grid import make_grid
 
     data = json.loads((workdir / "run" / "config.json").read_text())[PROJECT_KEY]["data"]
+    variant = model_variant(workdir / "model")
     num_trained = num_rows // 2
     trained = read_rows(workdir / "data", num_trained)
     new = read_rows(new_scenes(workdir, num_rows - num_trained), num_rows - num_trained)
@@ -169,10 +190,10 @@ def render(workdir: Path, num_rows: int = 4, steps: int = 20) -> tuple[Path, dic
     pipe = DiffusionPipeline.from_pretrained(workdir / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     areas = (data["area"], data["condition_area"])
-    columns = {"target": targets, "base model": edit_all(pipe, rows, references, targets, *areas, steps,
+    columns = {"target": targets, "base model": edit_all(pipe, variant, rows, references, *areas, steps,
                                                           "rendering the base model's edits")}
     pipe.load_lora_weights(workdir / "run" / "export", weight_name="pytorch_lora_weights.safetensors")
-    columns["base + exported LoRA"] = edit_all(pipe, rows, references, targets, *areas, steps,
+    columns["base + exported LoRA"] = edit_all(pipe, variant, rows, references, *areas, steps,
                                                "rendering the edits with the exported LoRA")
     out = workdir / "before_after.png"
     marks = ["[trained]"] * num_trained + ["[new scene]"] * (num_rows - num_trained)
@@ -195,17 +216,18 @@ def figures_lines(found: dict[str, dict]) -> list[str]:
 
 def unlike_the_demo(model_dir: Path, variant: str) -> str | None:
     """What makes a tiny model built before other than the demo's (of `variant`), None when nothing does."""
-    from train.model.qwen_image.components import detect_variant
+    from train.model import family
 
-    built = detect_variant(model_dir, "auto")
+    fam, built = family.detect(model_dir)
     info = json.loads((model_dir / TINY_INFO).read_text()) if (model_dir / TINY_INFO).is_file() else {}
+    wanted = DEMO_BUILDS[fam.name]
     if built != variant:
         return f"a tiny {built!r} model, not {variant!r}"
-    if info.get("vae", "random") != DEMO_VAE:
+    if info.get("vae", "random") != wanted["vae"]:
         return f"a {info.get('vae', 'random')!r} tiny VAE"
-    if info.get("transformer", "tests") != DEMO_TRANSFORMER:
+    if info.get("transformer", "tests") != wanted["transformer"]:
         return "the tests' tiny transformer"
-    if variant != "t2i" and "pretrained" not in info:
+    if variant not in ("t2i", QWEN_IMAGE_21) and "pretrained" not in info:
         return "a base that was not pre-trained"
     return None
 
@@ -233,14 +255,30 @@ def prepare_workdir(workdir: Path, variant: str) -> None:
             shutil.rmtree(workdir / name, ignore_errors=True)
 
 
+def build_model_21(workdir: Path) -> None:
+    """The tiny Qwen-Image-2.1 checkpoint (random) and the recolour edits, with the tiny.json of a demo model."""
+    from train.model.qwen_image.tiny import make_dataset
+    from train.model.qwen_image21.tiny import make_tiny_model
+
+    make_tiny_model(workdir / "model")
+    make_dataset(workdir / "data", data_variant(QWEN_IMAGE_21), 32, 128)
+    (workdir / "model" / TINY_INFO).write_text(json.dumps({"variant": QWEN_IMAGE_21, **DEMO_BUILDS["qwen_image21"]}))
+    print("qwen_image_21: the tiny base stays random, its VAE too (no averaging VAE for 2.1 yet): the renders are "
+          "noise; the loss curve and the change the exported LoRA makes are what this demo shows", flush=True)
+
+
 def build_model(workdir: Path, variant: str) -> None:
     """The demo's tiny model and data (train.make_tiny), its base pre-trained on identity edits
-    (train/trainer/pretrain.py; a text-to-image base has no reference to copy and stays random)."""
+    (train/trainer/pretrain.py; a text-to-image base has no reference to copy and stays random; Qwen-Image-2.1:
+    build_model_21)."""
     import time
 
     from train.model.qwen_image.tiny import make_tiny
     from train.trainer.pretrain import Pretraining, final_loss, pretrain
 
+    if variant == QWEN_IMAGE_21:
+        build_model_21(workdir)
+        return
     make_tiny(workdir, variant, vae=DEMO_VAE, transformer=DEMO_TRANSFORMER)
     if variant == "t2i":
         print("t2i: the tiny base stays random (pre-training copies a reference; text-to-image rows have none)")
@@ -260,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_steps", type=int, default=600)
     from train.model.qwen_image.tiny import VARIANTS
 
-    parser.add_argument("--variant", default="edit", choices=VARIANTS)
+    parser.add_argument("--variant", default="edit", choices=[*VARIANTS, QWEN_IMAGE_21])
     args = parser.parse_args(argv)
     import torch
 
@@ -276,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (workdir / "model" / "model_index.json").is_file():
         build_model(workdir, args.variant)
     num_gpus = torch.cuda.device_count()
-    launch_training(workdir, args.max_steps, num_procs=min(2, num_gpus) if num_gpus else 2)
+    launch_training(workdir, args.max_steps, num_procs=min(2, num_gpus) if num_gpus else 2, variant=args.variant)
     out, found = render(workdir)
     print(f"wrote {out} (columns: reference | target | base model | base + exported LoRA; each row under its "
           "prompt, from the training rows [trained] or from new scenes [new scene]) and "

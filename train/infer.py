@@ -121,22 +121,22 @@ def encode_rows(args: argparse.Namespace, settings: config.ProjectConfig, d: eng
     """cpu_offload "blocks", first phase: the encoders alone on the device (the VL encoder streamed when `stream`)
     record every row's conditioning as validation records it; the text encoder then leaves. Returns (the VAE,
     {index: recording in host memory}, bad rows as (line, problem))."""
-    from train.trainer import validation
+    from train.trainer import replay
 
     fam = family.variant_family(variant)
     dtype = loading.encoder_dtype(args.dtype, d.device)
     encoders = fam.load_encoders(args.model, dtype, d.device, stream_text_encoder=stream,
                                  vae_2d_frames=settings.model.vae_2d_frames)
-    pipe = fam.pipeline_from_components(args.model, variant, validation.shape_only_transformer(args.model), encoders)
+    pipe = fam.pipeline_from_components(args.model, variant, replay.shape_only_transformer(args.model), encoders)
     recorded, bad = {}, []
-    with validation.preserved_training_state(encoders.vae, encoders.vae, settings.inference.vae_tiling,
-                                             settings.inference.vae_slicing):
+    with replay.preserved_training_state(encoders.vae, encoders.vae, settings.inference.vae_tiling,
+                                         settings.inference.vae_slicing):
         for request in progress(todo, desc=f"encode (rank 0 of {d.world_size})", unit="row",
                                 disable=not d.is_main, file=sys.stdout):
             problem = renders.check_request(request, variant, settings.inference.area,
                                              settings.inference.condition_area, encoders.processor)
             if problem is None:  # kept in host memory until its render (replay moves it back)
-                recorded[request.index] = [(name, _to_host(out)) for name, out in validation.record_conditioning(
+                recorded[request.index] = [(name, _to_host(out)) for name, out in replay.record_conditioning(
                     pipe, variant, request, settings.inference, settings.data.alpha_background)]
             else:
                 print(f"bad row: line {request.line}: {problem}; skipped", file=sys.stderr, flush=True)
@@ -187,10 +187,10 @@ def streaming_pipeline(args: argparse.Namespace, variant: str, vae, offload: int
 def _replayed(recorded: dict, device: torch.device, fam, pipe, request: renders.EditRequest):
     """Inside, `pipe` (of family `fam`) replays the request's recorded conditioning (moved to `device`) instead of
     encoding."""
-    from train.trainer import validation
+    from train.trainer import replay
 
-    return validation.replayed_conditioning(fam.sampling_pipeline(pipe, bool(request.references)),
-                                            recorded[request.index], device)
+    return replay.replayed_conditioning(fam.sampling_pipeline(pipe, bool(request.references)),
+                                        recorded[request.index], device)
 
 
 STREAMED_CHUNK_ROWS = 256  # rows encoded, then rendered, at a time: their recordings wait in host memory (~16 MB
@@ -259,7 +259,7 @@ def render_rows(pipe, variant: str, todo: list, args: argparse.Namespace, settin
         problem = renders.check_request(request, variant, settings.inference.area,
                                          settings.inference.condition_area, getattr(pipe, "processor", None))
         if problem is None:
-            images = renders.open_references(request, settings.data.alpha_background)
+            images = renders.open_references(request, settings.data.alpha_background, fam.rgba)
             start = time.perf_counter()
             with (replay(pipe, request) if replay else contextlib.nullcontext()):
                 image = fam.sample(pipe, variant, images, request.prompt, request.seed, settings.inference)

@@ -61,7 +61,6 @@ def to_rgba(im: Image.Image) -> Image.Image:
     return im.convert("RGBA") if im.mode in _ALPHA_MODES else im.convert("RGB")
 
 
-
 def to_rgb(im: Image.Image, background: str = DEFAULT_BACKGROUND) -> Image.Image:
     """An opened image as 8-bit RGB: oriented by its EXIF tag, alpha composited over `background`, high bit
     depths scaled. Every mode Pillow decodes converts (CMYK, YCbCr, palette, 1-bit ...)."""
@@ -93,6 +92,14 @@ def alpha_problem(path: str | Path) -> str | None:
         return None
     return ("its alpha channel is 0 everywhere (fully transparent: nothing of it shows); re-export it with its "
             "alpha channel, or without one (opaque)")
+
+
+def open_image(path: str | Path, background: str = DEFAULT_BACKGROUND, alpha: bool = False) -> Image.Image:
+    """`open_rgb`, or with `alpha` the 8-bit RGBA picture (`to_rgba`; an image without transparency is opaque
+    RGBA); the file is closed on return."""
+    if not alpha:
+        return open_rgb(path, background)
+    return open_rgb(path, keep_alpha=True).convert("RGBA")
 
 
 def oriented_size(im: Image.Image) -> tuple[int, int]:

@@ -88,6 +88,9 @@ class LoraKeys:
     targets: tuple[str, ...]  # module-name suffixes inside a block that get LoRA by default
     pipeline_class: str  # the diffusers pipeline whose lora_state_dict reads and save_lora_weights writes its files
     comfyui: Callable[[dict[str, torch.Tensor], float, int], dict[str, torch.Tensor]]  # (layers, alpha, rank)
+    # a LoRA file's tensors as the pipeline's load_lora_weights must get them, when its converter misses a layout
+    # (Qwen-Image-2.1: ComfyUI's fused gate_up, which it would drop); None: the file as it is
+    reads: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ class ModelFamily:
     # the transformer
     transformer_inputs: Callable[..., dict]  # (batch, noisy target B L C, sigmas B, dtype) -> forward kwargs
     target_prediction: Callable[[Any, Batch], torch.Tensor]  # the forward's output -> B L C, the target's tokens
-    rgba: bool = False  # the VAE reads RGBA: images keep their transparency (images.to_rgba; else composited)
+    rgba: bool = False  # the VAE reads RGBA: images keep their transparency (images.to_rgba; else composited), and
+    # renders open references as RGBA
     fp8_linears: Fp8Linears | None = None  # what train.fp8_base converts
     attention_module: str | None = None  # the diffusers module whose dispatch_attention_fn kept attention routes
     real_rope: Callable[[torch.nn.Module], None] | None = None  # rotary embedding that compiled blocks fuse, if any

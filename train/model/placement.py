@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from train.config import InferenceConfig
+from train.model import family, lora_io
 
 
 def parse_lora(spec: str) -> tuple[Path, float]:
@@ -22,12 +23,19 @@ def parse_lora(spec: str) -> tuple[Path, float]:
 
 
 def load_loras(pipe, loras: list[tuple[Path, float]]) -> None:
-    """Load each LoRA file (diffusers layout, or what load_lora_weights converts) as its own adapter, weighted."""
+    """Load each LoRA file (diffusers layout, or what load_lora_weights converts) as its own adapter, weighted; a
+    file in a layout the pipeline's converter would partly drop goes in as the family's LoraKeys.reads gives it."""
+    reads = family.transformer_family(pipe.transformer).lora.reads
     names = []
     for i, (path, _) in enumerate(loras):
         names.append(f"lora{i}")
-        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=names[-1],
-                               local_files_only=True)
+        tensors = lora_io.read_file(path)[0] if reads else {}
+        converted = reads(tensors) if reads else tensors
+        if converted.keys() != tensors.keys():
+            pipe.load_lora_weights(converted, adapter_name=names[-1])
+        else:
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=names[-1],
+                                   local_files_only=True)
     if names:
         pipe.set_adapters(names, adapter_weights=[weight for _, weight in loras])
 

@@ -124,10 +124,12 @@ def check_request(request: EditRequest, variant: str, area: int = 1024 * 1024, c
     return None
 
 
-def open_references(request: EditRequest, background: str = images.DEFAULT_BACKGROUND) -> list[Image.Image]:
+def open_references(request: EditRequest, background: str = images.DEFAULT_BACKGROUND,
+                    alpha: bool = False) -> list[Image.Image]:
     """The request's references as a viewer shows them (train/model/images.py: EXIF orientation, alpha over
-    `background`, 16-bit scaled), as the training data is opened."""
-    return [images.open_rgb(ref, background) for ref in request.references]
+    `background`, 16-bit scaled), as the training data is opened; with `alpha` (a family whose pipelines read
+    transparency: ModelFamily.rgba) as RGBA, their alpha kept."""
+    return [images.open_image(ref, background, alpha) for ref in request.references]
 
 
 def save_png_atomic(image: Image.Image, path: Path) -> None:

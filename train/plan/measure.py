@@ -207,7 +207,7 @@ def _render_forward_bytes(model_dir, w: Workload, dtype, device, mode: str, lora
 
 
 def _vae_transient(vae, w: Workload, tiled: bool, online: bool) -> float:
-    vae.use_tiling = tiled  # as validation.preserved_training_state sets it for a render
+    vae.use_tiling = tiled  # as replay.preserved_training_state sets it for a render
     decode = peak_above(vae.device, arch.vae_decode(vae, w.target_hw))
     if not online:
         return decode

@@ -24,7 +24,7 @@ from train.runtime.console import print0
 from train.runtime.oom import out_of_memory
 from train.runtime.plot import write_loss_curve
 from train.runtime.record import Metrics, NullMetrics
-from train.trainer import loop, validation
+from train.trainer import loop, replay, validation
 
 
 def build_data(cfg: config.Config, d: engine.Dist, variant: str):
@@ -181,7 +181,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
         print0(changed_data, rank=d.rank)
         changes["data rows"] = [saved["data"], data]
     source = build_source(cfg, d, variant, rows, loader)
-    conditioning = validation.record_before_training(cfg, d)  # from the cache: encoders leave before the model
+    conditioning = replay.record_before_training(cfg, d)  # from the cache: encoders leave before the model
     transformer = build_transformer(cfg, d.device)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     if tag is not None:
@@ -196,7 +196,7 @@ def run(cfg: config.Config, d: engine.Dist, resume: str | None = None, overwrite
     metrics = (Metrics(p.output.dir, p.train.max_steps, start_step, p.output.tensorboard, monitor) if d.is_main
                else NullMetrics())
     try:
-        encoders = getattr(source, "encoders", None) if conditioning is None else validation.vae_only(p.model, d)
+        encoders = getattr(source, "encoders", None) if conditioning is None else replay.vae_only(p.model, d)
         hook = validation.build_hook(cfg, d, eng.module, encoders, metrics, start_step, conditioning,
                                      getattr(source, "encoders_lock", None))
 

@@ -13,10 +13,10 @@ measured with probes.PeakMeter, which leaves the run's logged peak as it was; ra
 the largest of every rank's renders (render_peak_gb), beside the memory plan's predicted_render_peak_gb.
 
 The conditioning may also be computed elsewhere (the model-parallel mode: the encoder stage holds the text
-encoder, the decoder stage the transformer): `encode_requests` runs each edit's pipeline up to its denoising
-loop and records what the pipeline's frozen-encoder methods returned (prompt embeddings and masks, reference
-latents); a Validator given those recordings replays them into a pipeline that has only a VAE for decoding.
-The pipeline code is diffusers' own on both sides, so the rendered images are the same either way.
+encoder, the decoder stage the transformer; training from the latent cache): a Validator given the recordings of
+train/trainer/replay.py replays them into a pipeline that has only a VAE for decoding, and renders the same images.
+The images keep their mode: a family whose pipelines render RGBA (Qwen-Image-2.1) saves its 'before' images with
+their alpha; the grid shows them over white (train/trainer/grid.py).
 """
 
 from __future__ import annotations
@@ -24,25 +24,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import itertools
 import json
-import random
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from train.config import Config, ModelConfig, ValidationConfig
-from train.config.files import transformer_class
-from train.model import family, images, loading, placement, renders
+from train.config import Config, ValidationConfig
+from train.model import family, loading, placement, renders
 from train.model.interface import Encoders
 from train.runtime.engine import Dist, all_gather_objects
 from train.runtime.oom import out_of_memory
 from train.runtime.probes import PeakMeter
+from train.trainer.grid import make_grid
+from train.trainer.replay import Recorded, preserved_training_state, replayed_conditioning
 
 BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reused by resumed runs
 
@@ -50,154 +48,6 @@ BEFORE = "before"  # OUTPUT/validation/before/: the images before training, reus
 def should_validate(step: int, v: ValidationConfig, max_steps: int) -> bool:
     every = v.every_steps
     return bool(v.file) and ((every and step % every == 0) or step == max_steps)
-
-
-@contextlib.contextmanager
-def preserved_training_state(module: torch.nn.Module, vae, vae_tiling: bool, vae_slicing: bool):
-    """Eval mode and no gradients inside; RNG states, module modes and the VAE's flags restored on the way out."""
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-           random.getstate(), np.random.get_state())
-    modes = [(m, m.training) for m in module.modules()]
-    vae_flags = (vae.use_tiling, vae.use_slicing)
-    module.eval()
-    vae.use_tiling, vae.use_slicing = vae_tiling, vae_slicing
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        vae.use_tiling, vae.use_slicing = vae_flags
-        for m, training in modes:
-            m.training = training
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state_all(rng[1])
-        random.setstate(rng[2])
-        np.random.set_state(rng[3])
-
-
-# --- conditioning computed by another process ---------------------------------------------------------------------
-
-Recorded = list  # [(method name, what it returned)] in call order: (embeds, mask or None) or a latents tensor
-
-
-class _Encoded(Exception):  # a signal, not an error: the pipeline's encoders have all run
-    """Stops a recording pipeline before its denoising loop."""
-
-
-@contextlib.contextmanager
-def _patched(pipe, methods: dict):
-    """Instance attributes shadowing the pipeline's methods inside; the class's own methods again outside."""
-    for name, method in methods.items():
-        setattr(pipe, name, method)
-    try:
-        yield
-    finally:
-        for name in methods:
-            delattr(pipe, name)
-
-
-def shape_only_transformer(model_dir: str):
-    """The transformer on the meta device: the pipeline reads its config before encoding (no weights load)."""
-    cls = transformer_class(Path(model_dir) / "transformer")
-    with torch.device("meta"):
-        return cls.from_config(cls.load_config(Path(model_dir) / "transformer"))
-
-
-def record_conditioning(pipe, variant: str, request: renders.EditRequest, inf,
-                        background: str = images.DEFAULT_BACKGROUND) -> Recorded:
-    """Run the edit of `request` up to its denoising loop; return what the frozen encoders gave the pipeline
-    (its references opened over the alpha `background`)."""
-    calls: Recorded = []
-    fam = family.variant_family(variant)
-    pipe = fam.sampling_pipeline(pipe, bool(request.references))
-    encoder_calls = [name for name in fam.encoder_calls if hasattr(pipe, name)]  # a text-to-image one has fewer
-
-    def recording(name: str):
-        original = getattr(pipe, name)
-
-        def call(*args, **kwargs):
-            calls.append((name, original(*args, **kwargs)))
-            return calls[-1][1]
-
-        return call
-
-    prepare_latents = pipe.prepare_latents
-
-    def stop(*args, **kwargs):  # the reference latents are encoded in here; the denoising loop comes next
-        prepare_latents(*args, **kwargs)
-        raise _Encoded
-
-    with _patched(pipe, {**{name: recording(name) for name in encoder_calls}, "prepare_latents": stop}):
-        try:
-            references = renders.open_references(request, background)
-            fam.sample(pipe, variant, references, request.prompt, request.seed, inf)
-        except _Encoded:
-            return calls
-    raise AssertionError("the edit pipeline never prepared its latents")
-
-
-@contextlib.contextmanager
-def replayed_conditioning(pipe, calls: Recorded, device: torch.device):
-    """Inside, the pipeline's frozen-encoder methods (those `calls` recorded) return `calls` (in order, moved to
-    `device`) instead."""
-    pending = list(calls)
-
-    def replaying(name: str):
-        def call(*_args, **_kwargs):
-            recorded, out = pending.pop(0)
-            assert recorded == name, f"the pipeline called {name}, the recording has {recorded}"
-            if torch.is_tensor(out):
-                return out.to(device)
-            return tuple(None if t is None else t.to(device) for t in out)
-
-        return call
-
-    with _patched(pipe, {name: replaying(name) for name in dict.fromkeys(name for name, _ in calls)}):
-        yield
-    assert not pending, f"{len(pending)} recorded encoder calls were not replayed"
-
-
-def encode_requests(cfg: Config, encoders: Encoders, rank: int, world_size: int) -> dict[int, Recorded]:
-    """{request index: recording} of validation.file's items rank::world_size (the share a Validator of that
-    rank renders), made with `encoders` under the inference section's VAE settings."""
-    p = cfg.project
-    fam, variant = family.detect(p.model.path, p.model.variant)
-    requests, _ = renders.read_requests(p.validation.file, p.train.seed)
-    pipe = fam.pipeline_from_components(p.model.path, variant, shape_only_transformer(p.model.path), encoders)
-    with preserved_training_state(encoders.vae, encoders.vae, p.inference.vae_tiling, p.inference.vae_slicing):
-        return {q.index: record_conditioning(pipe, variant, q, p.inference, p.data.alpha_background)
-                for q in requests[rank::world_size]}
-
-
-def record_before_training(cfg: Config, d: Dist) -> dict[int, Recorded] | None:
-    """Training from the cache with validation.file: the encoders load once, before the transformer does, record
-    this rank's share of the validation conditioning and leave the GPU; renders then replay the recordings with a
-    VAE alone (as the model-parallel decoder renders), so validation adds only the VAE to the training GPU instead
-    of loading the 16 GB VL encoder beside the model at the first render. None when that does not apply."""
-    import gc
-
-    p = cfg.project
-    if not p.validation.file or p.data.cache == "off":
-        return None
-    dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
-    encoders = family.family_of(p.model.path, p.model.variant).load_encoders(p.model.path, dtype, d.device,
-                                                                             vae_2d_frames=p.model.vae_2d_frames)
-    recorded = encode_requests(cfg, encoders, d.rank, d.world_size)
-    del encoders
-    gc.collect()
-    if d.device.type == "cuda":
-        torch.cuda.empty_cache()
-    if d.is_main:
-        print(f"validation: the conditioning of {len(recorded)} edit(s) per rank recorded; the encoders left the "
-              "device before the transformer loads, renders replay it with the VAE alone", flush=True)
-    return recorded
-
-
-def vae_only(model: ModelConfig, d: Dist) -> Encoders:
-    """What replayed validation needs of the encoders: the VAE (to decode)."""
-    vae = family.family_of(model.path, model.variant).load_vae(
-        model.path, loading.encoder_dtype(model.encoder_dtype, d.device), d.device, model.vae_2d_frames)
-    return Encoders(text_encoder=None, processor=None, vae=vae)
 
 
 def _file_id(path: Path) -> list:
@@ -215,13 +65,19 @@ def _png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def _opened(file) -> Image.Image:
+    """A rendered PNG (a path or a file object) decoded: RGBA when it has alpha, else RGB."""
+    with Image.open(file) as im:
+        return im.convert("RGBA" if "A" in im.getbands() else "RGB")
+
+
 def _gather_on_rank0(mine: list[tuple[int, bytes]], d: Dist) -> list[Image.Image] | None:
     """Every rank's (index, PNG) pairs -> the images in index order on rank 0 (a collective); None elsewhere."""
     parts = all_gather_objects(mine)
     if not d.is_main:
         return None
     pairs = sorted(pair for part in parts for pair in part)
-    return [Image.open(io.BytesIO(png)).convert("RGB") for _, png in pairs]
+    return [_opened(io.BytesIO(png)) for _, png in pairs]
 
 
 def _from_rank0(value):
@@ -232,55 +88,10 @@ def _from_rank0(value):
     return value
 
 
-CAPTION = 14  # px of a prompt line above a row of a grid
-
-
-def caption_lines(text: str, width: int) -> list[str]:
-    """`text` broken at spaces into lines no wider than `width` px in Pillow's default font (a longer word stays
-    whole), so that a long prompt is read in full rather than cut at the grid's edge."""
-    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    lines: list[str] = []
-    for word in text.split():
-        if lines and draw.textlength(f"{lines[-1]} {word}") <= width:
-            lines[-1] = f"{lines[-1]} {word}"
-        else:
-            lines.append(word)
-    return lines or [""]
-
-
-def make_grid(references: list[list[Image.Image]], columns: dict[str, list[Image.Image | None]],
-              prompts: list[str] | None = None) -> Image.Image:
-    """One row per edit: its references, then one cell per named column (None = an empty cell); a header line
-    naming the columns, and with `prompts` each row's prompt above it (wrapped to the grid's width)."""
-    cells = [im for col in columns.values() for im in col if im is not None]
-    cell_w, cell_h = max(im.width for im in cells), max(im.height for im in cells)
-    num_refs, header = max(len(r) for r in references), 16
-    names = ["reference"] if num_refs == 1 else [f"reference {i + 1}" for i in range(num_refs)]
-    names += list(columns)
-    width = cell_w * len(names)
-    captions = [caption_lines(p, width - 4) for p in prompts] if prompts else [[] for _ in references]
-    tops = list(itertools.accumulate((CAPTION * len(c) + cell_h for c in captions), initial=header))  # row tops
-    grid = Image.new("RGB", (width, tops[-1]), "white")
-    draw = ImageDraw.Draw(grid)
-    for j, name in enumerate(names):
-        draw.text((j * cell_w + 2, 2), name, fill="black")
-    for i, refs in enumerate(references):
-        for k, line in enumerate(captions[i]):
-            draw.text((2, tops[i] + k * CAPTION + 1), line, fill=(60, 60, 60))
-        top = tops[i] + CAPTION * len(captions[i])
-        row = list(refs) + [None] * (num_refs - len(refs)) + [col[i] for col in columns.values()]
-        for j, im in enumerate(row):
-            if im is not None:
-                fitted = im.copy()
-                fitted.thumbnail((cell_w, cell_h))
-                grid.paste(fitted, (j * cell_w + (cell_w - fitted.width) // 2, top))
-    return grid
-
-
 class Validator:
     """The after_step hook of train.trainer.loop.train; also renders the 'before' column when built.
 
-    `conditioning`: this rank's share of the edits as `encode_requests` recorded them elsewhere; then
+    `conditioning`: this rank's share of the edits as replay.encode_requests recorded them elsewhere; then
     `encoders` needs only its VAE (for decoding), and the pipeline replays the recordings instead of encoding.
     `encoders_lock`: held while a render runs the encoders (the training source's, which a thread of its may be
     encoding the next micro-batch with: data.encode_ahead); None = nobody else uses them.
@@ -352,7 +163,7 @@ class Validator:
         return _gather_on_rank0(mine, self.d)
 
     def _references(self, request: renders.EditRequest) -> list[Image.Image]:
-        return renders.open_references(request, self.cfg.project.data.alpha_background)
+        return renders.open_references(request, self.cfg.project.data.alpha_background, self.family.rgba)
 
     def _encoded(self, pipe, request: renders.EditRequest):
         """Replays the request's recorded conditioning when it was computed elsewhere; encodes otherwise."""
@@ -410,7 +221,7 @@ class Validator:
         saved = folder / "edits.json"
         if _from_rank0(self._saved_matches(saved, start_step) if self.d.is_main else None):
             if self.d.is_main:
-                self.before = [Image.open(folder / f"{q.index:06d}.png").convert("RGB") for q in self.requests]
+                self.before = [_opened(folder / f"{q.index:06d}.png") for q in self.requests]
             return
         if start_step > 0 and self.cfg.project.train.mode != "lora":
             self.metrics.message("validation: no saved 'before' images and the base weights of a resumed full "

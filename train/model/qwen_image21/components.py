@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from train.config.files import random_init  # QWEN_EDIT_RANDOM_INIT=1 (what it means: there)
+from train.model import streaming
 from train.model.interface import Encoders
-from train.model.loading import load_text_encoder, random_init_scope
+from train.model.loading import load_text_encoder, random_init_scope, streamed_transformer
 
 
 def load_processor(model_dir: str | Path):
@@ -49,3 +50,32 @@ def load_vae(model_dir: str | Path, dtype: torch.dtype, device: torch.device, va
             model_dir, subfolder="vae", torch_dtype=dtype, local_files_only=True
         )
     return vae.requires_grad_(False).eval().to(device)
+
+
+def random_pipeline_models(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    transformer_device: torch.device | None = None,
+    on_host: bool = False,
+) -> dict:
+    """QWEN_EDIT_RANDOM_INIT=1 for train.infer: {text_encoder, vae, transformer} at random init (with the same
+    notices as training), for the pipeline's from_pretrained to take in place of the weights. They are made on
+    `device` (the transformer on `transformer_device`, default `device`), or with on_host (the pipeline's CPU
+    offload) kept in host memory, the transformer's values drawn on `device` tensor by tensor."""
+    from diffusers import QwenImage21Transformer2DModel
+    from transformers import Qwen3VLForConditionalGeneration
+
+    host = torch.device("cpu")
+    kept = host if on_host else device
+    text_encoder = load_text_encoder(Qwen3VLForConditionalGeneration, model_dir, dtype, kept)
+    vae = load_vae(model_dir, dtype, kept)
+    num_blocks = QwenImage21Transformer2DModel.load_config(Path(model_dir) / "transformer")["num_layers"]
+    blocks = set(range(num_blocks)) if on_host else set()
+    placement = streaming.Placement(transformer_device or device, dtype, offload=blocks)
+    transformer, _ = streamed_transformer(model_dir, placement, frozen=True, kept=host if on_host else None)
+    return {
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "transformer": transformer.to(host if on_host else placement.device).requires_grad_(False).eval(),
+    }

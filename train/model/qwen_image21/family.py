@@ -1,6 +1,6 @@
 """The Qwen-Image-2.1 family's record for the generic trainer (train/model/interface.py). The parts left None
-(validation and inference pipelines, model-parallel decoder cuts, kept attention, the benchmarks' models) are refused
-at start-up by train/model/support.py."""
+(model-parallel decoder cuts, kept attention, the benchmarks' models) are refused at start-up by
+train/model/support.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from train.model.qwen_image21 import (
     components,
     conditioning,
     lora_keys,
+    pipelines,
     samples,
     tiny,
     variant,
@@ -25,7 +26,9 @@ FAMILY = ModelFamily(
     transformer_class=variant.TRANSFORMER_CLASS,
     pixels_per_latent=conditioning.PIXELS_PER_TOKEN,
     patch_size=1,  # the transformer reads the latents unpatched
-    lora=LoraKeys(lora_keys.DEFAULT_TARGETS, variant.PIPELINE_CLASS, lora_keys.comfyui_state_dict),
+    lora=LoraKeys(
+        lora_keys.DEFAULT_TARGETS, variant.PIPELINE_CLASS, lora_keys.comfyui_state_dict, lora_keys.split_comfyui
+    ),
     detect_variant=variant.detect_variant,
     transformer_inputs=batches.transformer_inputs,
     target_prediction=batches.target_prediction,
@@ -33,6 +36,7 @@ FAMILY = ModelFamily(
     # every linear of a block is a token linear; the one shared modulation sits outside the blocks
     fp8_linears=Fp8Linears(lora_keys.DEFAULT_TARGETS),
     set_attention=attention.set_attention,
+    random_pipeline_models=components.random_pipeline_models,
     load_encoders=components.load_encoders,
     load_vae=components.load_vae,
     prompt_tokenizer=components.load_processor,
@@ -45,6 +49,11 @@ FAMILY = ModelFamily(
     join_conditioning=batches.join_conditioning,
     cached_bucket_key=batches.cached_bucket_key,
     conditioning_fingerprint=batches.fingerprint,
+    load_pipeline=pipelines.load_pipeline,
+    pipeline_from_components=pipelines.pipeline_from_components,
+    sample=pipelines.sample,
+    sampling_pipeline=pipelines.sampling_pipeline,
+    encoder_calls=pipelines.ENCODER_CALLS,
     make_tiny=tiny.make_tiny,
     make_dataset=tiny.make_dataset,
     synthetic_batch=batches.synthetic_batch,
