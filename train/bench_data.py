@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from train.benchmarks.inputs import format_report, parse_args, run
-from train.benchmarks.step import append_json
+from train.benchmarks.report import append_json
 from train.runtime import engine
 from train.runtime.console import prefix_rank_output
 
