@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.benchmarks import step as bench
+from train.benchmarks import build, flops, options, profiling, report
+from train.benchmarks.workload import make_workload
 
 REPO = Path(__file__).resolve().parent.parent
 # Every number the smoke run must report as > 0 (the baseline's too, since it runs with --baseline).
@@ -44,7 +45,7 @@ def test_cpu_smoke_reports_every_field(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
     assert "s/step" in proc.stdout and "not meaningful" in proc.stdout  # the report block, with the CPU note
     record = json.loads(out.read_text().splitlines()[-1])
-    bad = {k: record.get(k) for k in (*POSITIVE, *bench.NUMERIC_FIELDS, *bench.BASELINE_FIELDS)
+    bad = {k: record.get(k) for k in (*POSITIVE, *report.NUMERIC_FIELDS, *report.BASELINE_FIELDS)
            if not isinstance(record.get(k), (int, float)) or isinstance(record.get(k), bool) or record[k] <= 0}
     assert not bad, f"missing or non-positive fields: {bad}"
     empty = [k for k in TEXT if not isinstance(record.get(k), str) or not record[k]]
@@ -64,29 +65,29 @@ def test_cpu_smoke_reports_every_field(tmp_path):
 @pytest.fixture(scope="module")
 def full_meta() -> torch.nn.Module:
     """The full 60-block architecture on the meta device (shapes only, no memory)."""
-    return bench.build_full_transformer(60, "meta", torch.bfloat16)
+    return build.build_full_transformer(60, "meta", torch.bfloat16)
 
 
 def test_flops_of_the_issue_workload(full_meta):
     """1024^2 + one 1024^2 reference + 256 text tokens: 3.87e14 FLOPs per LoRA step, ~31% MFU at 1.28 s."""
-    flops = bench.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "lora")
-    assert flops == pytest.approx(3.87e14, rel=0.01)
-    assert bench.mfu(flops, 1.28, 1) == pytest.approx(0.31, abs=0.01)
-    attention = bench.forward_attention_flops(full_meta, IMAGE_TOKENS + TEXT_TOKENS)
+    lora = flops.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "lora")
+    assert lora == pytest.approx(3.87e14, rel=0.01)
+    assert flops.mfu(lora, 1.28, 1) == pytest.approx(0.31, abs=0.01)
+    attention = flops.forward_attention_flops(full_meta, IMAGE_TOKENS + TEXT_TOKENS)
     assert attention == 60 * 4 * (IMAGE_TOKENS + TEXT_TOKENS) ** 2 * 3072
-    full = bench.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "full")
-    assert full - flops == pytest.approx(bench.forward_linear_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS))
-    assert bench.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "lora", batch=2) == pytest.approx(2 * flops)
+    full = flops.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "full")
+    assert full - lora == pytest.approx(flops.forward_linear_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS))
+    assert flops.step_flops(full_meta, IMAGE_TOKENS, TEXT_TOKENS, "lora", batch=2) == pytest.approx(2 * lora)
 
 
 def test_every_linear_is_assigned_a_stream(full_meta):
     """Per block 6 image-stream, 6 text-stream and 2 modulation linears; plus the embeddings and output."""
-    streams = [bench.linear_stream(n) for n, m in full_meta.named_modules() if isinstance(m, torch.nn.Linear)]
+    streams = [flops.linear_stream(n) for n, m in full_meta.named_modules() if isinstance(m, torch.nn.Linear)]
     assert streams.count("image") == 60 * 6 + 2  # + img_in, proj_out
     assert streams.count("text") == 60 * 6 + 1  # + txt_in
     assert streams.count("one") == 60 * 2 + 3  # + norm_out.linear, the two timestep-embedding linears
     with pytest.raises(ValueError, match="no known stream"):
-        bench.linear_stream("transformer_blocks.0.new_thing")
+        flops.linear_stream("transformer_blocks.0.new_thing")
 
 
 def test_lora_trainable_counts_on_meta():
@@ -94,11 +95,11 @@ def test_lora_trainable_counts_on_meta():
 
     The FLOP count is the same after LoRA is added: LoRA's layers are skipped, the base layers counted.
     """
-    model = bench.build_full_transformer(60, "meta", torch.bfloat16)
-    before = bench.step_flops(model, IMAGE_TOKENS, TEXT_TOKENS, "lora")
-    bench.prepare_training(model, "lora", bench.lora_config(64, "attn"), "none", compile_blocks=False)
-    assert bench.trainable_count(model) == 188_743_680
-    assert bench.step_flops(model, IMAGE_TOKENS, TEXT_TOKENS, "lora") == before
+    model = build.build_full_transformer(60, "meta", torch.bfloat16)
+    before = flops.step_flops(model, IMAGE_TOKENS, TEXT_TOKENS, "lora")
+    build.prepare_training(model, "lora", build.lora_config(64, "attn"), "none", compile_blocks=False)
+    assert build.trainable_count(model) == 188_743_680
+    assert flops.step_flops(model, IMAGE_TOKENS, TEXT_TOKENS, "lora") == before
 
 
 def _tokens_seen(name: str, image: int, text: int) -> int:
@@ -117,7 +118,7 @@ def test_tiny_flops_follow_the_module():
     linear = sum(2 * _tokens_seen(n, image, text) * m.in_features * m.out_features
                  for n, m in tiny.named_modules() if isinstance(m, torch.nn.Linear))
     attention = 2 * 4 * (image + text) ** 2 * 64
-    assert bench.step_flops(tiny, image, text, "lora") == pytest.approx(2 * linear + 3 * attention)
+    assert flops.step_flops(tiny, image, text, "lora") == pytest.approx(2 * linear + 3 * attention)
 
 
 def test_compile_mode_reaches_every_block(monkeypatch):
@@ -126,37 +127,37 @@ def test_compile_mode_reaches_every_block(monkeypatch):
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
-    lora = bench.lora_config(4, "attn")
-    bench.prepare_training(build_transformer(), "lora", lora, "none", True, compile_mode="reduce-overhead")
+    lora = build.lora_config(4, "attn")
+    build.prepare_training(build_transformer(), "lora", lora, "none", True, compile_mode="reduce-overhead")
     assert seen == [{"mode": "reduce-overhead"}] * 2  # the tiny model's 2 blocks
     seen.clear()
-    bench.prepare_training(build_transformer(), "lora", lora, "none", True)
+    build.prepare_training(build_transformer(), "lora", lora, "none", True)
     assert seen == [{}] * 2
-    assert bench.parse_args(["--compile", "--compile_mode", "reduce-overhead"]).compile_mode == "reduce-overhead"
+    assert options.parse_args(["--compile", "--compile_mode", "reduce-overhead"]).compile_mode == "reduce-overhead"
 
 
 def test_zero_cond_t_builds_the_2511_transformer():
     """--zero_cond_t: the benchmarked transformer (tiny, and full size on meta) has 2511's config; FLOPs unchanged."""
-    tiny = bench.build_model(bench.parse_args(["--tiny", "--zero_cond_t"]), torch.device("cpu"), torch.float32)
+    tiny = build.build_model(options.parse_args(["--tiny", "--zero_cond_t"]), torch.device("cpu"), torch.float32)
     assert tiny.config.zero_cond_t and all(b.zero_cond_t for b in tiny.transformer_blocks)
-    assert not bench.build_model(bench.parse_args(["--tiny"]), torch.device("cpu"), torch.float32).config.zero_cond_t
-    full = bench.build_full_transformer(2, "meta", torch.bfloat16, zero_cond_t=True)
+    assert not build.build_model(options.parse_args(["--tiny"]), torch.device("cpu"), torch.float32).config.zero_cond_t
+    full = build.build_full_transformer(2, "meta", torch.bfloat16, zero_cond_t=True)
     assert full.config.zero_cond_t
-    plain = bench.build_full_transformer(2, "meta", torch.bfloat16)
-    assert bench.step_flops(full, IMAGE_TOKENS, TEXT_TOKENS, "lora") == bench.step_flops(plain, IMAGE_TOKENS,
+    plain = build.build_full_transformer(2, "meta", torch.bfloat16)
+    assert flops.step_flops(full, IMAGE_TOKENS, TEXT_TOKENS, "lora") == flops.step_flops(plain, IMAGE_TOKENS,
                                                                                          TEXT_TOKENS, "lora")
 
 
 def test_workload_and_option_checks():
     """The issue's workload is 4096 + 4096 image tokens + 256 text; impossible combinations are refused."""
-    w = bench.make_workload(1024 * 1024, refs=1, text_tokens=256, micro_batch=1)
+    w = make_workload(1024 * 1024, refs=1, text_tokens=256, micro_batch=1)
     assert (w.width, w.height, w.image_tokens, w.tokens_per_sample) == (1024, 1024, IMAGE_TOKENS, 8448)
-    args = bench.parse_args([])
+    args = options.parse_args([])
     assert (args.area, args.text_tokens, args.lora_rank, args.steps, args.warmup) == (1024 * 1024, 256, 64, 20, 5)
     for bad in (["--mode", "full", "--baseline"], ["--tiny", "--num_layers", "4"], ["--steps", "0"],
                 ["--compile_mode", "reduce-overhead"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            options.parse_args(bad)
 
 
 def test_random_init_loads_a_weightless_directory(tiny_edit, tmp_path, monkeypatch):
@@ -240,15 +241,14 @@ def test_full_size_configs_at_a_chosen_depth(tmp_path, capsys):
 def test_idle_report_attributes_gaps_to_the_issuing_phase():
     """Gaps between kernels (overlapping kernels merged) are charged to the phase the host was in when the
     kernel after the gap was issued; host synchronisations are counted per phase."""
-    s = bench.Span
+    s = profiling.Span
     spans = [s("bench/forward", 0, 100, False), s("bench/backward", 100, 200, False), s("bench/step", 200, 300, False),
              s("k1", 0, 40, True), s("k2", 30, 50, True),  # overlap: busy until 50
              s("k3", 60, 90, True),  # 10 us gap, issued in forward
              s("k4", 130, 190, True),  # 40 us gap, issued in backward
              s("k5", 290, 300, True),  # 100 us gap, issued in step
              s("cudaStreamSynchronize", 210, 280, False), s("cudaStreamSynchronize", 20, 25, False)]
-    report = bench.idle_report(spans, steps=1, top=2)
-    lines = report.splitlines()
+    lines = profiling.idle_report(spans, steps=1, top=2).splitlines()
     assert lines[0].startswith("device idle between kernels: 0.15 ms/step in 3 gaps/step")
     assert lines[1:4] == ["  bench/step: 0.10 ms/step", "  bench/backward: 0.04 ms/step",
                           "  bench/forward: 0.01 ms/step"]
@@ -263,8 +263,8 @@ def test_kernel_filter_takes_events_and_averages():
     from types import SimpleNamespace as NS
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    assert bench._is_kernel(NS(name="nvjet_gemm", device_type=cuda, is_user_annotation=False))
-    assert bench._is_kernel(NS(key="nvjet_gemm", device_type=cuda))
-    assert not bench._is_kernel(NS(name="aten::mm", device_type=cpu, is_user_annotation=False))
-    assert not bench._is_kernel(NS(key="bench/forward", device_type=cuda))
-    assert not bench._is_kernel(NS(name="my_range", device_type=cuda, is_user_annotation=True))
+    assert profiling.is_kernel(NS(name="nvjet_gemm", device_type=cuda, is_user_annotation=False))
+    assert profiling.is_kernel(NS(key="nvjet_gemm", device_type=cuda))
+    assert not profiling.is_kernel(NS(name="aten::mm", device_type=cpu, is_user_annotation=False))
+    assert not profiling.is_kernel(NS(key="bench/forward", device_type=cuda))
+    assert not profiling.is_kernel(NS(name="my_range", device_type=cuda, is_user_annotation=True))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.benchmarks import floor
-from train.benchmarks import step as bench
+from train.benchmarks import build, floor, options
+from train.benchmarks.workload import FAMILY, make_workload
 from train.config import TrainConfig
 from train.model.qwen_image.tiny import SCHEDULER_CONFIG
 from train.trainer import loop
@@ -28,13 +28,13 @@ def test_census_finds_the_calls_the_step_makes():
     block in fp8, its 2 modulation linears as matrix-vector products; input gradients everywhere but before the
     first trainable weight (block 0's q/k/v projections, the embeddings, the modulation); LoRA's A and B on the 8
     attention projections."""
-    args = bench.parse_args(["--tiny", "--fp8_base", "--floor"])
-    model = bench.census_model(args, torch.float32)
+    args = options.parse_args(["--tiny", "--fp8_base", "--floor"])
+    model = build.census_model(args, torch.float32)
     blocks = len(model.transformer_blocks)
-    w = bench.make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
-    b = bench.synthetic_batch(w, model, torch.device("cpu"), torch.float32, text_mask=False)
+    w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
+    b = build.synthetic_batch(w, model, torch.device("cpu"), torch.float32, text_mask=False)
     kwargs, _, _ = loop.noisy_inputs(
-        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32, bench.FAMILY
+        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32, FAMILY
     )
     linears, attention = floor.census(model, {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()})
 
@@ -107,7 +107,7 @@ def test_floor_refuses_what_it_cannot_time():
         ["--floor", "--floor_repeats", "0"],
     ):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            options.parse_args(bad)
 
 
 def test_profiled_kernels_are_placed_by_name_then_launching_op():

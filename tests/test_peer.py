@@ -13,8 +13,7 @@ import pytest
 import torch
 from conftest import transformer_inputs
 
-from train.benchmarks import fp8_impls, peer
-from train.benchmarks import step as bench
+from train.benchmarks import build, fp8_impls, options, peer
 from train.model import fp8
 from train.model.qwen_image.tiny import build_transformer
 
@@ -68,7 +67,7 @@ def test_peer_step_trains_lora_on_the_same_modules():
     """One step of the peer (bf16 base variant, fp32 on the CPU): finite loss, every LoRA B moved off zero (its
     gradient reached it), the base untouched; LoRA sits on the same modules as on our transformer."""
     needs_peer()
-    targets = bench.lora_targets("attn")
+    targets = build.lora_targets("attn")
     setup = peer.build(peer.Variant("bf16", "eager"), num_layers=2, latent_hw=LATENT_HW, refs=2,
                        text_tokens=TEXT_TOKENS, targets=targets, rank=4, device=CPU, dtype=torch.float32, seed=0,
                        checkpointing=True, dims=peer.TINY)
@@ -80,7 +79,7 @@ def test_peer_step_trains_lora_on_the_same_modules():
     assert all(p.abs().sum() > 0 for n, p in lora_b.items() if not n.startswith(UNUSED)), "no LoRA gradient"
     assert all(torch.equal(p, base[n]) for n, p in setup.model.named_parameters() if n in base)
     ours = build_transformer()
-    bench.prepare_training(ours, "lora", bench.lora_config(4, "attn"), "none", False)
+    build.prepare_training(ours, "lora", build.lora_config(4, "attn"), "none", False)
     lora_modules = lambda m: {n for n, _ in m.named_modules() if n.endswith(".lora_A")}  # noqa: E731
     assert lora_modules(setup.model) == lora_modules(ours)
     assert setup.trainable_params == sum(p.numel() for p in ours.parameters() if p.requires_grad)
@@ -92,7 +91,7 @@ def test_peer_quantised_base_and_refused_variants():
     needs_peer()
     pytest.importorskip("torchao")
     kwargs = dict(num_layers=2, latent_hw=LATENT_HW, refs=1, text_tokens=TEXT_TOKENS,
-                  targets=bench.lora_targets("attn"), rank=4, device=CPU, dtype=torch.float32, seed=0,
+                  targets=build.lora_targets("attn"), rank=4, device=CPU, dtype=torch.float32, seed=0,
                   dims=peer.TINY)
     timed = []
     rows = peer.run_variants(peer.parse_variants("torchao_fp8_w8a16:eager,torchao_fp8_w8a8:eager,nope:eager"),
@@ -110,20 +109,20 @@ def test_peer_quantised_base_and_refused_variants():
 
 def test_bench_options_for_peer_and_fp8_impls():
     """Combinations the benchmark refuses, with the flag to change."""
-    args = bench.parse_args(["--peer", "diffsynth"])
+    args = options.parse_args(["--peer", "diffsynth"])
     assert peer.parse_variants(args.peer_variants) == [peer.Variant(*v.split(":")) for v in peer.DEFAULT_VARIANTS]
     for bad in (["--peer", "diffsynth", "--micro_batch", "2"], ["--peer", "diffsynth", "--mode", "full"],
                 ["--peer", "diffsynth", "--peer_variants", "bf16"], ["--fp8_impl", "torchao_training"],
                 ["--fp8_base", "--fp8_transposed", "--fp8_impl", "torchao_inference"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            options.parse_args(bad)
 
 
 @pytest.fixture()
 def tiny_lora() -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_transformer()
-    bench.prepare_training(model, "lora", bench.lora_config(4, "attn"), "none", False)
+    build.prepare_training(model, "lora", build.lora_config(4, "attn"), "none", False)
     with torch.no_grad():  # LoRA B off zero, so that the LoRA branch contributes to the output
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -7,9 +7,9 @@
     python -m train.bench --floor [...]                # + the step's attention and matmuls alone: its floor ratio
     python -m train.bench --scaling --model M --data D [...]  # train/main.py on 1 and N GPUs, three ZeRO settings
 
-What is timed and how MFU is counted: train/benchmarks/step.py; the block probe: train/benchmarks/blocks.py; the
-matmul probe: train/benchmarks/gemms.py; the floor: train/benchmarks/floor.py; the scaling harness:
-train/benchmarks/scaling.py.
+What is timed: train/benchmarks/step.py (its options: options.py); how MFU is counted: train/benchmarks/flops.py;
+the block probe: train/benchmarks/blocks.py; the matmul probe: train/benchmarks/gemms.py; the floor:
+train/benchmarks/floor.py; the scaling harness: train/benchmarks/scaling.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
 
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train.benchmarks import blocks, gemms, scaling
-from train.benchmarks.step import append_json, format_report, parse_args, run
+from train.benchmarks.options import parse_args
+from train.benchmarks.report import append_json, format_report
+from train.benchmarks.step import run
 from train.runtime import engine
 from train.runtime.console import prefix_rank_output
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
 from train.benchmarks.inputs import format_report, parse_args, run
-from train.benchmarks.step import append_json
+from train.benchmarks.report import append_json
 from train.runtime import engine
 from train.runtime.console import prefix_rank_output
 

@@ -38,7 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from train.benchmarks.step import FAMILY, build_full_transformer
+    from train.benchmarks.build import build_full_transformer
+    from train.benchmarks.workload import FAMILY
 
     if not torch.cuda.is_available():
         raise SystemExit("--block_probe needs a CUDA GPU (the plan measures nothing on the CPU)")

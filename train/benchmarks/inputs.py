@@ -30,7 +30,11 @@ from pathlib import Path
 
 import torch
 
-from train.benchmarks import step as bench
+from train.benchmarks import options
+from train.benchmarks.build import build_full_transformer, lora_config, make_config, prepare_training
+from train.benchmarks.report import machine
+from train.benchmarks.timing import sync
+from train.benchmarks.workload import FAMILY, SEED, make_workload
 from train.config.files import transformer_class
 from train.data import latent_cache, pairs, sources
 from train.model import family
@@ -73,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dtype: torch.dtype):
     """(rows, dataset, encoders, transformer or None): synthetic edits at the workload size and the models (the
     tiny checkpoint's, or the released encoders' sizes at random init)."""
-    num_rows, side = args.warmup + args.samples, bench.make_workload(args.area, 1, 1, 1).width
+    num_rows, side = args.warmup + args.samples, make_workload(args.area, 1, 1, 1).width
     fam = family.variant_family(args.variant)
     if args.tiny:
         fam.make_tiny(work, args.variant, num_samples=num_rows, size=side)
@@ -89,13 +93,13 @@ def build_inputs(args: argparse.Namespace, work: Path, device: torch.device, dty
 
 def build_transformer(args: argparse.Namespace, work: Path, device: torch.device, dtype: torch.dtype):
     """The transformer with LoRA r64 on the attention projections (as train.bench), seeded."""
-    torch.manual_seed(bench.SEED)
+    torch.manual_seed(SEED)
     if args.tiny:
         model = transformer_class(work / "model" / "transformer").from_pretrained(work / "model",
                                                                                   subfolder="transformer").to(device)
     else:
-        model = bench.build_full_transformer(args.num_layers, device, dtype)
-    bench.prepare_training(model, "lora", bench.lora_config(64, "attn"), "none", False)
+        model = build_full_transformer(args.num_layers, device, dtype)
+    prepare_training(model, "lora", lora_config(64, "attn"), "none", False)
     return model
 
 
@@ -121,19 +125,19 @@ def free(device: torch.device) -> float:
 def step_fn(transformer, d: engine.Dist, dtype: torch.dtype, args: argparse.Namespace):
     """f(batch, i): the trainer's micro-step on `batch` (ZeRO-2 engine over the LoRA parameters), or a sync."""
     if transformer is None:
-        return lambda b, i: bench._sync(d.device)
+        return lambda b, i: sync(d.device)
     # train.bench's defaults: micro-batch 1, LoRA r64 on the attention projections, ZeRO-2, AdamW
-    defaults = bench.parse_args(["--steps", str(args.samples), "--warmup", str(args.warmup)])
-    cfg = bench.make_config(defaults, d.world_size, d.device.type == "cuda", dtype)
+    defaults = options.parse_args(["--steps", str(args.samples), "--warmup", str(args.warmup)])
+    cfg = make_config(defaults, d.world_size, d.device.type == "cuda", dtype)
     eng, _ = engine.build_engine(transformer, cfg.deepspeed)
     eng.train()
     t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
 
     def step(b: sources.Batch, i: int) -> None:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-        eng.backward(loop.forward_loss(eng, b, t, generator, bench.FAMILY.bench.SCHEDULER, dtype, bench.FAMILY))
+        eng.backward(loop.forward_loss(eng, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY))
         eng.step()
-        bench._sync(d.device)
+        sync(d.device)
 
     return step
 
@@ -178,17 +182,17 @@ def time_calls(parts: dict, device: torch.device, repeats: int) -> dict:
     out = {}
     for name, call in parts.items():
         call()
-        bench._sync(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(repeats):
             call()
-        bench._sync(device)
+        sync(device)
         out[name] = (time.perf_counter() - start) / repeats
     return out
 
 
 def make_loader(dataset, args: argparse.Namespace, collate_fn=pairs.collate):
-    return pairs.build_loader(dataset, 1, 0, 1, bench.SEED, args.num_workers, True, False, collate_fn=collate_fn)
+    return pairs.build_loader(dataset, 1, 0, 1, SEED, args.num_workers, True, False, collate_fn=collate_fn)
 
 
 def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
@@ -214,7 +218,7 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
                                   lambda raw: latent_cache.to_batch(raw, d.device))
     cached = time_source(source, step, args.warmup, args.samples)
     cache_bytes = sum(f.stat().st_size for f in (work / "cache").glob("shard-*"))
-    w = bench.make_workload(args.area, 1, 1, 1)
+    w = make_workload(args.area, 1, 1, 1)
     return {
         **record, "online_samples_per_s": online["samples_per_s"], "cached_samples_per_s": cached["samples_per_s"],
         "speedup": cached["samples_per_s"] / online["samples_per_s"],
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
         "model": "tiny" if args.tiny else "full architectures (random init)", "variant": args.variant,
         "precision": str(dtype).removeprefix("torch."), "samples": args.samples, "warmup": args.warmup,
         "num_workers": args.num_workers, "vae_2d_frames": args.vae_2d_frames,
-        "area": args.area, "width": w.width, "height": w.height, **bench.machine(d),
+        "area": args.area, "width": w.width, "height": w.height, **machine(d),
     }
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from train import config
-from train.benchmarks import step
+from train.benchmarks.report import machine
 from train.runtime import engine, steptime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         "runs": runs,
         "settings": settings,
         "failed": sum(r["status"] == "failed" for r in runs),
-        **step.machine(engine.Dist(0, args.gpus, 0, device)),
+        **machine(engine.Dist(0, args.gpus, 0, device)),
     }
 
 

@@ -1,0 +1,114 @@
+"""train.bench --profile: torch.profiler over 3 steps of a timed loop, the op table, the device-busy share and, on a
+GPU, where the device waits for the host (the idle report) and the kernels by category (train/benchmarks/kernels.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.benchmarks import kernels
+from train.benchmarks.timing import sync
+
+PHASES = ("bench/forward", "bench/backward", "bench/step")  # record_function labels of step.project_step
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One profiler event reduced to what the idle report needs (times in microseconds)."""
+
+    name: str
+    start: float
+    end: float
+    on_device: bool
+
+
+def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
+    """Where the device waits for the host: gaps between kernels, attributed to the step phase (PHASES) the host
+    was in when the next kernel was issued, and the host synchronisations in each phase."""
+    device_spans = sorted((s for s in spans if s.on_device), key=lambda s: s.start)
+    phases = sorted((s for s in spans if not s.on_device and s.name in PHASES), key=lambda s: s.start)
+
+    def phase_at(t: float) -> str:
+        inside = [p.name for p in phases if p.start <= t <= p.end]
+        return inside[-1] if inside else "between phases"
+
+    gaps, busy_until, previous = [], None, None  # (length, phase, kernel before, kernel after)
+    for k in device_spans:
+        if busy_until is not None and k.start > busy_until:
+            # charged to the phase in which the host issued the kernel that ended the gap
+            gaps.append((k.start - busy_until, phase_at(k.start - 1.0), previous, k.name))
+        if busy_until is None or k.end > busy_until:
+            busy_until, previous = k.end, k.name
+    by_phase: dict[str, float] = {}
+    for length, phase, _, _ in gaps:
+        by_phase[phase] = by_phase.get(phase, 0.0) + length
+    syncs: dict[str, int] = {}
+    for s in spans:
+        if not s.on_device and s.name in SYNC_CALLS:
+            key = f"{s.name} in {phase_at(s.start)}"
+            syncs[key] = syncs.get(key, 0) + 1
+    total = sum(g[0] for g in gaps)
+    lines = [
+        f"device idle between kernels: {total / steps / 1e3:.2f} ms/step in {len(gaps) / steps:.0f} gaps/step; "
+        "by the phase that issued the next kernel:"
+    ]
+    lines += [f"  {name}: {us / steps / 1e3:.2f} ms/step" for name, us in sorted(by_phase.items(), key=lambda x: -x[1])]
+    lines.append(
+        "host synchronisations per step: "
+        + (", ".join(f"{name} x{count / steps:g}" for name, count in sorted(syncs.items())) or "none")
+    )
+    lines.append(f"largest {top} gaps (ms, phase, kernel before -> kernel after):")
+    for length, phase, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {length / 1e3:7.3f}  {phase:15s} {str(before)[:60]} -> {after[:60]}")
+    return "\n".join(lines) + "\n"
+
+
+def profiler_spans(prof) -> list[Span]:
+    """Kernels, copies and host events of a finished torch.profiler run."""
+    return [Span(e.name, e.time_range.start, e.time_range.end, is_kernel(e)) for e in prof.events()]
+
+
+def is_kernel(event) -> bool:
+    """A kernel or copy on the device (not a host op, nor a record_function range mirrored on the device)."""
+    name = getattr(event, "name", None) or getattr(event, "key", "")  # FunctionEvent / key_averages' rows
+    return (
+        event.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(event, "is_user_annotation", False)
+        and name not in PHASES
+    )
+
+
+def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
+    """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
+    GPU, the idle report (where the device waits for the host) and the kernels by category (train/benchmarks/
+    kernels.py: which part of the floor each belongs to, or what it is beyond it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(first, first + 3):
+            step(i)
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    # Kernels (and copies) only: an op's row repeats the device time of the kernels it launched.
+    busy_us = sum(e.self_device_time_total for e in events if is_kernel(e))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(
+            f"wall {wall / 3:.4f} s/step under the profiler; device kernels {busy_us / 3e6:.4f} s/step "
+            f"({100 * busy_us / 1e6 / wall:.1f}% busy)\n\n"
+        )
+        if device.type == "cuda":
+            f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
+            f.write(kernels.report(kernels.profiled_kernels(prof), steps=3) + "\n")
+        f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
