@@ -78,6 +78,18 @@ def tiny_21(tiny_21_edits) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_21_recolour(tiny_21, tmp_path_factory) -> Path:
+    """DIR/model (the tiny 2.1 checkpoint) and DIR/data: 16 recolour edits of one RGB reference at 128 x 128 px,
+    the rows the demo trains 2.1 on (the MMDiT tiny dataset's: the dataset format is every family's)."""
+    from train.model.qwen_image.tiny import make_dataset
+
+    out = tmp_path_factory.mktemp("tiny_21_recolour")
+    (out / "model").symlink_to(tiny_21)
+    make_dataset(out / "data", "edit", 16, 128)
+    return out
+
+
+@pytest.fixture(scope="session")
 def released_model(tmp_path_factory) -> Path:
     """A Qwen-Image-Edit-2509 model directory with the released architectures' configs and no weights (the
     transformer counts on the meta device)."""

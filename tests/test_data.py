@@ -327,7 +327,18 @@ def test_an_edit_model_trains_rows_without_references_only_when_asked(tmp_path):
         check_references(rows, "edit", "stop")
     assert check_references(rows, "edit", "text_to_image").startswith(
         "data: 1 of 2 rows have no edit_image: trained as text-to-image samples")
-    assert check_references(rows[1:], "t2i", "stop") is None and check_references(rows[:1], "edit", "stop") is None
+    assert check_references(rows[1:], "t2i", "stop", text_to_image=True) is None
+    assert check_references(rows, "qwen_image_21", "stop", text_to_image=True) is None
+    assert check_references(rows[:1], "edit", "stop") is None
+
+
+def test_the_models_that_generate_from_text_alone_take_rows_without_references():
+    """Qwen-Image (t2i) and Qwen-Image-2.1 (one model for both tasks) are the variants whose rows may lack
+    references; every edit model's record says it needs them."""
+    from train.model import family
+
+    takes = {v.name: v.text_to_image for f in family.FAMILIES for v in f.variants}
+    assert takes == {"edit": False, "edit_plus": False, "edit_plus_2511": False, "t2i": True, "qwen_image_21": True}
 
 
 def test_jsonl_preferred_over_csv(tmp_path):

@@ -125,7 +125,7 @@ def test_make_tiny_demo_builds_the_demos_base(tmp_path, monkeypatch):
     from train import make_tiny
 
     built, trained = [], []
-    monkeypatch.setattr(make_tiny, "make_tiny", lambda out, variant, n, size, seed, vae, transformer:
+    monkeypatch.setattr(make_tiny.tiny, "make_tiny", lambda out, variant, n, size, seed, vae, transformer:
                         built.append((variant, vae, transformer)) or Path(out))
     monkeypatch.setattr(make_tiny, "pretrain", lambda model, variant, area, condition_area, p:
                         trained.append((variant, p.steps)) or [1.0] * 20)
@@ -167,7 +167,7 @@ def test_make_tiny_refuses_pretraining_without_a_reference(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i", "tiny_21_edits"])
+@pytest.mark.parametrize("tiny_name", ["tiny_edit", "tiny_t2i", "tiny_21_recolour"])
 def test_demo_grid_is_labelled_and_measured(tiny_name, request, tmp_path):
     """render(): reference | target | base model | base + LoRA under a header, a training row and a new scene (drawn
     with a seed nothing was trained on) each under its marked prompt, and for both groups each column's distance to

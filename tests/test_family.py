@@ -146,7 +146,7 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
         "Qwen-Image-2.1 does not support the model-parallel mode's decoder cuts yet",
         "qwen_edit.train.kept_attention_blocks",
     ], problems
-    assert problems[1].endswith("set qwen_edit.parallel.decoder_cuts to []")
+    assert problems[0].endswith("set qwen_edit.parallel.decoder_cuts to []")
     all_that_can = dataclasses.replace(project, train=dataclasses.replace(project.train, kept_attention_blocks=-1))
     assert not any("kept_attention" in p for p in support.unsupported(qwen21, all_that_can, support.TRAIN))
     assert support.unsupported(qwen21, project, support.CACHE) == []

@@ -36,10 +36,10 @@ def run_21(tiny: Path, out: Path, **changes) -> Path:
 
 
 @pytest.fixture(scope="module")
-def lora_checkpoint(tiny_21_edits, tmp_path_factory) -> Path:
+def lora_checkpoint(tiny_21_recolour, tmp_path_factory) -> Path:
     """A LoRA run at a high learning rate from the first step, so that three steps move the render."""
     fast = {"optimizer.params.lr": 0.05, "scheduler.params.warmup_num_steps": 1}
-    return run_21(tiny_21_edits, tmp_path_factory.mktemp("lora21") / "run", **fast)
+    return run_21(tiny_21_recolour, tmp_path_factory.mktemp("lora21") / "run", **fast)
 
 
 def render(pipe, reference: Image.Image) -> np.ndarray:
@@ -55,7 +55,7 @@ def render(pipe, reference: Image.Image) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_lora_export_loads_in_the_pipeline_and_changes_it(lora_checkpoint, tiny_21_edits, tmp_path):
+def test_lora_export_loads_in_the_pipeline_and_changes_it(lora_checkpoint, tiny_21_recolour, tmp_path):
     """The CLI export equals the end-of-training export; load_lora_weights takes every one of its layers (7 a
     block) and the render changes."""
     assert export.main(["--checkpoint", str(lora_checkpoint), "--out", str(tmp_path)]) == 0
@@ -63,9 +63,9 @@ def test_lora_export_loads_in_the_pipeline_and_changes_it(lora_checkpoint, tiny_
     trained = load_file(lora_checkpoint.parent / "export" / LORA_WEIGHT_NAME)
     assert exported.keys() == trained.keys()
     assert all((exported[k] - trained[k]).abs().max() <= 1e-6 for k in exported)
-    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_edits / "model", local_files_only=True)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_recolour / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    reference = Image.open(tiny_21_edits / "data" / "0000_ref.png")
+    reference = Image.open(tiny_21_recolour / "data" / "0000_ref.png")
     base = render(pipe, reference)
     pipe.load_lora_weights(tmp_path, weight_name=LORA_WEIGHT_NAME)
     layers = [n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A") and m.lora_A]
@@ -113,34 +113,34 @@ def test_comfyui_export_merges_to_the_diffusers_exports_weights(lora_checkpoint,
 
 @pytest.mark.slow
 def test_comfyui_export_renders_as_the_diffusers_export_through_train_infers_loader(
-    lora_checkpoint, tiny_21_edits, tmp_path
+    lora_checkpoint, tiny_21_recolour, tmp_path
 ):
     """train.infer --lora with the ComfyUI file: its fused gate_up LoRAs are split back before diffusers' loader
     (which would drop them), and the render equals the diffusers export's."""
     renders = {}
     for fmt, name in (("diffusers", LORA_WEIGHT_NAME), ("comfyui", COMFYUI_WEIGHT_NAME)):
         assert export.main(["--checkpoint", str(lora_checkpoint), "--out", str(tmp_path / fmt), "--format", fmt]) == 0
-        pipe = QwenImage21Pipeline.from_pretrained(tiny_21_edits / "model", local_files_only=True)
+        pipe = QwenImage21Pipeline.from_pretrained(tiny_21_recolour / "model", local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
         placement.load_loras(pipe, [(tmp_path / fmt / name, 1.0)])
         lora_modules = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A") and m.lora_A}
         assert any(n.endswith("img_mlp.gate_layer") for n in lora_modules), fmt
-        renders[fmt] = render(pipe, Image.open(tiny_21_edits / "data" / "0000_ref.png"))
+        renders[fmt] = render(pipe, Image.open(tiny_21_recolour / "data" / "0000_ref.png"))
     assert np.abs(renders["comfyui"] - renders["diffusers"]).max() < 1e-4
 
 
 @pytest.mark.slow
-def test_full_export_is_a_transformer_directory_from_pretrained_loads(tiny_21_edits, tmp_path):
+def test_full_export_is_a_transformer_directory_from_pretrained_loads(tiny_21_recolour, tmp_path):
     """A full fine-tune exports DIR/transformer/, a QwenImage21Transformer2DModel with the trained weights that
     the pipeline takes in place of the base's."""
-    checkpoint = run_21(tiny_21_edits, tmp_path / "run", **{"qwen_edit.train.mode": "full"})
+    checkpoint = run_21(tiny_21_recolour, tmp_path / "run", **{"qwen_edit.train.mode": "full"})
     assert export.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out")]) == 0
     loaded = QwenImage21Transformer2DModel.from_pretrained(tmp_path / "out" / "transformer")
     trained = QwenImage21Transformer2DModel.from_pretrained(checkpoint.parent / "export" / "transformer")
-    base = QwenImage21Transformer2DModel.from_pretrained(tiny_21_edits / "model" / "transformer")
+    base = QwenImage21Transformer2DModel.from_pretrained(tiny_21_recolour / "model" / "transformer")
     for name, tensor in loaded.state_dict().items():
         assert (tensor - trained.state_dict()[name]).abs().max() <= 1e-6, name
     assert max((t - base.state_dict()[n]).abs().max() for n, t in loaded.state_dict().items()) > 1e-4
-    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_edits / "model", transformer=loaded, local_files_only=True)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_recolour / "model", transformer=loaded, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    assert np.isfinite(render(pipe, Image.open(tiny_21_edits / "data" / "0000_ref.png"))).all()
+    assert np.isfinite(render(pipe, Image.open(tiny_21_recolour / "data" / "0000_ref.png"))).all()

@@ -24,26 +24,27 @@ FAMILY_TARGETS = {"qwen_edit.lora.target_modules": None, "qwen_edit.output.log_e
 
 
 @pytest.mark.slow
-def test_two_stages_train_like_one_process_and_render_the_pipelines_images(tiny_21_edits, tmp_path):
+def test_two_stages_train_like_one_process_and_render_the_pipelines_images(tiny_21_recolour, tmp_path):
     """The encoder + decoder run's losses, gradient norms and LoRA export are the one-process run's; with
     validation.file the decoder's 'before' image (the base model, conditioning replayed) is the pipeline's render."""
     reference = tmp_path / "reference"
     cfg = write_config(tmp_path / "reference.json", **FAMILY_TARGETS)
-    check(run_trainer(tiny_21_edits, reference, config=cfg, extra=("--max_steps", str(STEPS))))
+    check(run_trainer(tiny_21_recolour, reference, config=cfg, extra=("--max_steps", str(STEPS))))
     edits = tmp_path / "edits.jsonl"
-    edits.write_text(json.dumps({"edit_image": str(tiny_21_edits / "data" / "0000_ref.png"), "prompt": "blue"}) + "\n")
+    picture = str(tiny_21_recolour / "data" / "0000_ref.png")
+    edits.write_text(json.dumps({"edit_image": picture, "prompt": "blue"}) + "\n")
     validated = {"qwen_edit.validation": {"file": str(edits), "every_steps": 2}, "qwen_edit.inference": TINY_INFERENCE}
     out = tmp_path / "two_stages"
     cfg = mp_config(tmp_path / "mp.json", **FAMILY_TARGETS, **validated)
-    check(run_trainer(tiny_21_edits, out, config=cfg, num_procs=2, extra=("--max_steps", str(STEPS))))
+    check(run_trainer(tiny_21_recolour, out, config=cfg, num_procs=2, extra=("--max_steps", str(STEPS))))
     assert_same_training(out, reference)
     assert sorted(p.name for p in (out / "validation").glob("step_*.png")) == ["step_000002.png", "step_000004.png"]
-    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_edits / "model", local_files_only=True)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_recolour / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     seed = json.loads((out / "config.json").read_text())["qwen_edit"]["train"]["seed"]
     wanted = pipe(
         prompt="blue",
-        image=[Image.open(tiny_21_edits / "data" / "0000_ref.png").convert("RGBA")],
+        image=[Image.open(tiny_21_recolour / "data" / "0000_ref.png").convert("RGBA")],
         num_inference_steps=TINY_INFERENCE["num_inference_steps"],
         output_resolution=128,
         generator=torch.Generator().manual_seed(seed),
@@ -52,7 +53,7 @@ def test_two_stages_train_like_one_process_and_render_the_pipelines_images(tiny_
     assert before.mode == "RGBA" and np.array_equal(np.asarray(before), np.asarray(wanted))
 
 
-def test_a_decoder_cut_is_refused_with_the_fix(tiny_21_edits, tmp_path):
+def test_a_decoder_cut_is_refused_with_the_fix(tiny_21_recolour, tmp_path):
     """parallel.decoder_cuts with a 2.1 model: the support check names the setting and its fix before anything
     loads (the 2.1 transformer has no cut yet)."""
     cfg = mp_config(tmp_path / "cut.json", stages=3, cuts=[1], **FAMILY_TARGETS)
@@ -61,9 +62,9 @@ def test_a_decoder_cut_is_refused_with_the_fix(tiny_21_edits, tmp_path):
             "--ds_config",
             str(cfg),
             "--model",
-            str(tiny_21_edits / "model"),
+            str(tiny_21_recolour / "model"),
             "--data",
-            str(tiny_21_edits / "data"),
+            str(tiny_21_recolour / "data"),
             "--output_dir",
             str(tmp_path / "out"),
         ]

@@ -24,8 +24,8 @@ from train.runtime.console import prefix_rank_output
 from train.trainer.pretrain import MIN_STEPS, Pretraining, final_loss, pretrain
 
 
-def main(argv: list[str] | None = None) -> None:
-    prefix_rank_output()  # off a terminal, the libraries' own bars (writing the model's shards) stay out of the log
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its combinations checked (argparse's usage error names the flag and the fix)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory to write model/ and data/ into")
     parser.add_argument("--variant", default="edit", choices=[*VARIANTS, QWEN_IMAGE_21])
@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.references is not None and (args.variant != QWEN_IMAGE_21 or not 0 <= args.references <= 10):
         parser.error(f"--references is 0-10 and for --variant {QWEN_IMAGE_21} only (the other variants' rows have "
                      "their variant's references)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    prefix_rank_output()  # off a terminal, the libraries' own bars (writing the model's shards) stay out of the log
+    args = parse_args(argv)
     if args.variant == QWEN_IMAGE_21:
         out = tiny21.make_tiny(args.out, args.variant, args.num_samples, args.size, args.seed, args.references)
     else:

@@ -67,7 +67,7 @@ class DataConfig:
     """Rows without edit_image on an edit model (v1, 2509, 2511): stop names them before step 1 (a misspelt or
     missing reference column would otherwise train every row without its reference); text_to_image trains them as
     text-to-image samples (no reference, QwenImagePipeline's prompt template). Qwen-Image (t2i) takes only such
-    rows."""
+    rows, and Qwen-Image-2.1 (one model for both) takes them as they come."""
     ignore_columns: list[str] = field(default_factory=list)
     """Columns of metadata.jsonl / metadata.csv that the trainer leaves unread (ids, notes of your own): any other
     column than image, edit_image, prompt and category stops the run before step 1, naming it and the known

@@ -158,12 +158,12 @@ def read_rows(data_dir: str | Path, ignored: tuple[str, ...] = ()) -> tuple[list
     return rows, problems
 
 
-def check_references(rows: list[Row], variant: str, choice: str) -> str | None:
+def check_references(rows: list[Row], variant: str, choice: str, text_to_image: bool = False) -> str | None:
     """Rows without edit_image on an edit model: BadRowsError naming them unless `choice`
     (data.rows_without_reference) is "text_to_image", and then the line that counts them; None when every row has
-    a reference, or the model is text-to-image (all its rows are such)."""
+    a reference, or the model generates from text alone too (`text_to_image`: Qwen-Image, Qwen-Image-2.1)."""
     without = [row.line for row in rows if not row.references]
-    if not without or variant == "t2i":
+    if not without or text_to_image:
         return None
     if choice == "stop":
         raise BadRowsError(f"{len(without)} of {len(rows)} rows have no edit_image ({_lines(without)}), but the "

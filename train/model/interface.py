@@ -36,6 +36,7 @@ class Variant:
     title: str  # the released model(s), for the logs
     pipeline_class: str  # the diffusers pipeline that samples it
     max_references: int  # reference images per row (0: text-to-image only)
+    text_to_image: bool = False  # rows without a reference are this model's own task (data.rows_without_reference)
 
 
 @dataclass

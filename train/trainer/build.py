@@ -38,7 +38,8 @@ def build_data(cfg: config.Config, d: engine.Dist, variant: str):
                           condition_area=p.data.condition_area,
                           tokens=family.variant_family(variant).prompt_tokenizer(p.model.path), steps=steps,
                           ignored=tuple(p.data.ignore_columns))
-    unreferenced = check_references(rows, variant, p.data.rows_without_reference)
+    record = next(v for v in family.variant_family(variant).variants if v.name == variant)
+    unreferenced = check_references(rows, variant, p.data.rows_without_reference, record.text_to_image)
     dataset = pairs.EditDataset(p.data.path, rows, variant, p.data.area, p.data.condition_area,
                                p.data.alpha_background, steps)
     loader = pairs.build_loader(dataset, cfg.micro_batch_size, d.rank, d.world_size, p.train.seed,

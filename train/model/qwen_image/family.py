@@ -86,7 +86,8 @@ FAMILY = ModelFamily(
     name="qwen_image",
     title="Qwen-Image",
     variants=tuple(
-        Variant(v, conditioning.MODEL_NAMES[v], conditioning.PIPELINE_CLASSES[v], conditioning.MAX_REFERENCES[v])
+        Variant(v, conditioning.MODEL_NAMES[v], conditioning.PIPELINE_CLASSES[v], conditioning.MAX_REFERENCES[v],
+                v == "t2i")
         for v in conditioning.VARIANTS
     ),
     transformer_class="QwenImageTransformer2DModel",

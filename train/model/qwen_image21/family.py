@@ -22,7 +22,9 @@ from train.model.qwen_image21 import (
 FAMILY = ModelFamily(
     name="qwen_image21",
     title=variant.MODEL_NAME,
-    variants=(Variant(variant.VARIANT, variant.MODEL_NAME, variant.PIPELINE_CLASS, conditioning.MAX_REFERENCES),),
+    variants=(  # one model generates from text alone and edits with 1-10 references
+        Variant(variant.VARIANT, variant.MODEL_NAME, variant.PIPELINE_CLASS, conditioning.MAX_REFERENCES, True),
+    ),
     transformer_class=variant.TRANSFORMER_CLASS,
     pixels_per_latent=conditioning.PIXELS_PER_TOKEN,
     patch_size=1,  # the transformer reads the latents unpatched
