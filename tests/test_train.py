@@ -104,6 +104,7 @@ def test_zero2_outputs(zero2_run):
 # train/runtime/quiet.py, or a line of the run's own to add here.
 CONSOLE_LINES = re.compile("|".join([
     r"prompts: ", r"sampling: ", r"data: ", r"\d+ rows, variant ", r"disk: ", r"step \d+/\d+ \| ", r"loss curve: ",
+    r"step time over steps ",
     r"exported ", r"warning: \d+ processes on this node share its \d+ CPU core",  # a machine of one core
     r"\[[\d-]+ [\d:,]+\] \[INFO\] \[(runner|launch)\.py:",
     r"\[[\d-]+ [\d:,]+\] \[WARNING\] \[runner\.py:\d+:fetch_hostfile\] Unable to find hostfile",
