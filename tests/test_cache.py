@@ -17,7 +17,7 @@ from conftest import REPO, free_port, metrics, patch_family, run_trainer, small_
 from safetensors.torch import load_file
 
 from train import config
-from train.data import latent_cache, pairs, sources
+from train.data import cache_reader, latent_cache, pairs, sources
 from train.model.qwen_image import components, conditioning
 from train.runtime import engine
 
@@ -82,10 +82,10 @@ def test_cached_tensors_equal_online_encoding(built):
     cfg, variant, rows, dataset, index = built
     assert index["num_samples"] == len(rows) and [s["line"] for s in index["samples"]] == [r.line for r in rows]
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
-    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    cached = cache_reader.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     for i in range(0, len(rows), 3):
         online = sources.encode_batch(pairs.collate([dataset[i]]), encoders, variant)
-        got = latent_cache.to_batch(latent_cache.collate([cached[i]]), torch.device("cpu"))
+        got = cache_reader.to_batch(cache_reader.collate([cached[i]]), torch.device("cpu"))
         assert got.target_hw == online.target_hw
         assert got.cond.reference_shapes == online.cond.reference_shapes
         assert len(got.cond.reference_shapes) == (2 if variant == "edit_plus" else 1)
@@ -145,8 +145,8 @@ def test_a_streamed_build_writes_the_same_cache(built, tmp_path, monkeypatch):
     patch_family(monkeypatch, load_encoders=lambda *a, **k: loads.append(k) or real(*a, **k))
     latent_cache.build(streamed_cfg, WORLD_OF_ONE, variant, rows, dataset, index["depends_on"])
     assert loads == [{"stream_text_encoder": True, "vae_2d_frames": True}]  # model.vae_2d_frames passed on
-    a = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
-    b = latent_cache.CachedDataset(tmp_path / "s", latent_cache.read_index(tmp_path / "s"), rows)
+    a = cache_reader.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    b = cache_reader.CachedDataset(tmp_path / "s", latent_cache.read_index(tmp_path / "s"), rows)
     for i in (0, len(rows) - 1):
         for x, y in zip(a[i].values(), b[i].values(), strict=True):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
@@ -195,9 +195,9 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
     i, j = 0, 1
     assert lengths[j] > lengths[i], lengths
     encoders = components.load_encoders(cfg.project.model.path, torch.float32, torch.device("cpu"))
-    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    cached = cache_reader.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     online = sources.encode_batch(pairs.collate([dataset[i], dataset[j]]), encoders, variant)
-    got = latent_cache.to_batch(latent_cache.collate([cached[i], cached[j]]), torch.device("cpu"))
+    got = cache_reader.to_batch(cache_reader.collate([cached[i], cached[j]]), torch.device("cpu"))
     assert torch.equal(got.cond.prompt_mask, online.cond.prompt_mask)
     for a, b in ((got.x0, online.x0), (got.cond.reference_tokens, online.cond.reference_tokens),
                  (got.cond.prompt_embeds, online.cond.prompt_embeds)):
@@ -208,7 +208,7 @@ def test_cached_micro_batch_pads_prompts_like_online(built):
 def test_bucket_keys_and_categories(built):
     """One hashable per sample (target grid + reference grids) and one category (None: no category column)."""
     cfg, _, rows, _, index = built
-    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    cached = cache_reader.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     keys = cached.bucket_keys()
     assert len(keys) == len(rows) and len(set(keys)) >= 1 and all(hash(k) is not None for k in keys)
     assert keys[0][0] == tuple(index["samples"][0]["target_hw"])
@@ -304,7 +304,7 @@ def test_a_damaged_cache_is_named_with_the_fix(built, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(latent_cache.CacheError, match=f"^{shard} is truncated: .*; delete {directory}: data.cache "
                                                       r'"auto" \(or python -m train.cache\) then builds it again$'):
-        latent_cache.CachedDataset(directory, index, rows)
+        cache_reader.CachedDataset(directory, index, rows)
     (directory / latent_cache.INDEX).write_text('{"samples": [')
     with pytest.raises(latent_cache.CacheError, match=f"^{directory / latent_cache.INDEX} is damaged "
                                                       r"\(JSONDecodeError: .*; delete "):

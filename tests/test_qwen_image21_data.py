@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from train.config import TrainConfig
-from train.data import latent_cache, pairs, sources
+from train.data import cache_reader, latent_cache, pairs, sources
 from train.data.rows import BadRowsError, read_rows
 from train.model import family, loading
 from train.model.interface import Encoders
@@ -221,12 +221,12 @@ def test_cached_samples_equal_online_encoding(tiny_21_edits, tmp_path):
     rows = rows[:4] + rows[-1:]  # a t2i row, 1 reference, 2, RGBA; the longer prompt
     dataset = pairs.EditDataset(data, rows, VARIANT, AREA, 64 * 64)
     index = latent_cache.ensure(cfg, WORLD_OF_ONE, VARIANT, rows, dataset, rebuild_stale=True)
-    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    cached = cache_reader.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     assert cached.bucket_keys() == dataset.bucket_keys()
     encoders = FAM.load_encoders(tiny_21_edits / "model", torch.float32, torch.device("cpu"))
     for group in ([0], [1], [2], [3], [1, 4]):  # the last: two prompts of one layout, the second longer
         online = sources.encode_batch(pairs.collate([dataset[i] for i in group]), encoders, VARIANT)
-        got = latent_cache.to_batch(latent_cache.collate([cached[i] for i in group]), torch.device("cpu"))
+        got = cache_reader.to_batch(cache_reader.collate([cached[i] for i in group]), torch.device("cpu"))
         assert got.target_hw == online.target_hw and got.cond.reference_shapes == online.cond.reference_shapes
         for name in ("prompt_embeds", "prompt_mask", "image_slots", "reference_tokens"):
             a, b = getattr(got.cond, name), getattr(online.cond, name)

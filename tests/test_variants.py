@@ -169,7 +169,7 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     (loop.forward_loss, the same noise; 2511: the zero_cond_t transformer)."""
     from test_cache import WORLD_OF_ONE, copy_tiny, data_of, load_cfg
 
-    from train.data import latent_cache, pairs, sources
+    from train.data import cache_reader, latent_cache, pairs, sources
     from train.trainer import loop
 
     cfg = load_cfg(copy_tiny(request.getfixturevalue(tiny_name), tmp_path, num_rows=3), tmp_path)
@@ -181,9 +181,9 @@ def test_cache_trains_like_online_encoding(tiny_name, variant, num_refs, request
     transformer = loading.load_transformer(cfg.project.model, torch.float32)
     assert transformer.config.zero_cond_t == (variant == "edit_plus_2511")
     scheduler = loading.scheduler_config(cfg.project.model.path)
-    cached = latent_cache.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
+    cached = cache_reader.CachedDataset(latent_cache.cache_dir(cfg), index, rows)
     online = sources.encode_batch(pairs.collate([dataset[0]]), encoders, variant)
-    got = latent_cache.to_batch(latent_cache.collate([cached[0]]), torch.device("cpu"))
+    got = cache_reader.to_batch(cache_reader.collate([cached[0]]), torch.device("cpu"))
     assert len(got.cond.reference_shapes) == num_refs
     assert got.cond.reference_tokens.shape[1] == sum(h * w for _, h, w in got.cond.reference_shapes)
     losses = [loop.forward_loss(transformer, b, cfg.project.train, torch.Generator().manual_seed(5), scheduler,

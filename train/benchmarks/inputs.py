@@ -5,7 +5,7 @@ Two phases over the same synthetic edit rows (micro-batch 1, the trainer's own l
 
 - online: `pairs.EditDataset` (decode + resize) -> `sources.online_source` (Qwen2.5-VL + VAE encode) on the device;
 - cached: the rows are first precomputed with `latent_cache.write_cache` (timed too), the encoders are freed, then
-  `latent_cache.CachedDataset` (read the shard) -> `latent_cache.to_batch` (to the device).
+  `cache_reader.CachedDataset` (read the shard) -> `cache_reader.to_batch` (to the device).
 
 Each reports samples/s and the fraction of the time spent waiting for the loader; the online phase also the
 seconds of each encoder on one micro-batch (time_encode_parts; the VAE's parts both ways, model.vae_2d_frames on
@@ -36,7 +36,7 @@ from train.benchmarks.report import machine
 from train.benchmarks.timing import sync
 from train.benchmarks.workload import FAMILY, SEED, make_workload
 from train.config.files import transformer_class
-from train.data import latent_cache, pairs, sources
+from train.data import cache_reader, latent_cache, pairs, sources
 from train.model import family
 from train.model.interface import Encoders
 from train.plan.measure import peak_above
@@ -213,9 +213,9 @@ def run(args: argparse.Namespace, d: engine.Dist, work: Path) -> dict:
     del encoders
     record["encoder_gpu_memory_gb"] = before_free - free(d.device)  # what training from the cache never holds
     index = latent_cache.read_index(work / "cache")
-    cached_ds = latent_cache.CachedDataset(work / "cache", index, rows)
-    source = sources.LoaderSource(make_loader(cached_ds, args, latent_cache.collate),
-                                  lambda raw: latent_cache.to_batch(raw, d.device))
+    cached_ds = cache_reader.CachedDataset(work / "cache", index, rows)
+    source = sources.LoaderSource(make_loader(cached_ds, args, cache_reader.collate),
+                                  lambda raw: cache_reader.to_batch(raw, d.device))
     cached = time_source(source, step, args.warmup, args.samples)
     cache_bytes = sum(f.stat().st_size for f in (work / "cache").glob("shard-*"))
     w = make_workload(args.area, 1, 1, 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from train import config
-from train.data import latent_cache, pairs, prompts, sources
+from train.data import cache_reader, pairs, prompts, sources
 from train.data.rows import check_references, fingerprint
 from train.model import family, fp8, loading, lora_io, prepare
 from train.model.interface import ModelFamily
@@ -89,7 +89,7 @@ def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pa
     """Encoded micro-batches: from the cache (data.cache != "off"; no encoder is loaded) or encoded online (one
     micro-batch ahead with data.encode_ahead)."""
     if cfg.project.data.cache != "off":
-        return latent_cache.cached_source(cfg, d, variant, rows, loader.dataset)
+        return cache_reader.cached_source(cfg, d, variant, rows, loader.dataset)
     p = cfg.project
     dtype = loading.encoder_dtype(p.model.encoder_dtype, d.device)
     encoders = family.variant_family(variant).load_encoders(p.model.path, dtype, d.device,
