@@ -170,7 +170,7 @@ def test_imports_are_read_from_functions_and_relative_forms(tmp_path):
     """A lazy import inside a function counts, and `from pkg import module` names the module."""
     path = REPO / "train" / "trainer" / "build.py"
     found = imports_of(path, "train.trainer.build", set(project_modules()))
-    assert {"train.data.latent_cache", "train.trainer.loop", "train.config"} <= found
+    assert {"train.data.cache_reader", "train.trainer.loop", "train.config"} <= found
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from train.model import fp8\n    import train.runtime.engine\n")
     assert imports_of(lazy, "train.data.lazy", set(project_modules())) == {"train.model.fp8", "train.runtime.engine"}
