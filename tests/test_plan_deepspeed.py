@@ -4,10 +4,8 @@ optimizer offload the GPU's bf16 side and the host's pinned buffers and moments.
 
 from __future__ import annotations
 
-import os
-import queue as queues
-
 import pytest
+from ranks import Ranks
 
 from train.plan.sizes import (
     Sizes,
@@ -52,21 +50,6 @@ def _step_transient(step) -> int:
     return max([0] + [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"])
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    """This spawned process as rank `rank` of `world` CPU processes over gloo, as DeepSpeed's launcher sets one up."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-    )
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-
-
 def _adamw(zero: dict, **top) -> dict:
     """A DeepSpeed config of bf16 AdamW (torch_adam: torch's, not DeepSpeed's fused GPU kernel) with `zero`."""
     optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
@@ -79,11 +62,10 @@ def _adamw(zero: dict, **top) -> dict:
     }
 
 
-def _zero_state_per_param(rank: int, world: int, port: int, stage: int, queue) -> None:
+def _zero_state_per_param(rank: int, world: int, stage: int) -> dict:
     """One rank of test_zero_state_bytes_are_deepspeeds_buffers: this rank's bytes per trainable parameter under
     ZeRO `stage` when the backward's gradients are all there (before DeepSpeed reduces them), after the backward,
     and at the peak of the optimizer step."""
-    _join(rank, world, port)
     import deepspeed
     import torch
 
@@ -117,43 +99,41 @@ def _zero_state_per_param(rank: int, world: int, port: int, stage: int, queue) -
     engine.backward(engine(x).float().square().mean())
     seen["after_backward"] = _live_bytes(engine.module.parameters()) - base
     seen["in_step"] = seen["after_backward"] + _step_transient(engine.step)
-    queue.put((rank, {k: v / n for k, v in seen.items()}))
-    torch.distributed.destroy_process_group()
+    return {k: v / n for k, v in seen.items()}
 
 
-def _spawn_ranks(world: int, target, *args) -> dict:
-    """Run target(rank, world, port, *args, queue) in `world` spawned processes; rank -> what each put."""
-    import torch.multiprocessing as mp
-
-    from tests.conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < world:
-        try:
-            rank, out = queue.get(timeout=2)
-            results[rank] = out
-        except queues.Empty:
-            assert all(p.is_alive() or p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    for p in procs:
-        p.join(20)
-        if p.is_alive():
-            p.terminate()
-    return results
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Two CPU ranks over gloo for the cases of this module whose measurements are relative to the job's start."""
+    ranks = Ranks(2)
+    yield ranks
+    ranks.close()
 
 
-def test_zero_state_bytes_are_deepspeeds_buffers():
+@pytest.fixture(scope="module")
+def one_rank():
+    ranks = Ranks(1)
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture
+def fresh_two_ranks():
+    """Two new ranks for one case: in ranks that had run earlier jobs, the offloaded optimizer's device bytes came
+    out 1.5-3.5x what a fresh process measures (tensors the earlier engines left behind join the count)."""
+    ranks = Ranks(2)
+    yield ranks
+    ranks.close()
+
+
+def test_zero_state_bytes_are_deepspeeds_buffers(two_ranks):
     """The plan's bytes per trainable parameter (state_bytes_per_param) against DeepSpeed's own buffers on 2 ranks
     (gloo, bf16, its ZeRO optimizer as the trainer builds it): at the backward's peak (every gradient there, before
     the reduction) and in the optimizer step, for stages 0, 1 and 2. Stage 0 holds everything on every rank;
     stages 1 and 2 split the master weights and moments (stage 2 the gradients too)."""
-    world = 2
+    world = two_ranks.world
     for stage in (0, 1, 2):
-        for rank, seen in _spawn_ranks(world, _zero_state_per_param, stage).items():
+        for rank, seen in two_ranks.run(_zero_state_per_param, stage).items():
             backward = state_bytes_per_param(False, stage, world, False)
             in_step = state_bytes_per_param(False, stage, world, False, in_step=True)
             peak = max(seen.get("before_reduce", 0), seen["after_backward"])
@@ -162,10 +142,9 @@ def test_zero_state_bytes_are_deepspeeds_buffers():
     assert state_bytes_per_param(False, 2, 1, False) == 16  # one GPU: what the single-GPU plan counted
 
 
-def _bucket_buffers(rank: int, world: int, port: int, zero: dict, queue) -> None:
+def _bucket_buffers(rank: int, world: int, zero: dict) -> int:
     """One rank of test_the_counted_buckets_are_deepspeeds: the largest total of DeepSpeed's gradient bucket buffers
     seen at any module's backward, over two steps, with the zero_optimization section `zero`."""
-    _join(rank, world, port)
     import deepspeed
     import torch
 
@@ -184,8 +163,7 @@ def _bucket_buffers(rank: int, world: int, port: int, zero: dict, queue) -> None
     for _ in range(2):
         engine.backward(engine(x).float().square().mean())
         engine.step()
-    queue.put((rank, max(seen)))
-    torch.distributed.destroy_process_group()
+    return max(seen)
 
 
 @pytest.mark.parametrize(
@@ -201,7 +179,7 @@ def _bucket_buffers(rank: int, world: int, port: int, zero: dict, queue) -> None
         (2, False, False, True),
     ],
 )
-def test_the_counted_buckets_are_deepspeeds(stage, overlap, contiguous, offload):
+def test_the_counted_buckets_are_deepspeeds(one_rank, stage, overlap, contiguous, offload):
     """The plan's gradient buckets (Sizes.bucket_bytes from the config's zero_optimization) against the buffers
     DeepSpeed allocates while the backward runs: two with overlap_comm (zero2.json's), one without, none without
     contiguous gradients unless its optimizer offload turns them on, none at stage 0. A 16 GB plan that counted one
@@ -210,13 +188,13 @@ def test_the_counted_buckets_are_deepspeeds(stage, overlap, contiguous, offload)
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     sizes = Sizes(1, 1, 1, 1, 1, 0, 1, zero_stage=stage, **bucket_sizes({"zero_optimization": zero}))
-    for rank, seen in _spawn_ranks(1, _bucket_buffers, zero).items():
+    for rank, seen in one_rank.run(_bucket_buffers, zero).items():
         assert seen == sizes.bucket_bytes(offload), (rank, seen, sizes)
     if stage == 2 and overlap and contiguous:
         assert seen == 2 * 30_000 * 2  # two bf16 buckets: the case the shipped zero2.json runs
 
 
-def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue) -> None:
+def _offloaded_device_bytes(rank: int, world: int, stage: int) -> dict:
     """One rank of test_offloaded_optimizer_device_bytes_are_deepspeeds: under DeepSpeed's optimizer offload the
     device side is bf16 (weights, gradients, the reduction bucket) and the host side fp32 (master, gradients,
     moments) plus two bf16 buffers of its own, left out here by name: the pinned copy of the updated weights
@@ -224,7 +202,6 @@ def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue)
     temp_grad_buffer_for_gpu_offload, is left out too: a constant, 75 MB at full size, like the bucket). Bytes per
     parameter of the rest above the process's before the model, at each reduction (stage 2 reduces bucket by
     bucket during the backward, stage 1 once after it) and after the backward: the largest."""
-    _join(rank, world, port)
     import deepspeed
     import torch
 
@@ -268,39 +245,32 @@ def _offloaded_device_bytes(rank: int, world: int, port: int, stage: int, queue)
     setattr(opt, name, measured_reduce)
     engine.backward(engine(x).float().square().mean())
     seen.append(device_bytes())
-    queue.put(
-        (
-            rank,
-            {
-                "weights": sum(p.numel() * 2 for p in params) / n,
-                "peak": max(seen) / n,
-                "largest": max(p.numel() * 2 for p in params) / n,
-                "reductions": len(seen) - 1,
-            },
-        )
-    )
-    torch.distributed.destroy_process_group()
+    return {
+        "weights": sum(p.numel() * 2 for p in params) / n,
+        "peak": max(seen) / n,
+        "largest": max(p.numel() * 2 for p in params) / n,
+        "reductions": len(seen) - 1,
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_offloaded_optimizer_device_bytes_are_deepspeeds(stage):
+def test_offloaded_optimizer_device_bytes_are_deepspeeds(fresh_two_ranks, stage):
     """Under optimizer offload the plan counts on each GPU, per trainable parameter, its bf16 weight (a LoRA
     parameter's) and at stage 1 its bf16 gradient; at stage 2 DeepSpeed frees each gradient once its bucket has gone
     to the host, so none is counted (the bucket is, apart), beyond the one gradient autograd has just made and its
     hook has not yet copied into the bucket (at most the largest parameter's: 75 MB at full size, within the margin).
     Against DeepSpeed on 2 ranks; the H200 showed the same at full size (docs/performance.md "The last resort")."""
-    for rank, seen in _spawn_ranks(2, _offloaded_device_bytes, stage).items():
+    for rank, seen in fresh_two_ranks.run(_offloaded_device_bytes, stage).items():
         assert seen["weights"] == 2 and seen["reductions"] >= 1, seen
         counted = state_bytes_per_param(False, stage, 2, True) + (seen["largest"] if stage == 2 else 0)
         assert seen["peak"] == pytest.approx(counted, abs=0.05), (rank, stage, seen)
     assert state_bytes_per_param(False, 2, 2, True) == 2 and state_bytes_per_param(False, 1, 2, True) == 4
 
 
-def _offload_host_buffers(rank: int, world: int, port: int, accumulation: int, queue) -> None:
+def _offload_host_buffers(rank: int, world: int, accumulation: int) -> dict:
     """One rank of test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers: the bytes of every tensor DeepSpeed
     pins under optimizer offload (recorded at its accelerator's pin_memory: at start, then in the steps) and of the
     Adam moments, after two optimizer steps of `accumulation` micro-steps each."""
-    _join(rank, world, port)
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -314,42 +284,39 @@ def _offload_host_buffers(rank: int, world: int, port: int, accumulation: int, q
         return pin(tensor, *args, **kwargs)
 
     accelerator.pin_memory = recorded_pin
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
-    n = sum(p.numel() for p in model.parameters())
-    config = _adamw(
-        {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-        gradient_accumulation_steps=accumulation,
-    )
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    at_start = len(pinned)
-    x = torch.randn(4, 512, dtype=torch.bfloat16)
-    for _ in range(2 * accumulation):
-        engine.backward(engine(x).float().square().mean())
-        engine.step()
+    try:
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        n = sum(p.numel() for p in model.parameters())
+        config = _adamw(
+            {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            gradient_accumulation_steps=accumulation,
+        )
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        at_start = len(pinned)
+        x = torch.randn(4, 512, dtype=torch.bfloat16)
+        for _ in range(2 * accumulation):
+            engine.backward(engine(x).float().square().mean())
+            engine.step()
+    finally:  # the rank runs other cases after this one
+        accelerator.pin_memory = pin
     moments = sum(
         t.numel() * t.element_size()
         for state in engine.optimizer.optimizer.state.values()
         for t in state.values()
         if torch.is_tensor(t) and t.dim() > 0
     )
-    queue.put(
-        (
-            rank,
-            {
-                "n": n,
-                "largest": 512 * 512,
-                "pinned": sorted(pinned[:at_start]),
-                "in_steps": sorted(pinned[at_start:]),
-                "moments": moments,
-                "numels": [p.numel() for p in model.parameters()],
-            },
-        )
-    )
-    torch.distributed.destroy_process_group()
+    return {
+        "n": n,
+        "largest": 512 * 512,
+        "pinned": sorted(pinned[:at_start]),
+        "in_steps": sorted(pinned[at_start:]),
+        "moments": moments,
+        "numels": [p.numel() for p in model.parameters()],
+    }
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers(accumulation):
+def test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers(two_ranks, accumulation):
     """optimizer_host_bytes against what DeepSpeed's optimizer offload holds on each of 2 ranks (ZeRO 2, bf16, one
     parameter group as the trainer builds it): the pinned tensors are the fp32 master and gradient partitions, the
     bf16 copy of the partition and a bf16 buffer of the largest parameter, and the Adam moments are 8 bytes per
@@ -357,8 +324,8 @@ def test_offloaded_optimizer_host_bytes_are_deepspeeds_buffers(accumulation):
     CachingHostAllocator), the reason a flat 18 bytes per parameter undercounts by ~20%. With gradient accumulation
     each rank also pins a bf16 tensor per parameter of its partition in the steps (4 weights and 4 biases here),
     counted by trainable_pinned_bf16 over the model's parameters and split over the ranks."""
-    world = 2
-    for rank, seen in _spawn_ranks(world, _offload_host_buffers, accumulation).items():
+    world = two_ranks.world
+    for rank, seen in two_ranks.run(_offload_host_buffers, accumulation).items():
         part = seen["n"] // world  # 1,050,624 of the 2,101,248 parameters: the partition needs no padding
         assert seen["pinned"] == sorted([4 * part, 4 * part, 2 * part, 2 * seen["largest"]]), (rank, seen)
         assert seen["moments"] == 8 * part, (rank, seen)
