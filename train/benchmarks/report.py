@@ -108,6 +108,7 @@ def make_record(
         "micro_batch": w.micro_batch,
         **model_info,
         "precision": str(dtype).removeprefix("torch."),
+        "variant": args.variant,
         "mode": args.mode,
         "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets,
@@ -189,7 +190,8 @@ def format_report(r: dict) -> str:
         f"{r['deepspeed_version']}, diffusers {r['diffusers_version']}, {r['date']}",
         f"workload    {r['width']}x{r['height']} target + {r['refs']} reference(s) of the same size + "
         f"{r['text_tokens']} text tokens = {r['tokens_per_sample']} tokens/sample, micro-batch {r['micro_batch']}",
-        f"model       {r['model']}{' (2511: zero_cond_t)' if r['zero_cond_t'] else ''}, {r['num_layers']} blocks, "
+        f"model       {r['model']} {r.get('variant', 'edit')}{' (2511: zero_cond_t)' if r['zero_cond_t'] else ''}, "
+        f"{r['num_layers']} blocks, "
         f"{r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}"
