@@ -6,6 +6,7 @@ Timings are printed by the benchmark, never asserted here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,7 +100,7 @@ def test_options_of_the_21_variant():
 
 def test_cpu_run_end_to_end(tmp_path):
     """`python -m train.bench --variant qwen_image_21 --tiny --refs 1` runs the project's 2.1 step on CPU and
-    records its workload and FLOPs."""
+    records its workload and FLOPs; with the bench extra installed, also the peer's bf16 eager step and its ratio."""
     out = tmp_path / "bench.jsonl"
     cmd = [
         sys.executable,
@@ -118,6 +119,9 @@ def test_cpu_run_end_to_end(tmp_path):
         "--json",
         str(out),
     ]
+    with_peer = importlib.util.find_spec("diffsynth") is not None and importlib.util.find_spec("einops") is not None
+    if with_peer:
+        cmd += ["--peer", "diffsynth", "--peer_variants", "bf16:eager"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # shared cores: one thread
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -125,3 +129,7 @@ def test_cpu_run_end_to_end(tmp_path):
     assert record["variant"] == "qwen_image_21" and record["tokens_per_sample"] == 32 + 2 * 64
     assert record["flops_per_step"] > 0 and record["s_per_step"] > 0 and len(record["losses"]) == 3
     assert all(loss == loss and abs(loss) < float("inf") for loss in record["losses"])
+    if with_peer:
+        (row,) = record["peer_rows"]
+        assert "error" not in row and row["trainable_params"] == record["trainable_params"], row
+        assert record["peer_ratio"] > 0 and "QwenImage21DiT" in proc.stdout

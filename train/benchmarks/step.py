@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from train.benchmarks import floor, fp8_impls, peer
+from train.benchmarks import floor, fp8_impls, peer, peer21
 from train.benchmarks.baseline import run_baseline
 from train.benchmarks.build import (
     args_family,
@@ -85,8 +85,8 @@ def run_project(
 
 
 def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch.dtype) -> list[dict]:
-    """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py);
-    every rank times its own copy, as the baseline."""
+    """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py,
+    peer21.py); every rank times its own copy, as the baseline."""
 
     def time_step(step: Callable[[int], torch.Tensor]) -> dict:
         phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
@@ -102,24 +102,33 @@ def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch
         torch._dynamo.reset()  # the peer's compiled graphs must not count toward the project's recompile limit
         reset_peak_memory(d.device)
 
-    num_layers = len(build_model(args, torch.device("meta"), dtype).transformer_blocks)
+    builder, arch = peer_builder(args, dtype)
     return peer.run_variants(
         peer.parse_variants(args.peer_variants),
         time_step,
         free,
-        num_layers=num_layers,
+        builder,
         latent_hw=w.latent_hw,
         refs=w.refs,
         text_tokens=w.text_tokens,
-        targets=lora_targets(args.lora_targets),
+        targets=lora_targets(args.lora_targets, w.family),
         rank=args.lora_rank,
         device=d.device,
         dtype=dtype,
         seed=SEED,
-        zero_cond_t=args.zero_cond_t,
         checkpointing=args.checkpointing == "full",
-        dims=peer.TINY if args.tiny else peer.FULL,
+        **arch,
     )
+
+
+def peer_builder(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Callable[..., peer.Setup], dict]:
+    """The peer of the measured family (peer.py: DiffSynth's QwenImageDiT; peer21.py: its QwenImage21DiT) and its
+    architecture's arguments, read off the project's transformer on the meta device."""
+    model = build_model(args, torch.device("meta"), dtype)
+    if args_family(args).name == "qwen_image21":
+        return peer21.build, {"config": dict(model.config)}
+    dims = peer.TINY if args.tiny else peer.FULL
+    return peer.build, {"num_layers": len(model.transformer_blocks), "zero_cond_t": args.zero_cond_t, "dims": dims}
 
 
 def run(args: argparse.Namespace, d: engine.Dist) -> dict:
