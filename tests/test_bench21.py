@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.benchmarks import build, flops, flops21, options
+from train.benchmarks import build, flops21, options, step
 from train.benchmarks.workload import make_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def test_linear_flops_match_torch_flop_counter():
     assert flops21.allowed_pairs(w.text_tokens, blocks) == int(allowed.sum())
     expected = len(model.transformer_blocks) * 4 * model.inner_dim * int(allowed.sum())
     assert flops21.forward_attention_flops(model, w.text_tokens, blocks) == expected
-    assert flops.workload_flops(model, w, "lora") == 2 * matmuls + 3 * expected
+    assert step.model_flops(model, w, "lora") == 2 * matmuls + 3 * expected
 
 
 def test_full_size_linears_all_have_rows():
@@ -83,9 +83,9 @@ def test_full_size_linears_all_have_rows():
     rows = [flops21.linear_rows(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert rows.count("joint") == 32 * 7 + 1 and rows.count("prompt") == 2 and rows.count("image") == 1
     w = make_workload(1024 * 1024, 1, 256, 1, build.bench_family("qwen_image_21"))
-    before = flops.workload_flops(model, w, "lora")
+    before = step.model_flops(model, w, "lora")
     build.prepare_training(model, "lora", build.lora_config(32, "default", w.family), "none", compile_blocks=False)
-    assert flops.workload_flops(model, w, "lora") == before
+    assert step.model_flops(model, w, "lora") == before
     with pytest.raises(ValueError, match="no known rows"):
         flops21.linear_rows("transformer_extra.0")
 

@@ -30,6 +30,8 @@ import re
 
 import torch
 
+from train.benchmarks.flops import classify
+
 IMG_TOKENS_PER_SLOT = 4  # one VL image slot stands for 2x2 latent tokens
 # Whose rows each nn.Linear sees; the first pattern that matches the module name wins.
 _ROWS = (
@@ -42,11 +44,7 @@ _ROWS = (
 
 def linear_rows(name: str) -> str:
     """'joint', 'prompt', 'image' or 'vector': whose rows the nn.Linear called `name` sees."""
-    name = name.replace(".base_layer", "")  # a peft-wrapped linear counts as its base layer
-    for rows, pattern in _ROWS:
-        if pattern.search(name):
-            return rows
-    raise ValueError(f"nn.Linear {name!r} has no known rows; extend _ROWS in train/benchmarks/flops21.py")
+    return classify(name, _ROWS, "rows; extend _ROWS in train/benchmarks/flops21.py")
 
 
 def joint_tokens(text_tokens: int, image_blocks: list[int]) -> int:

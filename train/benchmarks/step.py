@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from train.benchmarks import floor, fp8_impls, peer, peer21
+from train.benchmarks import floor, flops, flops21, fp8_impls, peer, peer21
 from train.benchmarks.baseline import run_baseline
 from train.benchmarks.build import (
     args_family,
@@ -37,7 +37,6 @@ from train.benchmarks.build import (
     synthetic_batch,
     trainable_count,
 )
-from train.benchmarks.flops import workload_flops
 from train.benchmarks.profiling import PHASES, profile_steps
 from train.benchmarks.report import add_peer, make_record
 from train.benchmarks.timing import Phase, reset_peak_memory, time_steps
@@ -158,7 +157,7 @@ def build_measured_model(
     """The transformer prepared for training (LoRA or full, checkpointing, compile; diffusers' RoPE for the
     baseline), its description for the record, and its model FLOPs per step on one GPU (counted before LoRA)."""
     model = build_model(args, d.device, dtype)
-    flops_per_gpu = workload_flops(model, w, args.mode)
+    flops_per_gpu = model_flops(model, w, args.mode)
     model_info = {
         "model": "tiny" if args.tiny else "full architecture",
         "num_layers": len(model.transformer_blocks),
@@ -170,6 +169,14 @@ def build_measured_model(
     )
     model_info["trainable_params"] = trainable_count(model)
     return model, model_info, flops_per_gpu
+
+
+def model_flops(model: torch.nn.Module, w: Workload, mode: str) -> float:
+    """Model FLOPs of one training step at workload `w` by its family's count (flops.py, flops21.py)."""
+    if w.family.name == "qwen_image21":
+        blocks = [w.target_tokens] * (w.refs + 1)  # references of the target's size, then the target
+        return flops21.step_flops(model, w.text_tokens, blocks, mode, w.micro_batch)
+    return flops.step_flops(model, w.image_tokens, w.text_tokens, mode, w.micro_batch)
 
 
 def to_project_form(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> None:

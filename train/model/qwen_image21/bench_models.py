@@ -4,15 +4,18 @@ the attention processor train/benchmarks/attention21.py times."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from train.model.interface import Batch
 from train.model.qwen_image21 import attention, batches, tiny
 from train.model.qwen_image21.archs import TRANSFORMER
-from train.model.qwen_image21.conditioning import TOKENS_PER_SLOT
 
 SCHEDULER = tiny.SCHEDULER_CONFIG  # the pipeline's dynamic shift
 attention_processor = attention.SegmentedSDPAProcessor
+# A benchmark workload's micro-batch: its text tokens are the joint sequence's text positions, the image slots of
+# the references come on top of them in the prompt embeddings.
+synthetic_batch = functools.partial(batches.synthetic_batch, text_positions=True)
 
 
 def released_config(variant: str, num_layers: int | None = None) -> dict:
@@ -23,26 +26,6 @@ def released_config(variant: str, num_layers: int | None = None) -> dict:
 def tiny_transformer(variant: str) -> torch.nn.Module:
     """The tests' tiny transformer (train.make_tiny --variant qwen_image_21's)."""
     return tiny.build_transformer()
-
-
-def synthetic_batch(
-    model: torch.nn.Module,
-    batch_size: int,
-    latent_hw: tuple[int, int],
-    reference_hws: list[tuple[int, int]],
-    text_tokens: int,
-    device: torch.device,
-    cond_dtype: torch.dtype,
-    text_mask: bool = False,
-    seed: int = 0,
-) -> Batch:
-    """The family's synthetic batch (batches.synthetic_batch) for a benchmark workload: `text_tokens` counts the
-    joint sequence's text positions, so the prompt embeddings hold those plus one image slot per 2x2 group of each
-    reference's latents (the slots become the references' tokens). Latent sides must be even."""
-    slots = sum(h * w for h, w in reference_hws) // TOKENS_PER_SLOT
-    return batches.synthetic_batch(
-        model, batch_size, latent_hw, reference_hws, text_tokens + slots, device, cond_dtype, text_mask, seed
-    )
 
 
 def min_text_tokens(refs: int) -> int:
