@@ -96,3 +96,13 @@ def test_peer21_step_trains_lora_on_the_projects_sequence():
     build.prepare_training(ours, "lora", build.lora_config(4, "default", fam), "none", False)
     lora_modules = lambda m: {n for n, _ in m.named_modules() if n.endswith(".lora_A")}  # noqa: E731
     assert lora_modules(setup.model) == lora_modules(ours)
+
+
+def test_peer21_builds_the_released_architecture():
+    """At the released config (on meta: shapes only) the peer's DiT has our transformer's every parameter name and
+    shape: the project's FLOP count is the peer's too."""
+    needs_peer()
+    ours = build.build_full_transformer(None, "meta", torch.bfloat16, name="qwen_image_21")
+    dit = peer21.build_dit(dict(ours.config), "meta", torch.bfloat16)
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(dit) == shapes(ours) and len(dit.transformer_blocks) == 32
