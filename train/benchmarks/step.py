@@ -11,10 +11,14 @@ separately, and the latent/embedding cache (train/data/latent_cache.py) removes 
 Default model: the full Qwen-Image-Edit transformer architecture (60 blocks, width 3072) at random init,
 built directly on the GPU in bf16 (no weights needed; `--num_layers` lowers the depth, e.g. so that full
 fine-tuning fits). `--tiny` is the CPU smoke mode: the tiny transformer of `train.make_tiny`, fp32.
+`--variant qwen_image_21` measures Qwen-Image-2.1's single-stream DiT instead (32 blocks, width 4096; its text
+encoder is Qwen3-VL), the family record's `bench` part giving its configs and batch; its FLOPs are flops21.py's and
+its peer peer21.py's.
 
 The parts, one module each: the options (options.py), the workload's shapes (workload.py), the model, batch and
 config (build.py), the timed loops and their statistics (timing.py), the plain PyTorch loop of `--baseline`
-(baseline.py), the FLOP count and MFU (flops.py), `--profile` (profiling.py), the record and report (report.py).
+(baseline.py), the FLOP count and MFU (flops.py, flops21.py), the peer (peer.py, peer21.py), `--profile`
+(profiling.py), the record and report (report.py).
 """
 
 from __future__ import annotations
