@@ -1,15 +1,16 @@
 """Benchmark of the project's real training step: step time, throughput, MFU and peak memory.
 
     python -m train.bench [--tiny] [--mode lora|full] [--checkpointing none|full] [--compile] [--baseline] ...
+    python -m train.bench --variant qwen_image_21 --refs 0|1..10 [...]   # Qwen-Image-2.1's step (text-to-image: 0)
     deepspeed --num_gpus N train/bench.py ...          # data parallel over N GPUs (ZeRO-2)
     python -m train.bench --block_probe [...]          # the memory plan's block measurement, kept attention or not
     python -m train.bench --gemm_probe [...]           # one block's fp8 matmuls, fast accumulation off and on
     python -m train.bench --floor [...]                # + the step's attention and matmuls alone: its floor ratio
     python -m train.bench --scaling --model M --data D [...]  # train/main.py on 1 and N GPUs, three ZeRO settings
 
-What is timed: train/benchmarks/step.py (its options: options.py); how MFU is counted: train/benchmarks/flops.py;
-the block probe: train/benchmarks/blocks.py; the matmul probe: train/benchmarks/gemms.py; the floor:
-train/benchmarks/floor.py; the scaling harness: train/benchmarks/scaling.py.
+What is timed: train/benchmarks/step.py (its options: options.py); how MFU is counted: train/benchmarks/flops.py
+(Qwen-Image-2.1: flops21.py); the block probe: train/benchmarks/blocks.py; the matmul probe:
+train/benchmarks/gemms.py; the floor: train/benchmarks/floor.py; the scaling harness: train/benchmarks/scaling.py.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ import torch
 
 from train.benchmarks.profiling import profile_steps
 from train.benchmarks.timing import Phase, reset_peak_memory, time_steps
-from train.benchmarks.workload import FAMILY, LR
+from train.benchmarks.workload import LR
 from train.config import Config
 from train.data import sources
+from train.model import family
 from train.runtime import engine
 from train.trainer import loop
 
@@ -32,11 +33,12 @@ def baseline_step(
     """Plain PyTorch: the same loss (same noise and timesteps per step as the project's step) on the bare
     model under bf16 autocast, loss.backward(), AdamW step, zero_grad."""
     t, gas = cfg.project.train, cfg.deepspeed["gradient_accumulation_steps"]
+    fam = family.transformer_family(model)
 
     def step(i: int) -> torch.Tensor:
         generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss = loop.forward_loss(model, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY)
+            loss = loop.forward_loss(model, b, t, generator, fam.bench.SCHEDULER, dtype, fam)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

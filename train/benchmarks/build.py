@@ -1,6 +1,8 @@
-"""The project's step as train.bench builds it: the transformer (tiny, or the full architecture at random init
-straight on the device), the trainer's own LoRA / checkpointing / compile preparation, a synthetic batch of the
-encoders' shapes and the Config that train.config.load_config would resolve (ZeRO-2, GAS 1)."""
+"""The project's step as train.bench builds it: the transformer of `--variant`'s family (tiny, or the full
+architecture at random init straight on the device), the trainer's own LoRA / checkpointing / compile preparation, a
+synthetic batch of the encoders' shapes and the Config that train.config.load_config would resolve (ZeRO-2, GAS 1).
+What differs between the families comes from their records' `bench` parts (released config, tiny transformer,
+synthetic batch, scheduler) and LoRA targets."""
 
 from __future__ import annotations
 
@@ -11,13 +13,11 @@ from collections.abc import Iterator
 import torch
 
 from train.benchmarks import fp8_impls
-from train.benchmarks.workload import FAMILY, LR, SEED, Workload
+from train.benchmarks.workload import FAMILY, LR, SEED, Workload, bench_family
 from train.config import Config, LoraConfig, ProjectConfig, TrainConfig, resolve_deepspeed
 from train.data import sources
 from train.model import prepare
-
-# the 8 attention projections (image and text streams) among the family's default targets
-ATTN_TARGETS = [t for t in FAMILY.lora.targets if t.startswith("attn.")]
+from train.model.interface import ModelFamily
 
 
 @contextlib.contextmanager
@@ -31,29 +31,39 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def variant(zero_cond_t: bool) -> str:
-    """The variant measured: Qwen-Image-Edit, or 2511 (zero_cond_t)."""
-    return "edit_plus_2511" if zero_cond_t else "edit"
+def variant(zero_cond_t: bool, name: str = "edit") -> str:
+    """The variant measured: `name` (--variant), Qwen-Image-Edit-2511 where zero_cond_t."""
+    return "edit_plus_2511" if zero_cond_t else name
+
+
+def args_family(args: argparse.Namespace) -> ModelFamily:
+    """The family of the options' --variant."""
+    return bench_family(args.variant)
 
 
 def build_full_transformer(
-    num_layers: int | None, device: torch.device | str, dtype: torch.dtype, zero_cond_t: bool = False
+    num_layers: int | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    zero_cond_t: bool = False,
+    name: str = "edit",
 ) -> torch.nn.Module:
-    """The Qwen-Image-Edit transformer at random init, `num_layers` deep (None: the released depth), created
-    directly on `device` (also "meta") in `dtype` (zero_cond_t: 2511's)."""
+    """The transformer of variant `name` (zero_cond_t: 2511's) at random init, `num_layers` deep (None: the released
+    depth), created directly on `device` (also "meta") in `dtype`."""
     import diffusers
 
+    fam = bench_family(name)
     with torch.device(device), default_dtype(dtype):
-        cls = getattr(diffusers, FAMILY.transformer_class)
-        return cls(**FAMILY.bench.released_config(variant(zero_cond_t), num_layers))
+        cls = getattr(diffusers, fam.transformer_class)
+        return cls(**fam.bench.released_config(variant(zero_cond_t, name), num_layers))
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Tiny (fp32) or full-architecture transformer on `device`, seeded alike on every rank."""
     torch.manual_seed(SEED)
     if args.tiny:  # fp32 as built (dtype is float32 for --tiny)
-        return FAMILY.bench.tiny_transformer(variant(args.zero_cond_t)).to(device)
-    return build_full_transformer(args.num_layers, device, dtype, args.zero_cond_t)
+        return args_family(args).bench.tiny_transformer(variant(args.zero_cond_t, args.variant)).to(device)
+    return build_full_transformer(args.num_layers, device, dtype, args.zero_cond_t, args.variant)
 
 
 def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -63,26 +73,29 @@ def census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Modul
     prepare_training(
         model,
         args.mode,
-        lora_config(args.lora_rank, args.lora_targets),
+        lora_config(args.lora_rank, args.lora_targets, args_family(args)),
         args.checkpointing,
         False,
         args.checkpoint_blocks,
     )
-    if not args.complex_rope:
-        FAMILY.real_rope(model)
+    real_rope = args_family(args).real_rope
+    if real_rope is not None and not args.complex_rope:
+        real_rope(model)
     if args.fp8_base:
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
     return model
 
 
-def lora_targets(kind: str) -> list[str]:
-    """Module-name suffixes that get LoRA: 'attn' (8 attention projections) or the family's default 12."""
-    return list(ATTN_TARGETS) if kind == "attn" else list(FAMILY.lora.targets)
+def lora_targets(kind: str, fam: ModelFamily = FAMILY) -> list[str]:
+    """Module-name suffixes that get LoRA: 'attn' (the attention projections among the family's default targets:
+    Qwen-Image's 8 of both streams, 2.1's 4) or the family's default targets (Qwen-Image's 12, 2.1's 7)."""
+    targets = list(fam.lora.targets)
+    return [t for t in targets if t.startswith("attn.")] if kind == "attn" else targets
 
 
-def lora_config(rank: int, targets: str) -> LoraConfig:
+def lora_config(rank: int, targets: str, fam: ModelFamily = FAMILY) -> LoraConfig:
     """The project's LoRA settings for the benchmark (alpha = rank, no dropout)."""
-    return LoraConfig(rank=rank, alpha=float(rank), dropout=0.0, target_modules=lora_targets(targets))
+    return LoraConfig(rank=rank, alpha=float(rank), dropout=0.0, target_modules=lora_targets(targets, fam))
 
 
 def prepare_training(
@@ -115,8 +128,9 @@ def trainable_count(model: torch.nn.Module) -> int:
 def synthetic_batch(
     w: Workload, model: torch.nn.Module, device: torch.device, cond_dtype: torch.dtype, text_mask: bool
 ) -> sources.Batch:
-    """A sources.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype)."""
-    return FAMILY.synthetic_batch(
+    """A sources.Batch of random tensors shaped as encode_batch returns them (conditioning in encoder dtype), the
+    family's bench part counting the workload's tokens as the family does."""
+    return w.family.bench.synthetic_batch(
         model,
         w.micro_batch,
         w.latent_hw,
@@ -154,5 +168,5 @@ def make_config(args: argparse.Namespace, world_size: int, has_gpu: bool, dtype:
         seed=SEED,
         gradient_checkpointing=args.checkpointing == "full",
     )
-    project = ProjectConfig(lora=lora_config(args.lora_rank, args.lora_targets), train=train)
+    project = ProjectConfig(lora=lora_config(args.lora_rank, args.lora_targets, args_family(args)), train=train)
     return Config(project=project, deepspeed=resolve_deepspeed(ds, train.max_steps, has_gpu), world_size=world_size)

@@ -14,7 +14,8 @@ checkpointing is not counted):
 989e12 FLOP/s is the bf16 dense peak of one H100/H200 SXM (datasheet; `--peak_tflops` changes it). The linears
 are found by walking the module, so the count is right for `--num_layers` and `--tiny`. Sanity check: the full
 model at 1024^2 + one 1024^2 reference + 256 text tokens gives 3.87e14 FLOPs per LoRA step, so 1.28 s/step is
-about 31% MFU. On a CPU the figure is printed but means nothing.
+about 31% MFU. On a CPU the figure is printed but means nothing. Qwen-Image-2.1's count (its single stream, its
+block-causal attention) is train/benchmarks/flops21.py's; step.model_flops picks the family's.
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ _STREAMS = (
 
 def linear_stream(name: str) -> str:
     """'image', 'text' or 'one' (one vector per sample): whose tokens the nn.Linear called `name` sees."""
-    name = name.replace(".base_layer", "")  # a peft-wrapped linear counts as its base layer
-    for stream, pattern in _STREAMS:
+    return classify(name, _STREAMS, "stream; extend _STREAMS in train/benchmarks/flops.py")
+
+
+def classify(name: str, table: tuple[tuple[str, re.Pattern], ...], fix: str) -> str:
+    """The kind of the first (kind, pattern) of `table` whose pattern matches the nn.Linear called `name` (a
+    peft-wrapped linear counts as its base layer); ValueError naming `fix` when none does."""
+    name = name.replace(".base_layer", "")
+    for kind, pattern in table:
         if pattern.search(name):
-            return stream
-    raise ValueError(f"nn.Linear {name!r} belongs to no known stream; extend _STREAMS in train/benchmarks/flops.py")
+            return kind
+    raise ValueError(f"nn.Linear {name!r} belongs to no known {fix}")
 
 
 def forward_linear_flops(model: torch.nn.Module, image_tokens: int, text_tokens: int) -> float:

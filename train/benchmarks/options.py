@@ -7,6 +7,7 @@ import argparse
 
 from train.benchmarks import fp8_impls, peer
 from train.benchmarks.flops import PEAK_TFLOPS
+from train.benchmarks.workload import VARIANTS, bench_family
 from train.config import TrainConfig
 from train.runtime import steptime
 
@@ -34,8 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The model's size and the shapes of one micro-batch."""
+    p.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="edit",
+        help="the transformer measured: edit, the Qwen-Image MMDiT (20 B, 60 blocks; 2511's with --zero_cond_t), or "
+        "qwen_image_21, Qwen-Image-2.1's single-stream DiT (7 B, 32 blocks; --refs 0 is text-to-image)",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny transformer of train.make_tiny, fp32")
-    p.add_argument("--num_layers", type=int, help="depth of the full architecture (default 60)")
+    p.add_argument("--num_layers", type=int, help="depth of the full architecture (default: the released one)")
     p.add_argument("--area", type=int, help="target pixel area (default 1024*1024; 128*128 with --tiny)")
     p.add_argument("--refs", type=int, default=1, help="reference images, each at --area (default 1)")
     p.add_argument("--text_tokens", type=int, help="prompt tokens (default 256; 32 with --tiny)")
@@ -83,8 +91,8 @@ def _add_variant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peer",
         choices=("diffsynth",),
-        help="also time DiffSynth-Studio's QwenImageDiT on the same workload, driven as its trainer "
-        "drives it (train/benchmarks/peer.py; needs the bench extra), before the project's step",
+        help="also time DiffSynth-Studio's DiT of the variant on the same workload, driven as its trainer drives it "
+        "(train/benchmarks/peer.py, peer21.py; needs the bench extra), before the project's step",
     )
     p.add_argument(
         "--peer_variants",
@@ -219,6 +227,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--fp8_impl applies with --fp8_base")
     if (args.fp8_transposed or args.fp8_fast_accum) and args.fp8_impl != "ours":
         parser.error("--fp8_transposed and --fp8_fast_accum are train/model/fp8.py's; use them with --fp8_impl ours")
+    _check_variant(parser, args)
     if args.peer:
         if args.mode != "lora" or args.micro_batch != 1 or args.checkpoint_blocks:
             parser.error(
@@ -229,3 +238,24 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             peer.parse_variants(args.peer_variants)
         except ValueError as e:
             parser.error(str(e))
+
+
+def _check_variant(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What only one family has: 2511's modulation and the MMDiT's probes; the family's limits on references and on
+    the text tokens around them."""
+    fam = bench_family(args.variant)
+    most = max(v.max_references for v in fam.variants)
+    if args.refs > most:
+        parser.error(f"--refs {args.refs}: {fam.title} takes at most {most} references")
+    if args.variant == "edit":
+        return
+    if args.zero_cond_t or args.floor or args.complex_rope:
+        parser.error(
+            "--zero_cond_t, --floor and --complex_rope are the Qwen-Image MMDiT's; "
+            f"drop them for --variant {args.variant}"
+        )
+    fewest = fam.bench.min_text_tokens(args.refs)
+    if args.text_tokens is not None and args.text_tokens < fewest:
+        parser.error(
+            f"--text_tokens must be at least {fewest} with --refs {args.refs} (the text around the image slots)"
+        )

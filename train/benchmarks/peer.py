@@ -291,14 +291,15 @@ class FlowMatchLoss:
         scheduler.set_timesteps(TRAIN_TIMESTEPS, training=True)
         self.scheduler, self.device, self.dtype = scheduler, device, dtype
 
-    def __call__(self, dit: torch.nn.Module, x: Inputs, zero_cond_t: bool, checkpointing: bool) -> torch.Tensor:
+    def __call__(self, x0: torch.Tensor, predict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The loss of clean latents `x0`; predict(noisy latents, timestep in [0, 1000)) is the model's call."""
         s = self.scheduler
         index = torch.randint(0, len(s.timesteps), (1,))  # on the host, from torch's global generator
         timestep = s.timesteps[index].to(dtype=self.dtype, device=self.device)
-        noise = torch.randn_like(x.target)
-        noisy = s.add_noise(x.target, noise, timestep)
-        target = s.training_target(x.target, noise, timestep)
-        prediction = forward(dit, noisy, timestep, x, zero_cond_t, checkpointing)
+        noise = torch.randn_like(x0)
+        noisy = s.add_noise(x0, noise, timestep)
+        target = s.training_target(x0, noise, timestep)
+        prediction = predict(noisy, timestep)
         loss = torch.nn.functional.mse_loss(prediction.float(), target.float())
         return loss * s.training_weight(timestep)
 
@@ -323,6 +324,19 @@ def build(variant: Variant, num_layers: int, latent_hw: tuple[int, int], refs: i
     """The peer's DiT (quantised if the variant says so), LoRA, compiled blocks, AdamW, and its step."""
     torch.manual_seed(seed)
     dit = build_dit(num_layers, device, dtype, dims)
+    loss_fn = FlowMatchLoss(device, dtype)
+    x = make_inputs(latent_hw, refs, text_tokens, dims.joint_dim, device, dtype, seed)
+
+    def loss() -> torch.Tensor:
+        return loss_fn(x.target, lambda noisy, t: forward(dit, noisy, t, x, zero_cond_t, checkpointing))
+
+    return trainer(dit, variant, targets, rank, dtype, loss)
+
+
+def trainer(dit: torch.nn.Module, variant: Variant, targets: list[str], rank: int, dtype: torch.dtype,
+            loss: Callable[[], torch.Tensor]) -> Setup:
+    """DiffSynth's trainer around `dit`: the base quantised if the variant says so, LoRA, compiled blocks, AdamW;
+    each step computes `loss()`, backward, optimizer step, zero_grad."""
     capabilities = {}
     if variant.base != "bf16":
         capabilities = quantize_base(dit, variant.base)
@@ -331,29 +345,28 @@ def build(variant: Variant, num_layers: int, latent_hw: tuple[int, int], refs: i
     params = add_lora(dit, targets, rank, dtype)
     compile_blocks(dit, variant.mode)
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    loss_fn = FlowMatchLoss(device, dtype)
-    x = make_inputs(latent_hw, refs, text_tokens, dims.joint_dim, device, dtype, seed)
 
     def step(i: int) -> torch.Tensor:
-        loss = loss_fn(dit, x, zero_cond_t, checkpointing)
-        loss.backward()
+        value = loss()
+        value.backward()
         optimizer.step()
         optimizer.zero_grad()
-        return loss.detach()
+        return value.detach()
 
     total = sum(p.numel() for p in dit.parameters())
     return Setup(step, dit, sum(p.numel() for p in params), total, capabilities)
 
 
 def run_variants(variants: list[Variant], time_step: Callable[[Callable[[int], torch.Tensor]], dict],
-                 free: Callable[[], None], **build_kwargs) -> list[dict]:
-    """Build and time each variant in turn (time_step: step -> timing fields); a variant that fails (not
-    installed, out of memory, refused) gives a row with its error instead of stopping the others."""
+                 free: Callable[[], None], builder: Callable[..., Setup] | None = None, **build_kwargs) -> list[dict]:
+    """Build (with `builder`, default `build`; peer21.build for Qwen-Image-2.1) and time each variant in turn
+    (time_step: step -> timing fields); a variant that fails (not installed, out of memory, refused) gives a row
+    with its error instead of stopping the others."""
     rows = []
     for variant in variants:
         row = {"variant": variant.name}
         try:
-            setup = build(variant, **build_kwargs)
+            setup = (builder or build)(variant, **build_kwargs)
             row.update(trainable_params=setup.trainable_params, total_params=setup.total_params,
                        **time_step(setup.step))
         except (ImportError, ValueError, TypeError, RuntimeError, NotImplementedError, AssertionError) as e:

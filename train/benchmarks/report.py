@@ -108,6 +108,7 @@ def make_record(
         "micro_batch": w.micro_batch,
         **model_info,
         "precision": str(dtype).removeprefix("torch."),
+        "variant": args.variant,
         "mode": args.mode,
         "lora_rank": args.lora_rank,
         "lora_targets": args.lora_targets,
@@ -120,7 +121,7 @@ def make_record(
         "fp8_transposed": args.fp8_transposed,
         "fp8_fast_accum": args.fp8_fast_accum,
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
-        "rope": "complex (diffusers)" if args.complex_rope else "real pairs",
+        "rope": "complex (diffusers)" if args.complex_rope or args.variant != "edit" else "real pairs",
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask,
         "steps": args.steps,
@@ -189,7 +190,8 @@ def format_report(r: dict) -> str:
         f"{r['deepspeed_version']}, diffusers {r['diffusers_version']}, {r['date']}",
         f"workload    {r['width']}x{r['height']} target + {r['refs']} reference(s) of the same size + "
         f"{r['text_tokens']} text tokens = {r['tokens_per_sample']} tokens/sample, micro-batch {r['micro_batch']}",
-        f"model       {r['model']}{' (2511: zero_cond_t)' if r['zero_cond_t'] else ''}, {r['num_layers']} blocks, "
+        f"model       {r['model']} {r.get('variant', 'edit')}{' (2511: zero_cond_t)' if r['zero_cond_t'] else ''}, "
+        f"{r['num_layers']} blocks, "
         f"{r['precision']}, {lora}: "
         f"{r['trainable_params']:,} trainable of {r['total_params']:,}",
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}"
@@ -232,9 +234,11 @@ def format_report(r: dict) -> str:
 
 def peer_report(r: dict) -> list[str]:
     """The peer's rows and its ratio, for format_report."""
+    is_21 = r.get("variant") == "qwen_image_21"
+    dit, module = ("QwenImage21DiT", "peer21.py") if is_21 else ("QwenImageDiT", "peer.py")
     lines = [
-        f"peer        DiffSynth-Studio {r['peer_version']} QwenImageDiT driven as its trainer drives it "
-        "(train/benchmarks/peer.py), micro-batch 1, same workload:"
+        f"peer        DiffSynth-Studio {r['peer_version']} {dit} driven as its trainer drives it "
+        f"(train/benchmarks/{module}), micro-batch 1, same workload:"
     ]
     for row in r["peer_rows"]:
         if "error" in row:

@@ -11,10 +11,14 @@ separately, and the latent/embedding cache (train/data/latent_cache.py) removes 
 Default model: the full Qwen-Image-Edit transformer architecture (60 blocks, width 3072) at random init,
 built directly on the GPU in bf16 (no weights needed; `--num_layers` lowers the depth, e.g. so that full
 fine-tuning fits). `--tiny` is the CPU smoke mode: the tiny transformer of `train.make_tiny`, fp32.
+`--variant qwen_image_21` measures Qwen-Image-2.1's single-stream DiT instead (32 blocks, width 4096; its text
+encoder is Qwen3-VL), the family record's `bench` part giving its configs and batch; its FLOPs are flops21.py's and
+its peer peer21.py's.
 
 The parts, one module each: the options (options.py), the workload's shapes (workload.py), the model, batch and
 config (build.py), the timed loops and their statistics (timing.py), the plain PyTorch loop of `--baseline`
-(baseline.py), the FLOP count and MFU (flops.py), `--profile` (profiling.py), the record and report (report.py).
+(baseline.py), the FLOP count and MFU (flops.py, flops21.py), the peer (peer.py, peer21.py), `--profile`
+(profiling.py), the record and report (report.py).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from collections.abc import Callable
 
 import torch
 
-from train.benchmarks import floor, fp8_impls, peer
+from train.benchmarks import floor, flops, flops21, fp8_impls, peer, peer21
 from train.benchmarks.baseline import run_baseline
 from train.benchmarks.build import (
+    args_family,
     build_model,
     census_model,
     lora_config,
@@ -36,20 +41,20 @@ from train.benchmarks.build import (
     synthetic_batch,
     trainable_count,
 )
-from train.benchmarks.flops import step_flops
 from train.benchmarks.profiling import PHASES, profile_steps
 from train.benchmarks.report import add_peer, make_record
 from train.benchmarks.timing import Phase, reset_peak_memory, time_steps
-from train.benchmarks.workload import FAMILY, SEED, Workload, explained_oom, make_workload
+from train.benchmarks.workload import SEED, Workload, explained_oom, make_workload
 from train.config import Config
 from train.data import sources
 from train.model import prepare
+from train.model.interface import ModelFamily
 from train.runtime import engine
 from train.trainer import loop
 
 
 def project_step(
-    eng, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype
+    eng, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype, fam: ModelFamily
 ) -> Callable[[int], torch.Tensor]:
     """One micro-step as train.trainer.loop.train runs it (GAS 1): forward_loss, engine.backward, engine.step."""
     from torch.profiler import record_function
@@ -59,7 +64,7 @@ def project_step(
     def step(i: int) -> torch.Tensor:
         with record_function(PHASES[0]):
             generator = loop.micro_batch_generator(t.seed, i, 0, gas, d, d.device)
-            loss = loop.forward_loss(eng, b, t, generator, FAMILY.bench.SCHEDULER, dtype, FAMILY)
+            loss = loop.forward_loss(eng, b, t, generator, fam.bench.SCHEDULER, dtype, fam)
         with record_function(PHASES[1]):
             eng.backward(loss)
         with record_function(PHASES[2]):
@@ -75,7 +80,7 @@ def run_project(
     """Build the DeepSpeed engine over `model` (train.runtime.engine.build_engine) and time its step."""
     eng, _ = engine.build_engine(model, cfg.deepspeed)
     eng.train()
-    step = project_step(eng, b, cfg, d, dtype)
+    step = project_step(eng, b, cfg, d, dtype, args_family(args))
     phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
     if args.profile and d.is_main:
         profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.project.txt")
@@ -83,8 +88,8 @@ def run_project(
 
 
 def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch.dtype) -> list[dict]:
-    """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py);
-    every rank times its own copy, as the baseline."""
+    """Time DiffSynth-Studio's DiT on the same workload, one row per --peer_variants entry (train/benchmarks/peer.py,
+    peer21.py); every rank times its own copy, as the baseline."""
 
     def time_step(step: Callable[[int], torch.Tensor]) -> dict:
         phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
@@ -100,30 +105,39 @@ def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch
         torch._dynamo.reset()  # the peer's compiled graphs must not count toward the project's recompile limit
         reset_peak_memory(d.device)
 
-    num_layers = len(build_model(args, torch.device("meta"), dtype).transformer_blocks)
+    builder, arch = peer_builder(args, dtype)
     return peer.run_variants(
         peer.parse_variants(args.peer_variants),
         time_step,
         free,
-        num_layers=num_layers,
+        builder,
         latent_hw=w.latent_hw,
         refs=w.refs,
         text_tokens=w.text_tokens,
-        targets=lora_targets(args.lora_targets),
+        targets=lora_targets(args.lora_targets, w.family),
         rank=args.lora_rank,
         device=d.device,
         dtype=dtype,
         seed=SEED,
-        zero_cond_t=args.zero_cond_t,
         checkpointing=args.checkpointing == "full",
-        dims=peer.TINY if args.tiny else peer.FULL,
+        **arch,
     )
+
+
+def peer_builder(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Callable[..., peer.Setup], dict]:
+    """The peer of the measured family (peer.py: DiffSynth's QwenImageDiT; peer21.py: its QwenImage21DiT) and its
+    architecture's arguments, read off the project's transformer on the meta device."""
+    model = build_model(args, torch.device("meta"), dtype)
+    if args_family(args).name == "qwen_image21":
+        return peer21.build, {"config": dict(model.config)}
+    dims = peer.TINY if args.tiny else peer.FULL
+    return peer.build, {"num_layers": len(model.transformer_blocks), "zero_cond_t": args.zero_cond_t, "dims": dims}
 
 
 def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     """Build the model and batch, time the baseline (if asked) and the project's step; the result record."""
     dtype = torch.bfloat16 if d.device.type == "cuda" and not args.tiny else torch.float32
-    w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
+    w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch, args_family(args))
     peer_rows = run_peer(args, w, d, dtype) if args.peer else None  # first: its memory is gone before ours is built
     model, model_info, flops_per_gpu = build_measured_model(args, w, d, dtype)
     b = synthetic_batch(w, model, d.device, dtype, args.text_mask)
@@ -147,13 +161,13 @@ def build_measured_model(
     """The transformer prepared for training (LoRA or full, checkpointing, compile; diffusers' RoPE for the
     baseline), its description for the record, and its model FLOPs per step on one GPU (counted before LoRA)."""
     model = build_model(args, d.device, dtype)
-    flops_per_gpu = step_flops(model, w.image_tokens, w.text_tokens, args.mode, w.micro_batch)
+    flops_per_gpu = model_flops(model, w, args.mode)
     model_info = {
         "model": "tiny" if args.tiny else "full architecture",
         "num_layers": len(model.transformer_blocks),
         "total_params": sum(p.numel() for p in model.parameters()),
     }
-    lora = lora_config(args.lora_rank, args.lora_targets)
+    lora = lora_config(args.lora_rank, args.lora_targets, w.family)
     prepare_training(
         model, args.mode, lora, args.checkpointing, args.compile, args.checkpoint_blocks, args.compile_mode
     )
@@ -161,11 +175,20 @@ def build_measured_model(
     return model, model_info, flops_per_gpu
 
 
+def model_flops(model: torch.nn.Module, w: Workload, mode: str) -> float:
+    """Model FLOPs of one training step at workload `w` by its family's count (flops.py, flops21.py)."""
+    if w.family.name == "qwen_image21":
+        blocks = [w.target_tokens] * (w.refs + 1)  # references of the target's size, then the target
+        return flops21.step_flops(model, w.text_tokens, blocks, mode, w.micro_batch)
+    return flops.step_flops(model, w.image_tokens, w.text_tokens, mode, w.micro_batch)
+
+
 def to_project_form(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> None:
     """After the baseline (which runs diffusers' RoPE and the bf16 base): the trainer's real-pair rotary embedding
     (train.model.prepare.prepare_for_training's real_rope) and, with --fp8_base, the fp8 base."""
-    if not args.complex_rope:
-        FAMILY.real_rope(model)
+    real_rope = args_family(args).real_rope
+    if real_rope is not None and not args.complex_rope:
+        real_rope(model)
     if args.fp8_base:
         prepare.check_fp8_device()
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
@@ -181,9 +204,9 @@ def measure_floor(
         b,
         cfg.project.train,
         loop.micro_batch_generator(SEED, 0, 0, 1, d, d.device),
-        FAMILY.bench.SCHEDULER,
+        args_family(args).bench.SCHEDULER,
         dtype,
-        FAMILY,
+        args_family(args),
     )
     meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
     median = project.stats(1.0)["median_s_per_step"]

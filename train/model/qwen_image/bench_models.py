@@ -1,6 +1,7 @@
 """What the benchmarks (train/benchmarks/) build of the Qwen-Image family: the released transformer's config at any
-depth, the tests' tiny transformer, Qwen2.5-VL-7B and the released VAE at random init, the released scheduler's
-settings, and the online encoding in its timed parts (the VL model, its processor, the VAE both ways)."""
+depth, the tests' tiny transformer, a synthetic micro-batch, Qwen2.5-VL-7B and the released VAE at random init, the
+released scheduler's settings, and the online encoding in its timed parts (the VL model, its processor, the VAE both
+ways)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from train.model.qwen_image.archs import FULL_ARCH, VL_PIXELS, VL_TEXT, VL_VISIO
 from train.model.tiny_tokenizer import build_tokenizer, special_token_ids
 
 SCHEDULER = tiny.SCHEDULER_CONFIG  # the released family's dynamic shift (about 2.0 at 1024^2)
+synthetic_batch = batches.synthetic_batch  # a benchmark workload's micro-batch: text tokens are the prompt's
+
+
+def min_text_tokens(refs: int) -> int:
+    """Fewest text tokens a benchmark workload can have: the references are a separate stream."""
+    return 1
 
 
 def released_config(variant: str, num_layers: int | None = None) -> dict:

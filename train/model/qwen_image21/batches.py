@@ -147,17 +147,18 @@ def synthetic_batch(
     cond_dtype: torch.dtype,
     text_mask: bool = False,
     seed: int = 0,
+    text_positions: bool = False,
 ) -> Batch:
     """A Batch of random tensors shaped as encode_batch returns them (conditioning in `cond_dtype`): a target of
     latent size `latent_hw`, references of the latent sizes `reference_hws` (each side rounded down to the 2x2
     groups an image slot covers), `text_tokens` prompt embeddings holding their slots (more when the slots need
-    them), a mask of ones when `text_mask`."""
+    them; with `text_positions`, `text_tokens` besides the slots), a mask of ones when `text_mask`."""
     g = torch.Generator(device).manual_seed(seed)
     channels, width = model.config.in_channels, model.config.context_in_dim
     h, w = (max(2, side // 2 * 2) for side in latent_hw)
     shapes = [(1, max(2, rh // 2 * 2), max(2, rw // 2 * 2)) for rh, rw in reference_hws]
     slot_runs = [rh * rw // conditioning.TOKENS_PER_SLOT for _, rh, rw in shapes]
-    length = max(text_tokens, sum(slot_runs) + 2 * len(slot_runs) + 2)
+    length = max(text_tokens + (sum(slot_runs) if text_positions else 0), sum(slot_runs) + 2 * len(slot_runs) + 2)
     slots = torch.zeros(length, dtype=torch.bool, device=device)
     start = 2
     for run in slot_runs:  # two text tokens before each reference's slots, as its "<imageK>..." tokens

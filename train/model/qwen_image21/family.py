@@ -1,15 +1,14 @@
 """The Qwen-Image-2.1 family's record for the generic trainer (train/model/interface.py). The parts left None
-(model-parallel decoder cuts, kept attention, the benchmarks' models) are refused at start-up by
+(model-parallel decoder cuts, kept attention) are refused at start-up by
 train/model/support.py."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 from train.model.interface import Fp8Linears, LoraKeys, ModelFamily, Variant
 from train.model.qwen_image21 import (
     attention,
     batches,
+    bench_models,
     components,
     conditioning,
     lora_keys,
@@ -60,5 +59,5 @@ FAMILY = ModelFamily(
     make_dataset=tiny.make_dataset,
     synthetic_batch=batches.synthetic_batch,
     text_tokens_bound=batches.text_tokens_bound,
-    bench=SimpleNamespace(attention_processor=attention.SegmentedSDPAProcessor),  # train/benchmarks/attention21.py
+    bench=bench_models,
 )
