@@ -4,13 +4,18 @@ calls take no mask unless rows are padded; sampling with the pipeline's prefix K
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import QwenImage21Pipeline
+from diffusers.models.transformers import transformer_qwenimage21
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 
+from train.model.qwen_image import rope
 from train.model.qwen_image21 import attention
+from train.model.qwen_image21 import rope as rope21
 from train.model.qwen_image21.tiny import build_transformer
 
 TEXT_BEFORE, TEXT_BETWEEN = 3, 2  # prompt tokens before the first image slot and between two references' slots
@@ -77,6 +82,28 @@ def test_forward_and_gradients_equal_diffusers_processor(model, layout):
     inputs = layout_inputs(model, *LAYOUTS[layout])
     expected = forward_backward(model, QwenImage21AttnProcessor, inputs)
     ours = forward_backward(model, attention.SegmentedSDPAProcessor, inputs)
+    assert ours.keys() == expected.keys() and len(expected) > 10
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_real_rotary_pairs_equal_diffusers_complex_rotation(model, monkeypatch):
+    """Real (cos, sin) pairs in the 2.1 blocks (train/model/qwen_image21/rope.py): the output and every gradient as
+    with diffusers' complex rotation, and every block's q and k went through the real product."""
+    # the module function is restored after the test
+    monkeypatch.setattr(transformer_qwenimage21, "apply_rotary_emb_qwen", transformer_qwenimage21.apply_rotary_emb_qwen)
+    inputs = layout_inputs(model, *LAYOUTS["three_references"])
+    expected = forward_backward(model, QwenImage21AttnProcessor, inputs)
+    real = copy.deepcopy(model)
+    rope21.use_real_pairs(real)
+    rope21.use_real_pairs(real)  # idempotent: one hook, one wrapper
+    assert len(real.pos_embed._forward_hooks) == 1
+    assert transformer_qwenimage21.apply_rotary_emb_qwen.original.__module__ == transformer_qwenimage21.__name__
+    calls = []
+    original = rope.rotate_pairs
+    monkeypatch.setattr(rope, "rotate_pairs", lambda x, pairs: calls.append(pairs.shape) or original(x, pairs))
+    ours = forward_backward(real, QwenImage21AttnProcessor, inputs)
+    assert len(calls) == 2 * len(real.transformer_blocks) and all(s[-1] == 2 for s in calls)
     assert ours.keys() == expected.keys() and len(expected) > 10
     for name, value in expected.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

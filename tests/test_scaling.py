@@ -63,6 +63,12 @@ def test_efficiency_and_loss_curves_come_from_the_runs():
     stage0 = scaling.summarise("stage0", runs, 4)
     assert stage0["efficiency"] == 1.0 and stage0["loss_max_rel_diff_vs_zero2"] == pytest.approx({"1": 0.1, "4": 0.1})
     assert "efficiency" not in scaling.summarise("stage0", runs[:3], 4)  # no run on 4 GPUs: no efficiency
+    one_gpu = scaling.summarise("stage0", runs[::2], 1)  # --gpus 1: the loss curve alone
+    assert "efficiency" not in one_gpu and one_gpu["loss_max_rel_diff_vs_zero2"] == pytest.approx({"1": 0.1})
+    assert scaling.world_sizes(1) == [1] and scaling.world_sizes(4) == [1, 4]
+    assert scaling.parse_args(["--model", "m", "--data", "d", "--gpus", "1"]).gpus == 1
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--model", "m", "--data", "d", "--gpus", "0", "--steps", "3", "--skip", "3"])
 
 
 @pytest.mark.slow

@@ -104,7 +104,7 @@ def _add_variant_arguments(p: argparse.ArgumentParser) -> None:
         "--complex_rope",
         action="store_true",
         help="the project's step with diffusers' complex rotary embedding instead of real pairs "
-        "(train/model/qwen_image/rope.py), to measure that lever",
+        "(train/model/qwen_image/rope.py, qwen_image21/rope.py), to measure that lever",
     )
     p.add_argument(
         "--text_mask", action="store_true", help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)"
@@ -249,11 +249,8 @@ def _check_variant(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--refs {args.refs}: {fam.title} takes at most {most} references")
     if args.variant == "edit":
         return
-    if args.zero_cond_t or args.floor or args.complex_rope:
-        parser.error(
-            "--zero_cond_t, --floor and --complex_rope are the Qwen-Image MMDiT's; "
-            f"drop them for --variant {args.variant}"
-        )
+    if args.zero_cond_t or args.floor:
+        parser.error(f"--zero_cond_t and --floor are the Qwen-Image MMDiT's; drop them for --variant {args.variant}")
     fewest = fam.bench.min_text_tokens(args.refs)
     if args.text_tokens is not None and args.text_tokens < fewest:
         parser.error(

@@ -14,7 +14,7 @@ import torch
 from train.benchmarks import floor, peer
 from train.benchmarks.flops import mfu
 from train.benchmarks.timing import Phase
-from train.benchmarks.workload import Workload
+from train.benchmarks.workload import Workload, bench_family
 from train.runtime import engine, steptime
 
 # Fields of the JSON record that are numbers > 0 in every run (the CI smoke test checks them).
@@ -73,6 +73,11 @@ def machine(d: engine.Dist) -> dict:
     }
 
 
+def rope_name(args: argparse.Namespace) -> str:
+    """How the measured step rotates q and k: the family's real pairs unless --complex_rope or it has none."""
+    return "complex (diffusers)" if args.complex_rope or bench_family(args.variant).real_rope is None else "real pairs"
+
+
 def make_record(
     args: argparse.Namespace,
     w: Workload,
@@ -121,7 +126,7 @@ def make_record(
         "fp8_transposed": args.fp8_transposed,
         "fp8_fast_accum": args.fp8_fast_accum,
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
-        "rope": "complex (diffusers)" if args.complex_rope or args.variant != "edit" else "real pairs",
+        "rope": rope_name(args),
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask,
         "steps": args.steps,

@@ -63,7 +63,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="diffusers-format model directory (train/main.py --model)")
     p.add_argument("--data", required=True, help="data directory (train/main.py --data)")
     p.add_argument("--config", default=str(REPO / "ds_configs" / "zero2.json"), help="base config (default zero2)")
-    p.add_argument("--gpus", type=int, help="N: GPUs of the multi-GPU runs (default: every GPU of this node; 2 on CPU)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="N: GPUs of the multi-GPU runs (default: every GPU of this node; 2 on CPU); 1: the one-GPU runs alone, "
+        "for the settings' loss curves against zero2's",
+    )
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--steps", type=int, default=15, help="optimizer steps per run (default 15)")
     p.add_argument(
@@ -89,8 +94,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown or not args.settings:
         p.error(f"--settings: {', '.join(unknown) or 'none given'}; choose among {', '.join(SETTINGS)}")
-    if args.gpus < 2 or args.steps <= args.skip or args.skip < 0:
-        p.error("--gpus must be >= 2, --skip >= 0 and --steps > --skip")
+    if args.gpus < 1 or args.steps <= args.skip or args.skip < 0:
+        p.error("--gpus must be >= 1, --skip >= 0 and --steps > --skip")
     try:
         args.changes = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.set)}
     except ValueError as e:
@@ -203,12 +208,17 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=False))
 
 
+def world_sizes(gpus: int) -> list[int]:
+    """The GPU counts each setting runs at: 1 and N (1 alone with --gpus 1)."""
+    return sorted({1, gpus})
+
+
 def summarise(setting: str, runs: list[dict], gpus: int) -> dict:
     """A setting's efficiency (N GPUs over 1, samples/s per GPU) and its loss curves against zero2's."""
     mine = {r["world_size"]: r for r in runs if r["setting"] == setting and r["status"] == "ok"}
     base = {r["world_size"]: r for r in runs if r["setting"] == "zero2" and r["status"] == "ok"}
     out: dict = {"setting": setting}
-    if 1 in mine and gpus in mine:
+    if gpus > 1 and 1 in mine and gpus in mine:
         one, many = mine[1], mine[gpus]
         out["efficiency"] = many["samples_per_s_per_gpu"] / one["samples_per_s_per_gpu"]
         out["efficiency_median"] = many["samples_per_s_per_gpu_median"] / one["samples_per_s_per_gpu_median"]
@@ -232,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
         if reason is not None:
             settings.append({"setting": setting, "status": "not available", "reason": reason})
             continue
-        runs += [run_one(setting, world, cfg, args) for world in (1, args.gpus)]
+        runs += [run_one(setting, world, cfg, args) for world in world_sizes(args.gpus)]
         settings.append({"status": "ran", **summarise(setting, runs, args.gpus)})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {
@@ -251,8 +261,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def format_report(r: dict) -> str:
     lines = [
-        f"== train.bench --scaling: train/main.py through the deepspeed launcher, 1 vs {r['gpus']} "
-        f"{'GPUs' if r['device_type'] == 'cuda' else 'CPU processes'}, {r['config']}, {r['steps']} steps each "
+        f"== train.bench --scaling: train/main.py through the deepspeed launcher, "
+        f"{'1' if r['gpus'] == 1 else '1 vs ' + str(r['gpus'])} "
+        f"{'GPU(s)' if r['device_type'] == 'cuda' else 'CPU process(es)'}, {r['config']}, {r['steps']} steps each "
         f"(statistics over steps {r['skip'] + 1}-{r['steps']}); {r['gpu_name']}, torch {r['torch_version']}, "
         f"deepspeed {r['deepspeed_version']} ==",
         f"{'setting':12s} {'GPUs':>4s} {'mean s/step':>12s} {'median':>8s} {'slowest':>8s} "

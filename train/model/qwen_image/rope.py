@@ -13,6 +13,9 @@ affected:
 - diffusers' module-level `apply_rotary_emb_qwen` is replaced by `rotate`, which multiplies such pairs in float32,
   (a + ib)(c + id) = (ac - bd) + i(ad + bc), exactly as the complex product is defined, and casts back to x's
   dtype. Complex frequencies (any other transformer, or this one before the hook) go to diffusers' function.
+Qwen-Image-2.1's module carries a copy of the same function and its `pos_embed` returns one complex tensor
+instead of a tuple: `use_real_pairs(transformer, transformer_qwenimage21)` makes the same change there
+(train/model/qwen_image21/rope.py).
 tests/test_rope.py checks the result and the gradients against diffusers' complex path.
 """
 
@@ -32,20 +35,35 @@ def rotate_pairs(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     return torch.stack((a * c - b * d, a * d + b * c), dim=-1).flatten(3).type_as(x)
 
 
-def rotate(x: torch.Tensor, freqs_cis, use_real: bool = True, use_real_unbind_dim: int = -1) -> torch.Tensor:
-    """Drop-in for diffusers' apply_rotary_emb_qwen that also takes real (cos, sin) pairs."""
-    if use_real or not torch.is_tensor(freqs_cis) or freqs_cis.is_complex():
-        return _DIFFUSERS(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
-    return rotate_pairs(x, freqs_cis)
+def rotating(original):
+    """A drop-in for `original` (a diffusers module's apply_rotary_emb_qwen) that also takes real (cos, sin) pairs;
+    every other call goes to `original`."""
+
+    def rotate(x: torch.Tensor, freqs_cis, use_real: bool = True, use_real_unbind_dim: int = -1) -> torch.Tensor:
+        if use_real or not torch.is_tensor(freqs_cis) or freqs_cis.is_complex():
+            return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
+        return rotate_pairs(x, freqs_cis)
+
+    rotate.original = original
+    return rotate
+
+
+rotate = rotating(_DIFFUSERS)
 
 
 def _real_pairs_hook(module, args, output):
+    if torch.is_tensor(output):  # Qwen-Image-2.1's pos_embed: one tensor
+        return torch.view_as_real(output) if output.is_complex() else output
     return tuple(torch.view_as_real(f) if torch.is_tensor(f) and f.is_complex() else f for f in output)
 
 
-def use_real_pairs(transformer: torch.nn.Module) -> None:
-    """Make `transformer`'s blocks rotate with real pairs (idempotent); call before the blocks are compiled."""
-    transformer_qwenimage.apply_rotary_emb_qwen = rotate
+def use_real_pairs(transformer: torch.nn.Module, diffusers_module=transformer_qwenimage) -> None:
+    """Make `transformer`'s blocks rotate with real pairs (idempotent); call before the blocks are compiled.
+    `diffusers_module`: the diffusers module whose attention calls apply_rotary_emb_qwen (the MMDiT's by default)."""
+    if diffusers_module is transformer_qwenimage:
+        diffusers_module.apply_rotary_emb_qwen = rotate
+    elif not hasattr(diffusers_module.apply_rotary_emb_qwen, "original"):
+        diffusers_module.apply_rotary_emb_qwen = rotating(diffusers_module.apply_rotary_emb_qwen)
     pos_embed = transformer.pos_embed
     if not getattr(pos_embed, "_qwen_edit_real_pairs", False):
         pos_embed.register_forward_hook(_real_pairs_hook)

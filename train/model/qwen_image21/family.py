@@ -13,6 +13,7 @@ from train.model.qwen_image21 import (
     conditioning,
     lora_keys,
     pipelines,
+    rope,
     samples,
     tiny,
     variant,
@@ -37,6 +38,7 @@ FAMILY = ModelFamily(
     # every linear of a block is a token linear; the one shared modulation sits outside the blocks
     fp8_linears=Fp8Linears(lora_keys.DEFAULT_TARGETS),
     set_attention=attention.set_attention,
+    real_rope=rope.use_real_pairs,
     random_pipeline_models=components.random_pipeline_models,
     load_encoders=components.load_encoders,
     load_vae=components.load_vae,
