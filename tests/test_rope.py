@@ -16,24 +16,27 @@ def _complex_freqs(seq: int, half: int, seed: int = 0) -> torch.Tensor:
     return torch.polar(torch.ones(seq, half), torch.rand(seq, half, generator=g) * 6.3)
 
 
+rotate = rope.rotating(rope._DIFFUSERS)  # the wrapper use_real_pairs installs in the MMDiT's module
+
+
 def test_rotate_pairs_is_the_complex_product():
     """Against diffusers' own complex path, in bf16 (its rounding at the end) and in fp32; a wrong sign fails."""
     freqs = _complex_freqs(7, 8)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         x = torch.randn(2, 7, 3, 16).to(dtype)
         ref = rope._DIFFUSERS(x, freqs, use_real=False)
-        got = rope.rotate(x, torch.view_as_real(freqs), use_real=False)
+        got = rotate(x, torch.view_as_real(freqs), use_real=False)
         assert got.dtype == ref.dtype == dtype
         assert (got.float() - ref.float()).abs().max().item() < tol
     wrong = torch.view_as_real(freqs.conj().resolve_conj())  # rotation the other way
-    assert (rope.rotate(x, wrong, use_real=False).float() - ref.float()).abs().max().item() > 0.1
+    assert (rotate(x, wrong, use_real=False).float() - ref.float()).abs().max().item() > 0.1
 
 
 def test_rotate_passes_complex_and_real_mode_calls_through():
     x, freqs = torch.randn(1, 5, 2, 8), _complex_freqs(5, 4)
-    assert torch.equal(rope.rotate(x, freqs, use_real=False), rope._DIFFUSERS(x, freqs, use_real=False))
+    assert torch.equal(rotate(x, freqs, use_real=False), rope._DIFFUSERS(x, freqs, use_real=False))
     x, cos, sin = torch.randn(1, 2, 5, 8), torch.randn(5, 8), torch.randn(5, 8)  # that path is laid out B H S D
-    assert torch.equal(rope.rotate(x, (cos, sin), use_real=True), rope._DIFFUSERS(x, (cos, sin), use_real=True))
+    assert torch.equal(rotate(x, (cos, sin), use_real=True), rope._DIFFUSERS(x, (cos, sin), use_real=True))
 
 
 def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:

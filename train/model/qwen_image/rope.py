@@ -10,9 +10,9 @@ that product and its backward run as eager complex64 kernels, with float32 copie
 affected:
 - a forward hook on the transformer's `pos_embed` returns the same frequencies as float32 views [S, D/2, 2]
   (`torch.view_as_real`: no copy), so the compiled blocks receive real tensors;
-- diffusers' module-level `apply_rotary_emb_qwen` is replaced by `rotate`, which multiplies such pairs in float32,
-  (a + ib)(c + id) = (ac - bd) + i(ad + bc), exactly as the complex product is defined, and casts back to x's
-  dtype. Complex frequencies (any other transformer, or this one before the hook) go to diffusers' function.
+- diffusers' module-level `apply_rotary_emb_qwen` is wrapped by `rotating`: the wrapper multiplies such pairs in
+  float32, (a + ib)(c + id) = (ac - bd) + i(ad + bc), exactly as the complex product is defined, and casts back to
+  x's dtype. Complex frequencies (any other transformer, or this one before the hook) go to diffusers' function.
 Qwen-Image-2.1's module carries a copy of the same function and its `pos_embed` returns one complex tensor
 instead of a tuple: `use_real_pairs(transformer, transformer_qwenimage21)` makes the same change there
 (train/model/qwen_image21/rope.py).
@@ -48,9 +48,6 @@ def rotating(original):
     return rotate
 
 
-rotate = rotating(_DIFFUSERS)
-
-
 def _real_pairs_hook(module, args, output):
     if torch.is_tensor(output):  # Qwen-Image-2.1's pos_embed: one tensor
         return torch.view_as_real(output) if output.is_complex() else output
@@ -60,9 +57,7 @@ def _real_pairs_hook(module, args, output):
 def use_real_pairs(transformer: torch.nn.Module, diffusers_module=transformer_qwenimage) -> None:
     """Make `transformer`'s blocks rotate with real pairs (idempotent); call before the blocks are compiled.
     `diffusers_module`: the diffusers module whose attention calls apply_rotary_emb_qwen (the MMDiT's by default)."""
-    if diffusers_module is transformer_qwenimage:
-        diffusers_module.apply_rotary_emb_qwen = rotate
-    elif not hasattr(diffusers_module.apply_rotary_emb_qwen, "original"):
+    if not hasattr(diffusers_module.apply_rotary_emb_qwen, "original"):  # not wrapped yet
         diffusers_module.apply_rotary_emb_qwen = rotating(diffusers_module.apply_rotary_emb_qwen)
     pos_embed = transformer.pos_embed
     if not getattr(pos_embed, "_qwen_edit_real_pairs", False):
