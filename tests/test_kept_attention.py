@@ -29,13 +29,13 @@ LORA = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.to_k", "
 def kernel_calls(monkeypatch):
     """Counts the attention kernel's runs inside the op (a replayed output does not run it)."""
     calls = []
-    forward = kept_attention._forward
+    forward = kept_attention.fused_forward
 
     def counting(*args):
         calls.append(args[0].shape)
         return forward(*args)
 
-    monkeypatch.setattr(kept_attention, "_forward", counting)
+    monkeypatch.setattr(kept_attention, "fused_forward", counting)
     return calls
 
 
@@ -208,7 +208,7 @@ def test_cuda_kernels_equal_sdpa_and_replay_in_a_compiled_block(backend):
             plain = checkpoint(compiled, x, w, use_reentrant=False)
             g_plain = torch.autograd.grad(plain.float().square().sum(), w)[0]
             calls = []
-            forward = kept_attention._forward
+            forward = kept_attention.fused_forward
             kept_attention._forward = lambda *a: calls.append(1) or forward(*a)
             try:
                 replayed = checkpoint(kept_attention.Stash().run, compiled, x, w, use_reentrant=False)

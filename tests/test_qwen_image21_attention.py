@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from diffusers import QwenImage21Pipeline
 from diffusers.models.transformers import transformer_qwenimage21
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 
+from train.model import kept_attention
 from train.model.qwen_image import rope
 from train.model.qwen_image21 import attention
 from train.model.qwen_image21 import rope as rope21
@@ -109,40 +109,45 @@ def test_real_rotary_pairs_equal_diffusers_complex_rotation(model, monkeypatch):
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_log_sum_exp_over_many_key_chunks(model, monkeypatch):
-    """The merge's log-sum-exp and its gradient taken over chunks of a few keys (as long sequences are) are exact."""
-    monkeypatch.setattr(attention, "_CHUNK_SCORES", 256)
-    inputs = layout_inputs(model, *LAYOUTS["batch_of_two_padded"])
-    expected = forward_backward(model, QwenImage21AttnProcessor, inputs)
-    ours = forward_backward(model, attention.SegmentedSDPAProcessor, inputs)
-    for name, value in expected.items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+def test_kernel_calls_without_padding_and_diffusers_processor_with_it(model, monkeypatch):
+    """Three references: per block one kernel call per reference, two per text run after the first (the split), one
+    for the first text run and one for the target, and as many backward calls; a padded batch goes to diffusers'
+    processor."""
+    forward, backward = [], []
+    fused_forward, fused_backward = kept_attention.fused_forward, kept_attention.fused_backward
 
+    def spy_forward(q, k, v, scale, is_causal=False):
+        forward.append((q.shape[2], k.shape[2], is_causal))
+        return fused_forward(q, k, v, scale, is_causal)
 
-def test_sdpa_calls_take_no_mask_without_padding(model, monkeypatch):
-    """Three references: per block one call per reference, two per text run after the first (the split), one for
-    the first text run and one for the target; none with a mask. A padded batch passes the key mask."""
-    calls, sdpa = [], F.scaled_dot_product_attention
+    def spy_backward(grad, q, k, v, out, lse, scale, is_causal=False):
+        backward.append((q.shape[2], k.shape[2], is_causal))
+        return fused_backward(grad, q, k, v, out, lse, scale, is_causal)
 
-    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
-        calls.append((attn_mask is None, is_causal))
-        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
-
-    attention.set_attention(model, "segmented", False)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-    with torch.no_grad():
-        model(**layout_inputs(model, *LAYOUTS["three_references"]))
+    monkeypatch.setattr(kept_attention, "fused_forward", spy_forward)
+    monkeypatch.setattr(kept_attention, "fused_backward", spy_backward)
+    masked = []
+    diffusers_call = QwenImage21AttnProcessor.__call__
+    monkeypatch.setattr(
+        QwenImage21AttnProcessor, "__call__", lambda *a, **kw: masked.append(1) or diffusers_call(*a, **kw)
+    )
+    inputs = layout_inputs(model, *LAYOUTS["three_references"])
+    forward_backward(model, attention.SegmentedSDPAProcessor, inputs)
+    blocks = len(model.transformer_blocks)
     per_block = 3 + 1 + 2 * 3 + 1
-    assert len(calls) == per_block * len(model.transformer_blocks) and all(no_mask for no_mask, _ in calls)
-    assert sum(causal for _, causal in calls) == 4 * len(model.transformer_blocks)
-    calls.clear()
-    with torch.no_grad():
-        model(**layout_inputs(model, *LAYOUTS["batch_of_two_padded"]))
-    assert calls and not any(no_mask for no_mask, _ in calls)
+    assert len(forward) == per_block * blocks and sorted(forward) == sorted(backward) and not masked
+    assert sum(causal for *_, causal in forward) == 4 * blocks
+    length = max(keys for _, keys, _ in forward)
+    assert forward.count((4 * 6, length, False)) == blocks  # the target's queries over every key
+    forward.clear()
+    forward_backward(model, attention.SegmentedSDPAProcessor, layout_inputs(model, *LAYOUTS["batch_of_two_padded"]))
+    assert not forward and len(masked) == blocks
 
 
-def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21):
-    """The pipeline's prefix KV cache (first step fills it, the next reads it) through the segmented processor."""
+@pytest.mark.parametrize("prompts", [["make it blue"], ["make it blue", "a square"]], ids=["one_prompt", "padded"])
+def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21, prompts):
+    """The pipeline's prefix KV cache (first step fills it, the next reads it) through the segmented processor: its
+    own kernel calls for one prompt, diffusers' masked calls for prompts of different lengths."""
     from PIL import Image
 
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21)
@@ -151,7 +156,7 @@ def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21):
 
     def sample():
         return pipe(
-            prompt=["make it blue", "a square"],
+            prompt=prompts,
             image=[image],
             num_inference_steps=3,
             output_resolution=64,

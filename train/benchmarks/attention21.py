@@ -1,12 +1,13 @@
 """Qwen-Image-2.1's attention processors timed on one attention layer of the released width (4096, 32 heads of 128):
 
     diffusers   diffusers' QwenImage21AttnProcessor: one SDPA call per prefix run, text runs with a dense mask
-    segmented   train/model/qwen_image21/attention.py: mask-free calls, later text runs merged by log-sum-exp
-    flex        diffusers' QwenImage21FlexAttnProcessor: one flex_attention call with a BlockMask, compiled (CUDA only)
+    segmented   train/model/qwen_image21/attention.py: mask-free fused-kernel calls in one custom op
+    flex        diffusers' QwenImage21FlexAttnProcessor: one flex_attention call with a BlockMask (CUDA only)
 
 Forward and backward of the layer (projections included, as in training) on a micro-batch of one layout: the text
 runs around the references' image slots as the pipeline lays them out, references of `--reference` latent grids,
-the target last. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
+the target last. On CUDA every layer is compiled, as the trainer compiles its blocks; the record names the fused
+kernel torch's SDPA picks for the layer's queries. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def layer_inputs(kind: str, image_pad_mask, img_shapes, batch: int, width: int, 
 
 
 def build_layer(kind: str, width: int, heads: int, dtype, device):
-    """One attention layer with `kind`'s processor; the flex one compiled (uncompiled it is a dense fp32 matrix)."""
+    """One attention layer with `kind`'s processor, compiled on CUDA (an uncompiled flex one is a dense fp32 matrix)."""
     from diffusers.models.transformers import transformer_qwenimage21 as T
 
     from train.model import family
@@ -75,7 +76,7 @@ def build_layer(kind: str, width: int, heads: int, dtype, device):
         "flex": T.QwenImage21FlexAttnProcessor,
     }[kind]()
     layer = T.QwenImage21Attention(width, heads, width // heads, processor=processor).to(device, dtype)
-    return torch.compile(layer) if kind == "flex" and device.type == "cuda" else layer
+    return torch.compile(layer) if device.type == "cuda" else layer
 
 
 def time_kind(kind: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> float:
@@ -110,7 +111,10 @@ def run(args: argparse.Namespace) -> dict:
         print("attention21: flex skipped (flex_attention has no backward on the CPU)", flush=True)
         kinds.remove("flex")
     seconds = {kind: time_kind(kind, args, device, dtype) for kind in kinds}
+    head_dim = args.width // args.heads
+    query = torch.empty(args.batch, args.heads, 64, head_dim, device=device, dtype=dtype)
     return {
+        "kernel": torch.nn.attention.SDPBackend(torch._fused_sdp_choice(query, query, query)).name,
         "probe": "attention21",
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -128,7 +132,7 @@ def format_report(record: dict) -> str:
     lines = [
         f"attention21: {record['references']} reference(s) and a target of {record['target']} latents, "
         f"{record['prompt_tokens']} prompt tokens, batch {record['batch']}, width {record['width']}, "
-        f"{record['dtype']} on {record['device']}; forward+backward of one layer:"
+        f"{record['dtype']} on {record['device']} (SDPA picks {record['kernel']}); forward+backward of one layer:"
     ]
     fastest = min(record["seconds"].values())
     for kind, seconds in record["seconds"].items():

@@ -106,6 +106,7 @@ def prepare_training(
     compile_blocks: bool,
     checkpoint_blocks: int = 0,
     compile_mode: str | None = None,
+    attention: str = "auto",
 ) -> None:
     """The trainer's own preparation (train.model.prepare.prepare_for_training, as train/main.py calls it), but with
     diffusers' rotary embedding: the baseline runs first; step.run switches to the trainer's real pairs after it."""
@@ -118,6 +119,7 @@ def prepare_training(
         checkpoint_blocks=checkpoint_blocks,
         real_rope=False,
         compile_mode=compile_mode,
+        attention=attention,
     )
 
 

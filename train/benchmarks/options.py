@@ -107,6 +107,13 @@ def _add_variant_arguments(p: argparse.ArgumentParser) -> None:
         "(train/model/qwen_image/rope.py, qwen_image21/rope.py), to measure that lever",
     )
     p.add_argument(
+        "--attention",
+        choices=("auto", "flex", "sdpa", "segmented"),
+        default="auto",
+        help="Qwen-Image-2.1's attention processor, as train.attention (train/model/qwen_image21/attention.py); "
+        "the MMDiT ignores it",
+    )
+    p.add_argument(
         "--text_mask", action="store_true", help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)"
     )
     p.add_argument(

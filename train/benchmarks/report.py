@@ -203,7 +203,7 @@ def format_report(r: dict) -> str:
         f"{' (' + r['compile_mode'] + ')' if r.get('compile_mode') else ''}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} ({r['fp8_impl'] or '-'}, transposed copy "
         f"{r['fp8_transposed']}{', fast accumulation' if r.get('fp8_fast_accum') else ''}), "
-        f"RoPE {r['rope']}, "
+        f"RoPE {r['rope']}, attention {r.get('attention', '-')}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",
         f"s/step      {r['s_per_step']:.4f} (mean), median {r['median_s_per_step']:.4f} (mean "

@@ -169,9 +169,11 @@ def build_measured_model(
     }
     lora = lora_config(args.lora_rank, args.lora_targets, w.family)
     prepare_training(
-        model, args.mode, lora, args.checkpointing, args.compile, args.checkpoint_blocks, args.compile_mode
+        model, args.mode, lora, args.checkpointing, args.compile, args.checkpoint_blocks, args.compile_mode,
+        args.attention,
     )
     model_info["trainable_params"] = trainable_count(model)
+    model_info["attention"] = type(model.transformer_blocks[0].attn.processor).__name__
     return model, model_info, flops_per_gpu
 
 

@@ -144,17 +144,41 @@ def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == layout.stride() else torch.empty_like(layout).copy_(t)
 
 
-def _forward(q, k, v, scale):
+def fused_forward(q, k, v, scale, is_causal: bool = False):
+    """(out, lse) of one fused SDPA kernel call on (B, H, S, D) tensors: out has q's strides, lse is (B, H, S) float32.
+    is_causal: top-left aligned (query i sees keys 0..i), as SDPA's."""
     b, h, s = q.shape[:3]
     kind = _backend(q)
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
     elif kind == _SDP.CUDNN_ATTENTION:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
                                                                        scale=scale)[:2]
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False,
+                                                                       scale=scale)[:2]
     return _like(out, q), lse.reshape(b, h, s).contiguous()
+
+
+def fused_backward(grad, q, k, v, out, lse, scale, is_causal: bool = False):
+    """(dq, dk, dv) of fused_forward's call by the same kernel's backward, each with its input's strides. `out` and
+    `lse` may be those of a larger attention that this call is one part of (the same queries over more keys,
+    merged by log-sum-exp): the gradients are then this part's share of that attention's."""
+    grad = _like(grad, out)
+    if q.device.type == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
+                                                                                     is_causal, scale=scale)
+    elif _backend(q) == _SDP.CUDNN_ATTENTION:
+        zero = torch.zeros((), dtype=torch.long, device=q.device)  # the dropout's seed and offset: no dropout
+        lse = lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+            scale=scale)
+    else:
+        zero = torch.zeros((), dtype=torch.long, device=q.device)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, is_causal, zero, zero, scale=scale)
+    return tuple(_like(g, x) for g, x in zip(grads, (q, k, v), strict=True))
 
 
 @torch.library.custom_op("qwen_edit::kept_attention", mutates_args=(),
@@ -167,7 +191,7 @@ def kept_attention(q, k, v, scale):
         kept = stash.replay()
         if kept is not None:
             return kept
-    out, lse = _forward(q, k, v, scale)
+    out, lse = fused_forward(q, k, v, scale)
     if stash is not None:
         stash.record(out, lse)
     return out, lse
@@ -184,20 +208,7 @@ def _(q, k, v, scale):
 def kept_attention_backward(grad, q, k, v, out, lse, scale):
     """(dq, dk, dv) of kept_attention by the backward of the kernel that ran its forward; each with its input's
     strides."""
-    grad = _like(grad, out)
-    if q.device.type == "cpu":
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
-                                                                                     False, scale=scale)
-    elif _backend(q) == _SDP.CUDNN_ATTENTION:
-        zero = torch.zeros((), dtype=torch.long, device=q.device)  # the dropout's seed and offset: no dropout
-        lse = lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, False, scale=scale)
-    else:
-        zero = torch.zeros((), dtype=torch.long, device=q.device)
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, False, zero, zero, scale=scale)
-    return tuple(_like(g, x) for g, x in zip(grads, (q, k, v), strict=True))
+    return fused_backward(grad, q, k, v, out, lse, scale)
 
 
 @kept_attention_backward.register_fake
