@@ -7,7 +7,8 @@
 Forward and backward of the layer (projections included, as in training) on a micro-batch of one layout: the text
 runs around the references' image slots as the pipeline lays them out, references of `--reference` latent grids,
 the target last. On CUDA every layer is compiled, as the trainer compiles its blocks; the record names the fused
-kernel torch's SDPA picks for the layer's queries. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
+kernel torch's SDPA picks for the layer's queries. A module of the probe protocol of train/bench.py (parse_args, run,
+format_report).
 """
 
 from __future__ import annotations
