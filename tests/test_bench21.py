@@ -91,9 +91,11 @@ def test_full_size_linears_all_have_rows():
 
 
 def test_options_of_the_21_variant():
-    """--variant qwen_image_21 takes 0-10 references; the MMDiT's options and too few text tokens are refused."""
+    """--variant qwen_image_21 takes 0-10 references and an attention processor; the MMDiT's options, too few text
+    tokens and an unknown processor are refused."""
     assert options.parse_args(["--variant", "qwen_image_21", "--refs", "10"]).refs == 10
-    for bad in (["--refs", "11"], ["--zero_cond_t"], ["--floor"], ["--refs", "3", "--text_tokens", "7"]):
+    assert options.parse_args(["--variant", "qwen_image_21", "--attention", "flex"]).attention == "flex"
+    for bad in (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"], ["--refs", "3", "--text_tokens", "7"]):
         with pytest.raises(SystemExit):
             options.parse_args(["--variant", "qwen_image_21", *bad])
 
@@ -116,6 +118,8 @@ def test_cpu_run_end_to_end(tmp_path):
         "--warmup",
         "1",
         "--text_mask",
+        "--attention",
+        "segmented",
         "--json",
         str(out),
     ]
@@ -127,6 +131,7 @@ def test_cpu_run_end_to_end(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     record = json.loads(out.read_text().splitlines()[-1])
     assert record["variant"] == "qwen_image_21" and record["tokens_per_sample"] == 32 + 2 * 64
+    assert record["attention"] == "SegmentedSDPAProcessor" and "attention SegmentedSDPAProcessor" in proc.stdout
     assert record["flops_per_step"] > 0 and record["s_per_step"] > 0 and len(record["losses"]) == 3
     assert all(loss == loss and abs(loss) < float("inf") for loss in record["losses"])
     if with_peer:
