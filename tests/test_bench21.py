@@ -95,7 +95,8 @@ def test_options_of_the_21_variant():
     tokens and an unknown processor are refused."""
     assert options.parse_args(["--variant", "qwen_image_21", "--refs", "10"]).refs == 10
     assert options.parse_args(["--variant", "qwen_image_21", "--attention", "flex"]).attention == "flex"
-    for bad in (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"], ["--refs", "3", "--text_tokens", "7"]):
+    bad_options = (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"])
+    for bad in (*bad_options, ["--refs", "3", "--text_tokens", "7"]):
         with pytest.raises(SystemExit):
             options.parse_args(["--variant", "qwen_image_21", *bad])
 
