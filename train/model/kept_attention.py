@@ -126,7 +126,7 @@ def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                       backend=backend, parallel_config=parallel_config)
 
 
-def _backend(q: torch.Tensor) -> _SDP:
+def backend(q: torch.Tensor) -> _SDP:
     """The fused kernel torch's SDPA picks for q (chosen once per device type, dtype and head dim)."""
     key = (q.device.type, q.dtype, q.shape[-1])
     if key not in _backends:
@@ -148,7 +148,7 @@ def fused_forward(q, k, v, scale, is_causal: bool = False):
     """(out, lse) of one fused SDPA kernel call on (B, H, S, D) tensors: out has q's strides, lse is (B, H, S) float32.
     is_causal: top-left aligned (query i sees keys 0..i), as SDPA's."""
     b, h, s = q.shape[:3]
-    kind = _backend(q)
+    kind = backend(q)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
     elif kind == _SDP.CUDNN_ATTENTION:
@@ -168,7 +168,7 @@ def fused_backward(grad, q, k, v, out, lse, scale, is_causal: bool = False):
     if q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
                                                                                      is_causal, scale=scale)
-    elif _backend(q) == _SDP.CUDNN_ATTENTION:
+    elif backend(q) == _SDP.CUDNN_ATTENTION:
         zero = torch.zeros((), dtype=torch.long, device=q.device)  # the dropout's seed and offset: no dropout
         lse = lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

@@ -133,6 +133,7 @@ def _runs(bounds: list[int], length: int):
                          schema="(Tensor q, Tensor k, Tensor v, int[] bounds) -> (Tensor, Tensor)")
 def _attention(q, k, v, bounds):
     """(out, lse): out with q's strides, lse (B, H, S) float32."""
+    kept_attention.backend(q)  # the kernel is chosen (once) for the whole sequence, not for a short first segment
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     for q0, q1, keys in _runs(bounds, q.shape[2]):
