@@ -144,6 +144,17 @@ def test_kernel_calls_without_padding_and_diffusers_processor_with_it(model, mon
     assert not forward and len(masked) == blocks
 
 
+@pytest.mark.parametrize("capability, fused", [((9, 0), True), ((7, 5), False)])
+def test_the_processor_reads_whether_the_gpu_has_the_fused_kernels(monkeypatch, capability, fused):
+    """The processor's check, which compiled blocks trace, reads a flag read from the device when the processor is
+    made (a GPU without the fused kernels, compute capability < 8.0, takes diffusers' masked calls)."""
+    monkeypatch.setattr(kept_attention, "_cuda_ok", False)  # restored after the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    attention.SegmentedSDPAProcessor()
+    assert kept_attention._cuda_ok is fused
+
+
 @pytest.mark.parametrize("prompts", [["make it blue"], ["make it blue", "a square"]], ids=["one_prompt", "padded"])
 def test_sampling_with_prefix_cache_equals_diffusers_processor(tiny_21, prompts):
     """The pipeline's prefix KV cache (first step fills it, the next reads it) through the segmented processor: its

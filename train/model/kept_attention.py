@@ -36,7 +36,7 @@ from diffusers.models import attention_dispatch
 
 _DIFFUSERS = attention_dispatch.dispatch_attention_fn
 _local = threading.local()  # .stash: the Stash of the block call running in this thread, if any
-_cuda_ok = False  # install() sets it: the CUDA device has the fused kernels (compute capability >= 8.0)
+_cuda_ok = False  # detect_cuda() sets it: the CUDA device has the fused kernels (compute capability >= 8.0)
 _backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen at the first forward
 _SDP = torch.nn.attention.SDPBackend
 BACKEND = "qwen_edit_kept"  # the mark on a keeping block's attention processor (its _attention_backend)
@@ -99,13 +99,19 @@ def keep(block: torch.nn.Module, module: str) -> None:
 def install(module: str) -> None:
     """Route marked blocks' attention calls in `module` through `dispatch` (idempotent; unmarked blocks go on to
     diffusers')."""
-    global _cuda_ok
-    _cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    detect_cuda()
     importlib.import_module(module).dispatch_attention_fn = dispatch
 
 
+def detect_cuda() -> None:
+    """Read once, outside any compiled code, whether the CUDA device has the fused kernels (for eligible())."""
+    global _cuda_ok
+    _cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
 def eligible(query: torch.Tensor) -> bool:
-    """available() for `query` (B, S, H, D), in a form torch.compile traces (the capability read by install())."""
+    """available() for `query` (B, S, H, D), in a form torch.compile traces (the capability read by detect_cuda(),
+    which install() and the users of fused_forward call first)."""
     if query.device.type == "cpu":
         return query.dtype.is_floating_point
     return query.device.type == "cuda" and _cuda_ok and query.dtype in (torch.bfloat16, torch.float16)

@@ -47,6 +47,7 @@ class SegmentedSDPAProcessor:
 
     def __init__(self):
         self._masked = T.QwenImage21AttnProcessor()
+        kept_attention.detect_cuda()  # eligible() reads it: without it every CUDA call would take the masked path
 
     def __call__(
         self,
