@@ -138,7 +138,7 @@ def _attention(q, k, v, bounds):
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     for q0, q1, keys in _runs(bounds, q.shape[2]):
-        parts = [kept_attention.fused_forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], None, causal)
+        parts = [kept_attention.fused_forward(*_dense(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]), None, causal)
                  for k0, k1, causal in keys]
         if len(parts) == 1:
             out[:, :, q0:q1], lse[:, :, q0:q1] = parts[0]
@@ -165,8 +165,9 @@ def _attention_backward(grad, q, k, v, out, lse, bounds):
     dk_prefix, dv_prefix = (x.new_zeros((*x.shape[:2], prefix_len, x.shape[3]), dtype=torch.float32) for x in (k, v))
     for q0, q1, keys in _runs(bounds, q.shape[2]):
         rows = slice(q0, q1)
-        shares = [kept_attention.fused_backward(grad[:, :, rows], q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1],
-                                                out[:, :, rows], lse[:, :, rows].contiguous(), None, causal)
+        grad_rows, q_rows, out_rows = _dense(grad[:, :, rows], q[:, :, rows], out[:, :, rows])
+        shares = [kept_attention.fused_backward(grad_rows, q_rows, *_dense(k[:, :, k0:k1], v[:, :, k0:k1]), out_rows,
+                                                lse[:, :, rows].contiguous(), None, causal)
                   for k0, k1, causal in keys]
         dq[:, :, rows] = shares[0][0] if len(shares) == 1 else sum(share[0].float() for share in shares)
         for (k0, k1, _), (_, dk_share, dv_share) in zip(keys, shares, strict=True):
@@ -179,6 +180,12 @@ def _attention_backward(grad, q, k, v, out, lse, bounds):
                 dv_prefix[:, :, k0:k1] += dv_share
     dk[:, :, :prefix_len], dv[:, :, :prefix_len] = dk_prefix, dv_prefix
     return dq, dk, dv
+
+
+def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (B, H, T, D) tensor with the strides of a contiguous (B, T, H, D) one, as the kernels take q, k, v, the
+    output and its gradient alike: a view of a slice along T when B is 1, a copy of it otherwise."""
+    return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in tensors)
 
 
 @_attention_backward.register_fake
