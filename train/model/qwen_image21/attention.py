@@ -130,6 +130,12 @@ def _runs(bounds: list[int], length: int):
     return runs
 
 
+def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (B, H, T, D) tensor with the strides of a contiguous (B, T, H, D) one, as the kernels take q, k, v, the
+    output and its gradient alike: a view of a slice along T when B is 1, a copy of it otherwise."""
+    return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in tensors)
+
+
 @torch.library.custom_op("qwen_edit::block_causal_attention", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, int[] bounds) -> (Tensor, Tensor)")
 def _attention(q, k, v, bounds):
@@ -180,12 +186,6 @@ def _attention_backward(grad, q, k, v, out, lse, bounds):
                 dv_prefix[:, :, k0:k1] += dv_share
     dk[:, :, :prefix_len], dv[:, :, :prefix_len] = dk_prefix, dv_prefix
     return dq, dk, dv
-
-
-def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each (B, H, T, D) tensor with the strides of a contiguous (B, T, H, D) one, as the kernels take q, k, v, the
-    output and its gradient alike: a view of a slice along T when B is 1, a copy of it otherwise."""
-    return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in tensors)
 
 
 @_attention_backward.register_fake
