@@ -203,5 +203,7 @@ def test_attention_probe_times_each_processor_on_one_layout():
     record = attention21.run(args)
     assert set(record["seconds"]) == {"diffusers", "segmented"} and min(record["seconds"].values()) > 0
     assert "segmented" in attention21.format_report(record)
+    assert record["kernel"] in torch.nn.attention.SDPBackend.__members__
+    assert f"SDPA picks {record['kernel']}" in attention21.format_report(record)
     with pytest.raises(ValueError, match="--kinds"):
         attention21.run(attention21.parse_args(["--kinds", "dense"]))
