@@ -86,6 +86,7 @@ def test_floor_row_on_the_cpu(tmp_path):
     assert r["floor_ratio"] == pytest.approx(r["s_per_step"] / r["floor_s"])
     assert r["floor_ratio_median"] == pytest.approx(r["floor_step_median_s"] / r["floor_s"])
     assert r["floor_ratio_with_lora"] == pytest.approx(r["s_per_step"] / (r["floor_s"] + r["floor_lora_s"]))
+    assert r["floor_matmul_timing"] == "host_clock" and "matmuls timed by the host clock" in proc.stdout
     assert {(x["part"], x["call"]) for x in rows} == {
         ("attention", "forward"),
         ("attention", "backward"),
@@ -149,3 +150,24 @@ def test_profiled_kernels_are_placed_by_name_then_launching_op():
     assert "cudnn_generated_fort_native_sdpa_sm90" in lines[-2] and "nvjet_qqtst_128x256" in lines[-1]
     assert lines[-2].split()[:3] == ["0.600", "1.0", "43.5%"]
     assert kernels.report([], steps=3).startswith("kernels: none recorded")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_kernel_ms_runs_python_only_to_warm_up_and_capture(device):
+    """On a GPU the call runs in Python for the warm-up and the graph's capture only: the timed replays launch its
+    kernels without it. On a CPU every warm-up and timed call runs (the host clock times each)."""
+    from train.benchmarks import gemms
+
+    dev = torch.device(device)
+    x = torch.randn(256, 512, device=dev)
+    w = torch.randn(512, 512, device=dev)
+    ran = []
+
+    def call():
+        ran.append(1)
+        return x @ w
+
+    ms = gemms.kernel_ms(call, repeats=7, device=dev, calls=4, warmup=2)
+    assert ms > 0
+    assert len(ran) == (2 + 4 if dev.type == "cuda" else 2 + 7)

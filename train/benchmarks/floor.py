@@ -11,8 +11,11 @@ After the project's step is timed (train/benchmarks/step.py), in the same proces
    none for the embeddings, the modulation, block 0's q/k/v); diffusers' attention dispatch, as the Qwen-Image
    transformer module sees it (kept_attention.install replaces it there), records each attention call's shapes and
    options (the backend mark of a kept-attention block, the mask).
-2. Timing. Each distinct call alone, the median of `repeats` after 5 warm-up calls (train/benchmarks/gemms.py
-   `median_ms`), times its count per step:
+2. Timing. Each distinct call alone, times its count per step. A matmul: the median of `repeats` replays of a CUDA
+   graph of 20 calls, per call (train/benchmarks/gemms.py `kernel_ms`): its kernel without the host's launch, which
+   the step hides by launching ahead and which a matmul of the text stream's 256 rows would not outlast if timed
+   call by call. An attention call (milliseconds each): the median of `repeats` calls between two CUDA events, after
+   5 warm-up calls (`median_ms`). On a CPU, both by the host clock.
    - attention: the same dispatch with the recorded options, forward, and forward + backward (the backward is the
      difference), on random q, k, v of the recorded layout (batch, tokens, heads, head_dim);
    - fp8: the token linears' `torch._scaled_mm` calls as train/model/fp8.py makes them (gemms.py `Fp8Operands`):
@@ -188,7 +191,7 @@ def time_matmul(
     if part == "fp8":
         ops = gemms.fp8_operands(c.m, c.k, c.n, device, dtype)
         fn = ops.input_grad if call == "input_grad" else ops.forward
-        return _row(part, call, shape, calls, gemms.median_ms(lambda: fn(fast_accum), repeats, device), flops)
+        return _row(part, call, shape, calls, gemms.kernel_ms(lambda: fn(fast_accum), repeats, device), flops)
     g = torch.Generator(device=device).manual_seed(c.m * 7 + c.k * 3 + c.n)
     x, w, dy = (torch.randn(*s, device=device, dtype=dtype, generator=g) for s in ((c.m, c.k), (c.n, c.k), (c.m, c.n)))
     bias = torch.randn(c.n, device=device, dtype=dtype, generator=g) if c.bias else None
@@ -197,7 +200,7 @@ def time_matmul(
         "weight_grad": lambda: dy.t() @ x,
         "input_grad": lambda: dy @ w,
     }[call]
-    return _row(part, call, shape, calls, gemms.median_ms(fn, repeats, device), flops)
+    return _row(part, call, shape, calls, gemms.kernel_ms(fn, repeats, device), flops)
 
 
 def time_calls(
@@ -265,7 +268,8 @@ def measure(
     timed on `device`, and the floor's fields against the step's times."""
     linears, attention = census(model_meta, kwargs_meta)
     rows = time_calls(linears, attention, device, dtype, repeats, fast_accum)
-    return {**summarise(rows, step_mean_s, step_median_s), "floor_repeats": repeats}
+    timing = "cuda_graph" if device.type == "cuda" else "host_clock"  # of the matmuls (the module docstring)
+    return {**summarise(rows, step_mean_s, step_median_s), "floor_repeats": repeats, "floor_matmul_timing": timing}
 
 
 def report_lines(r: dict) -> list[str]:
@@ -273,7 +277,8 @@ def report_lines(r: dict) -> list[str]:
     lines = [
         f"floor       attention {r['floor_attention_s']:.4f} s (forward {r['floor_attention_forward_s']:.4f}) + "
         f"fp8 matmuls {r['floor_fp8_s']:.4f} s + {r['precision']} matmuls {r['floor_dense_s']:.4f} s = "
-        f"{r['floor_s']:.4f} s per step; LoRA's matmuls {r['floor_lora_s']:.4f} s apart",
+        f"{r['floor_s']:.4f} s per step; LoRA's matmuls {r['floor_lora_s']:.4f} s apart (matmuls timed by "
+        f"{'CUDA graph' if r['floor_matmul_timing'] == 'cuda_graph' else 'the host clock'})",
         f"floor ratio step / floor = {r['floor_ratio']:.3f} from the mean ({r['s_per_step']:.4f} s), "
         f"{r['floor_ratio_median']:.3f} from the median ({r['floor_step_median_s']:.4f} s); "
         f"{r['floor_ratio_with_lora']:.3f} with LoRA's matmuls in the floor",

@@ -4,12 +4,13 @@
 
 The token linears that train.fp8_base converts (train/model/fp8.py TOKEN_LINEARS) at the released width, for one
 micro-batch: each linear's forward matmul (x @ W8^T) and its input gradient (dy @ W8, with W8's transposed copy as
-train.fp8_transposed keeps it), through the call training makes (train/model/fp8.py scaled_mm), timed with CUDA
-events (the median of `repeats` after warm-up; the row quantisation of the input is outside the timing, since fast
-accumulation does not change it) with torch's `use_fast_accum` off and on (train.fp8_fast_accum). On Hopper the fp8
-tensor cores accumulate in a narrower format; with fast accumulation off cuBLAS promotes the partial sums to fp32
-every so often, which is exact but slower. Error: the bf16 output against a float32 matmul of the same e4m3 operands
-and scales, as ||out - ref|| / ||ref||, so it is the accumulation and the output's rounding, not the quantisation.
+train.fp8_transposed keeps it), through the call training makes (train/model/fp8.py scaled_mm), timed in CUDA graphs
+without the host's launches (`kernel_ms`, the median of `repeats`; the row quantisation of the input is outside the
+timing, since fast accumulation does not change it) with torch's `use_fast_accum` off and on
+(train.fp8_fast_accum). On Hopper the fp8 tensor cores accumulate in a narrower format; with fast accumulation off
+cuBLAS promotes the partial sums to fp32 every so often, which is exact but slower. Error: the bf16 output against a
+float32 matmul of the same e4m3 operands and scales, as ||out - ref|| / ||ref||, so it is the accumulation and the
+output's rounding, not the quantisation.
 The inputs are random normal (the weights scaled as the released init, std 0.02): an order of magnitude, not the
 trained model's. The report sums a block's linears and multiplies by the model's 60 blocks, the time per step a step
 would save.
@@ -70,6 +71,37 @@ def median_ms(fn, repeats: int, device: torch.device, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def kernel_ms(fn, repeats: int, device: torch.device, calls: int = 20, warmup: int = 5) -> float:
+    """Median milliseconds of one call of `fn` without the host's launch of it: on a GPU `calls` calls captured in one
+    CUDA graph, the graph replayed `repeats` times between two CUDA events, each replay's time divided by `calls`; on
+    a CPU median_ms. A call timed alone between two events also counts the host's launch, which a kernel of a few
+    microseconds (the text stream's matmuls) does not outlast, while in the step the host launches ahead of the
+    device. `fn`'s outputs are dropped, so the graph's memory pool reuses one output's memory for the next."""
+    if device.type != "cuda":
+        return median_ms(fn, repeats, device, warmup)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch's graph capture asks
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
 def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
@@ -119,8 +151,8 @@ def measure(m: int, k: int, n: int, device: torch.device, repeats: int) -> dict:
     row = {"m": m, "k": k, "n": n}
     for fast in (False, True):
         tag = "fast" if fast else "exact"
-        row[f"fwd_ms_{tag}"] = median_ms(lambda fast=fast: ops.forward(fast), repeats, device)
-        row[f"bwd_ms_{tag}"] = median_ms(lambda fast=fast: ops.input_grad(fast), repeats, device)
+        row[f"fwd_ms_{tag}"] = kernel_ms(lambda fast=fast: ops.forward(fast), repeats, device)
+        row[f"bwd_ms_{tag}"] = kernel_ms(lambda fast=fast: ops.input_grad(fast), repeats, device)
         row[f"fwd_error_{tag}"] = _error(ops.forward(fast), ref_fwd)
         row[f"bwd_error_{tag}"] = _error(ops.input_grad(fast), ref_bwd)
     return row
