@@ -209,8 +209,9 @@ class TrainConfig:
     """Python's garbage collector during training: 0 = its automatic collection, as Python runs it (a full collection
     now and then walks every object of the process, ~1 s at full size with the GPU idle); N = automatic collection off
     while training, a young collection every N optimizer steps on every rank at the same step, a full one at a log
-    boundary every 100+ steps, and the objects that exist once everything is loaded frozen out of every later walk
-    (train/runtime/collector.py). 1: each collection walks only what one step left alive."""
+    boundary every 100+ steps, and the objects that exist once everything is loaded, and again after the first 3
+    steps (compilation, DeepSpeed's state), frozen out of every later walk (train/runtime/collector.py). 1: each
+    collection walks only what one step left alive."""
 
 
 @section

@@ -5,7 +5,10 @@ is; now and then that is a full collection, which walks every object the process
 modules and parameters, DeepSpeed's state, torch.compile's graphs) and took 0.88-1.35 s of every 12th step of the 2509
 step on an H200, the GPU idle meanwhile. Under control:
 - gc.freeze() once the model and data are loaded: what exists then lives as long as the run, and no collection walks
-  it again;
+  it again; and once more, after a full collection, when the first WARM_STEPS steps are done: torch.compile's graphs
+  and guards, DeepSpeed's buffers and the optimizer's state, all made by the first steps, are as long-lived, and each
+  full collection would otherwise walk them again. The price: an object alive at a freeze that becomes cyclic garbage
+  later is never freed, at most what was alive at the two freezes;
 - automatic collection off during the steps, and a young collection (generations 0 and 1) every N steps, at the same
   step on every rank, right after the optimizer step was queued, while the GPU still has its kernels to run;
 - a full collection at a log boundary now and then, since a young collection only moves the objects alive at that
@@ -22,6 +25,7 @@ import gc
 import os
 
 FULL_EVERY_STEPS = 100  # the least number of steps between two full collections (the next log boundary after them)
+WARM_STEPS = 3  # steps after the start that make long-lived objects (compilation, DeepSpeed's lazy state): then frozen
 
 _controlling = False  # whether a Collector has automatic collection off in this process now
 
@@ -44,6 +48,7 @@ class Collector:
     def __init__(self, every_steps: int, start_step: int = 0):
         self.every_steps = every_steps
         self.last_full = start_step
+        self.warm_step = start_step + WARM_STEPS  # the step after which the warm-up's objects are frozen
         self.was_enabled = gc.isenabled()
 
     def __enter__(self) -> Collector:
@@ -65,12 +70,16 @@ class Collector:
                 gc.enable()
 
     def after_step(self, step: int, at_log: bool) -> None:
-        """Optimizer step `step` is queued; `at_log`: its record is due. A full collection at a log boundary once
-        FULL_EVERY_STEPS steps have passed since the last one (its seconds then land in the record it closes), else a
-        young one every `every_steps` steps."""
+        """Optimizer step `step` is queued; `at_log`: its record is due. After the warm-up's last step a full
+        collection and a freeze; a full collection at a log boundary once FULL_EVERY_STEPS steps have passed since the
+        last one (its seconds then land in the record it closes); else a young one every `every_steps` steps."""
         if not self.every_steps:
             return
-        if at_log and step - self.last_full >= FULL_EVERY_STEPS:
+        if step == self.warm_step:
+            gc.collect()
+            gc.freeze()
+            self.last_full = step
+        elif at_log and step - self.last_full >= FULL_EVERY_STEPS:
             gc.collect()
             self.last_full = step
         elif step % self.every_steps == 0:
