@@ -86,7 +86,7 @@ def kernel_ms(fn, repeats: int, device: torch.device, calls: int = 20, warmup: i
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' CUDA calls are theirs
         for _ in range(calls):
             fn()
     graph.replay()
