@@ -152,8 +152,8 @@ def test_profiled_kernels_are_placed_by_name_then_launching_op():
     assert kernels.report([], steps=3).startswith("kernels: none recorded")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_kernel_ms_runs_python_only_to_warm_up_and_capture(device):
     """On a GPU the call runs in Python for the warm-up and the graph's capture only: the timed replays launch its
     kernels without it. On a CPU every warm-up and timed call runs (the host clock times each)."""
