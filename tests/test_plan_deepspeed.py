@@ -194,6 +194,61 @@ def test_the_counted_buckets_are_deepspeeds(one_rank, stage, overlap, contiguous
         assert seen == 2 * 30_000 * 2  # two bf16 buckets: the case the shipped zero2.json runs
 
 
+def _partition_during_backward(rank: int, world: int, bucket: int) -> dict:
+    """One rank of test_the_gradient_partition_comes_with_the_first_reduced_bucket: for 8 layers of 65,792
+    parameters under zero2.json's ZeRO settings with a bucket of `bucket` elements, whether DeepSpeed's bf16 gradient
+    partition exists when each layer's backward has ended (in the backward's order), over two steps, and its size."""
+    import deepspeed
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
+            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_adamw(zero))
+    optimizer, present, sizes = engine.optimizer, [], set()
+
+    def hook(*args):
+        partition = optimizer.grads_in_partition
+        present[-1].append(partition is not None)
+        if partition is not None:
+            sizes.add(partition.numel())
+
+    for layer in engine.module:
+        layer.register_full_backward_hook(hook)
+    x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        present.append([])
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    return {"present": present, "sizes": sorted(sizes)}
+
+
+@pytest.mark.parametrize("bucket", [10_000_000, 150_000, 60_000])
+def test_the_gradient_partition_comes_with_the_first_reduced_bucket(one_rank, bucket):
+    """ZeRO stage 2 allocates its bf16 gradient partition when it reduces its first bucket, so at a peak of the
+    backward it exists only once more gradients than a bucket holds have been made: never, for gradients that fit one
+    bucket (LoRA's, 2e8 elements to a bucket), before the epilogue. Sizes.unreduced_partition_bytes says the same
+    after each layer of 8, for a bucket larger than all of them, one that the third layer overflows and one that the
+    first does; what it counts is the partition's size."""
+    import dataclasses
+
+    per_layer = 256 * 256 + 256
+    s = Sizes(8, per_layer, per_layer, 0, 0, 0, 0, full=True, zero_stage=2,
+              **bucket_sizes({"zero_optimization": {"reduce_bucket_size": bucket, "overlap_comm": True}}))
+    counted = [s.unreduced_partition_bytes(False, done) == 0 for done in range(1, 9)]
+    assert counted == [done * per_layer > bucket for done in range(1, 9)]
+    for rank, seen in one_rank.run(_partition_during_backward, bucket).items():
+        assert seen["present"] == [counted, counted], (rank, bucket, seen)
+        assert seen["sizes"] == ([] if not any(counted) else [8 * per_layer]), (rank, seen)
+    if not counted[0]:  # what is left out: the partition DeepSpeed allocates later, in bf16
+        assert s.unreduced_partition_bytes(False, 1) == 8 * per_layer * 2
+    # where the partition may exist at any peak, it is counted as present
+    for other in ({"zero_stage": 1}, {"accumulating": True}, {"fp32_buckets": True},
+                  {"contiguous_gradients": False}):
+        assert dataclasses.replace(s, **other).unreduced_partition_bytes(False, 1) == 0, other
+    assert s.unreduced_partition_bytes(True, 1) == 0  # the optimizer offload: no partition on the GPU to leave out
+
+
 def _offloaded_device_bytes(rank: int, world: int, stage: int) -> dict:
     """One rank of test_offloaded_optimizer_device_bytes_are_deepspeeds: under DeepSpeed's optimizer offload the
     device side is bf16 (weights, gradients, the reduction bucket) and the host side fp32 (master, gradients,

@@ -7,9 +7,12 @@ the blocks (and per optimizer step on the host with DeepSpeed's optimizer offloa
     T = the transient of the pass (a block's backward, the head, the loss); T_c = the same measured with
     checkpointing, where it holds a block's recomputed activations too. The two terms are the backward's two
     phases: the plain blocks (the last ones) go first, and a checkpointed block recomputes only once they have
-    freed their activations (activation_bytes). Online encoding's transient E (measure.encode_transient) comes on
-    top of that with data.encode_ahead, which encodes the next micro-batch during the step; without it the encode
-    runs between the steps and the larger of E and the activations counts.
+    freed their activations (activation_bytes). Each phase meets the LoRA/optimizer state as far as DeepSpeed has
+    allocated it by then: ZeRO-2's bf16 gradient partition comes with its first reduced bucket, which LoRA's
+    gradients of the backward's first blocks do not fill (Sizes.unreduced_partition_bytes, backward_bytes). Online
+    encoding's transient E (measure.encode_transient) comes on top of that with data.encode_ahead, which encodes the
+    next micro-batch during the step; without it the encode runs between the steps and the larger of E and the
+    activations counts.
 
 The LoRA/optimizer state is this rank's share as DeepSpeed's ZeRO stage splits it over the data-parallel ranks
 (sizes.state_bytes_per_param); the optimizer step, which holds no activations but more gradient copies, is the
@@ -99,19 +102,37 @@ def fits_host(s: Sizes, c: Choice, host: Host) -> bool:
     return need == 0 or need <= host.room_bytes
 
 
-def activation_bytes(s: Sizes, m: Measured, checkpointed: int) -> float:
-    """The pass's activation peak with the first `checkpointed` blocks recomputed. The backward visits the blocks
-    last to first: the plain ones (N..) first, while every plain block's activations and every checkpointed
-    block's inputs are kept (plus the plain transient T); a checkpointed block recomputes only after all plain
-    blocks have freed theirs, so its recomputed activations (in the checkpointed transient) meet the checkpointed
-    inputs alone. The peak is the larger of the two phases, not their sum."""
+def activation_phases(s: Sizes, m: Measured, checkpointed: int) -> list[tuple[float, int]]:
+    """The backward's activation peaks with the first `checkpointed` blocks recomputed, each with the number of
+    blocks whose gradients exist by then. The backward visits the blocks last to first: the plain ones (N..) first,
+    while every plain block's activations and every checkpointed block's inputs are kept (plus the plain transient T,
+    in the first block's backward); a checkpointed block recomputes only after all plain blocks have freed theirs, so
+    its recomputed activations (in the checkpointed transient) meet the checkpointed inputs alone, once the plain
+    blocks and itself have made their gradients."""
     plain = s.num_blocks - checkpointed
     kept_inputs = checkpointed * m.ckpt_bytes
-    first = plain * m.act_bytes + kept_inputs + m.transient_bytes if plain else 0.0
-    if not checkpointed:
-        return first
-    ckpt_transient = m.ckpt_transient_bytes if m.ckpt_transient_bytes is not None else m.transient_bytes + m.act_bytes
-    return max(first, kept_inputs + ckpt_transient)
+    phases = [(plain * m.act_bytes + kept_inputs + m.transient_bytes, 1)] if plain else []
+    if checkpointed:
+        ckpt_transient = (m.ckpt_transient_bytes if m.ckpt_transient_bytes is not None
+                          else m.transient_bytes + m.act_bytes)
+        phases.append((kept_inputs + ckpt_transient, plain + 1))
+    return phases
+
+
+def activation_bytes(s: Sizes, m: Measured, checkpointed: int) -> float:
+    """The pass's activation peak: the larger of the backward's two phases (activation_phases), not their sum."""
+    return max(acts for acts, _ in activation_phases(s, m, checkpointed))
+
+
+def backward_bytes(s: Sizes, m: Measured, c: Choice) -> float:
+    """The activations and the trainable state the GPU holds at the backward's peak beyond the weights: each phase
+    of activation_phases with the state as far as DeepSpeed has allocated it by then
+    (Sizes.unreduced_partition_bytes), plus what the checkpointed blocks that keep their attention hold."""
+    state = s.gpu_state_bytes(c.offload_optimizer) + s.bucket_bytes(c.offload_optimizer)
+    return c.kept_attention * m.kept_bytes + max(
+        acts + state - s.unreduced_partition_bytes(c.offload_optimizer, done)
+        for acts, done in activation_phases(s, m, c.checkpointed)
+    )
 
 
 def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Prediction:
@@ -124,9 +145,10 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     slots = 2 * block if c.offloaded else 0
     states = s.gpu_state_bytes(c.offload_optimizer) + s.bucket_bytes(c.offload_optimizer)
     encoders = 0 if c.cached else s.encoder_bytes
-    acts = activation_bytes(s, m, c.checkpointed) + c.kept_attention * m.kept_bytes  # both backward phases hold X
+    backward = backward_bytes(s, m, c)  # the activations and the state at the backward's peak
     encode_peak = 0 if c.cached else m.encode_bytes
     held = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
+    on_gpu = weights + slots + encoders  # besides the trainable state
     in_step = (
         weights
         + slots
@@ -135,9 +157,9 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
         + s.bucket_bytes(c.offload_optimizer)
     )
     if s.encode_ahead:  # the next micro-batch encodes (on its own stream) during the whole step, optimizer included
-        peak = max(held + acts, in_step) + encode_peak
+        peak = max(on_gpu + backward, in_step) + encode_peak
     else:  # the encode runs between the steps; the optimizer step holds no activations
-        peak = max(held + max(acts, encode_peak), in_step)
+        peak = max(on_gpu + backward, held + encode_peak, in_step)
     render = 0.0
     if m.render_forward_bytes is not None:  # the decode follows the denoising loop: R and V do not add
         vae = m.render_vae_tiled_bytes if c.vae_tiling else m.render_vae_bytes

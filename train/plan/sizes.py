@@ -57,6 +57,7 @@ class Sizes:
     bucket: float = BUCKET_BYTES  # bytes of one of DeepSpeed's gradient buckets (bucket_sizes)
     buckets: int = 1  # how many it allocates: 2 with overlap_comm
     contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (the buckets exist only with it)
+    fp32_buckets: bool = False  # data_types.grad_accum_dtype fp32: the buckets hold fp32 gradients (bucket_sizes)
 
     def bucket_bytes(self, offload_optimizer: bool) -> float:
         """DeepSpeed's gradient buckets on each GPU from the backward's start to the step (ZeRO stages 1 and 2 with
@@ -65,6 +66,26 @@ class Sizes:
         if self.zero_stage not in (1, 2) or not (self.contiguous_gradients or offload_optimizer):
             return 0.0
         return self.bucket * self.buckets
+
+    def unreduced_partition_bytes(self, offload_optimizer: bool, blocks_done: int) -> float:
+        """The bytes of gpu_state_bytes not yet allocated at a peak of the backward reached once it has made the
+        gradients of the layers outside the blocks (they come first) and of `blocks_done` blocks: ZeRO stage 2's bf16
+        gradient partition. DeepSpeed allocates it when it reduces its first bucket (copy_grads_in_partition), that is
+        once the gradients made exceed one bucket's elements, and otherwise in the backward's epilogue, after the
+        activations are gone. LoRA's gradients of a few blocks fill no 2e8-element bucket, so the backward's
+        activation peaks, which come in its first blocks, meet no partition. Counted as present (0 returned) where
+        it may be: other stages, the optimizer offload, gradient accumulation (the partition outlives a
+        micro-batch), buckets off or in fp32."""
+        if (self.zero_stage != 2 or offload_optimizer or self.accumulating or not self.contiguous_gradients
+                or self.fp32_buckets):
+            return 0.0
+        if self.full:
+            per_block, outside = self.block_params, self.other_params
+        else:  # the family's LoRA targets are the blocks' linears
+            per_block, outside = self.lora_params / self.num_blocks, 0
+        if outside + blocks_done * per_block > self.bucket / WEIGHT_BYTES:
+            return 0.0
+        return self.trainable_params * WEIGHT_BYTES / self.dp_world
 
     def host_state_bytes(self, world_size: int) -> float:
         """optimizer_host_bytes of one rank, with the accumulation buffers when the run accumulates."""
@@ -153,6 +174,7 @@ def bucket_sizes(ds: dict) -> dict:
         "bucket": float(zero.get("reduce_bucket_size", REDUCE_BUCKET_DEFAULT)) * (4 if fp32 else 2),
         "buckets": 2 if zero.get("overlap_comm", False) else 1,
         "contiguous_gradients": bool(zero.get("contiguous_gradients", True)),
+        "fp32_buckets": fp32,
     }
 
 
