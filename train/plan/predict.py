@@ -147,15 +147,9 @@ def predict(s: Sizes, m: Measured, c: Choice, dtype_bytes: int = 2) -> Predictio
     encoders = 0 if c.cached else s.encoder_bytes
     backward = backward_bytes(s, m, c)  # the activations and the state at the backward's peak
     encode_peak = 0 if c.cached else m.encode_bytes
-    held = weights + slots + states + encoders  # on the GPU through the steps and the renders between them
     on_gpu = weights + slots + encoders  # besides the trainable state
-    in_step = (
-        weights
-        + slots
-        + encoders
-        + s.gpu_state_bytes(c.offload_optimizer, in_step=True)
-        + s.bucket_bytes(c.offload_optimizer)
-    )
+    held = on_gpu + states  # on the GPU through the steps and the renders between them
+    in_step = on_gpu + s.gpu_state_bytes(c.offload_optimizer, in_step=True) + s.bucket_bytes(c.offload_optimizer)
     if s.encode_ahead:  # the next micro-batch encodes (on its own stream) during the whole step, optimizer included
         peak = max(on_gpu + backward, in_step) + encode_peak
     else:  # the encode runs between the steps; the optimizer step holds no activations
