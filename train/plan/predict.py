@@ -7,7 +7,7 @@ the blocks (and per optimizer step on the host with DeepSpeed's optimizer offloa
     T = the transient of the pass (a block's backward, the head, the loss); T_c = the same measured with
     checkpointing, where it holds a block's recomputed activations too. The two terms are the backward's two
     phases: the plain blocks (the last ones) go first, and a checkpointed block recomputes only once they have
-    freed their activations (activation_bytes). Each phase meets the LoRA/optimizer state as far as DeepSpeed has
+    freed their activations (activation_phases). Each phase meets the LoRA/optimizer state as far as DeepSpeed has
     allocated it by then: ZeRO-2's bf16 gradient partition comes with its first reduced bucket, which LoRA's
     gradients of the backward's first blocks do not fill (Sizes.unreduced_partition_bytes, backward_bytes). Online
     encoding's transient E (measure.encode_transient) comes on top of that with data.encode_ahead, which encodes the
@@ -117,11 +117,6 @@ def activation_phases(s: Sizes, m: Measured, checkpointed: int) -> list[tuple[fl
                           else m.transient_bytes + m.act_bytes)
         phases.append((kept_inputs + ckpt_transient, plain + 1))
     return phases
-
-
-def activation_bytes(s: Sizes, m: Measured, checkpointed: int) -> float:
-    """The pass's activation peak: the larger of the backward's two phases (activation_phases), not their sum."""
-    return max(acts for acts, _ in activation_phases(s, m, checkpointed))
 
 
 def backward_bytes(s: Sizes, m: Measured, c: Choice) -> float:
