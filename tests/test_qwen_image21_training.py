@@ -18,6 +18,7 @@ from train.plan.measure import Measured
 from train.plan.run_plan import gpu_margin
 from train.plan.sizes import GB, count_sizes
 from train.plan.workload import Workload
+from train.runtime import probes
 
 FAM = family.family_named("qwen_image21")
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=list(FAM.lora.targets))
@@ -59,6 +60,34 @@ def test_the_attention_processors_train_alike():
     other_loss, other = loss_and_grads(model)
     assert torch.allclose(loss, other_loss, rtol=1e-5)
     assert all(torch.allclose(grads[n], other[n], atol=1e-6, rtol=1e-4) for n in grads)
+
+
+def layout_loss_and_grads(model, target_hw, reference_hw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss_and_grads on one row of a target and one reference of the given latent sizes."""
+    model.zero_grad(set_to_none=True)
+    b = batches.synthetic_batch(model, 1, target_hw, [reference_hw], 20, torch.device("cpu"), torch.float32)
+    kwargs = FAM.transformer_inputs(b, b.x0, torch.tensor([0.4]), torch.float32)
+    loss = FAM.target_prediction(model(**kwargs), b).square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_compiled_segmented_blocks_take_new_layouts_without_recompiling():
+    """The run boundaries reach the op as symbolic ints: once a second layout has made the blocks' shapes dynamic,
+    a third (other sizes, so other boundaries) runs the compiled graphs as they are, and trains as uncompiled blocks
+    do. Specialised boundaries would compile again for every layout, and fall back to eager past dynamo's limit."""
+    torch._dynamo.reset()
+    compiled = prepared(attention="segmented", compile_blocks=True)
+    layouts = [((4, 4), (4, 4)), ((4, 6), (4, 6)), ((6, 4), (2, 4)), ((6, 6), (6, 4))]
+    for layout in layouts[:2]:
+        layout_loss_and_grads(compiled, *layout)
+    graphs = probes.compiled_graphs()
+    for layout in layouts[2:]:
+        loss, grads = layout_loss_and_grads(compiled, *layout)
+        assert probes.compiled_graphs() == graphs, f"layout {layout} compiled again"
+        other_loss, other = layout_loss_and_grads(prepared(attention="segmented"), *layout)
+        assert torch.allclose(loss, other_loss, rtol=1e-5)
+        assert all(torch.allclose(grads[n], other[n], atol=1e-6, rtol=1e-4) for n in grads)
 
 
 def test_auto_attention_is_flex_only_for_compiled_blocks_on_cuda():

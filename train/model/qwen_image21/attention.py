@@ -21,7 +21,8 @@ that return the log-sum-exp (train/model/kept_attention.py's fused_forward), and
 and log-sum-exp. Its backward runs each call's own backward kernel with those: a kernel's backward reads the
 softmax from the log-sum-exp and the output it is given, so each call over part of the keys yields exactly its
 share of the whole attention's gradients, as ring attention splits the keys across devices. The shares are summed
-in float32.
+in float32. The run boundaries are SymInts in the ops' schemas, so a compiled block traces them as symbols: once its
+shapes are dynamic, a row of another layout runs the same graph instead of compiling one per layout.
 
 Without a mask this needs the same keys hidden from every row: a micro-batch whose rows are padded (prompts of
 different lengths; encoder_hidden_states_mask), a float32 model on CUDA, or an older GPU without the fused kernels
@@ -137,7 +138,7 @@ def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @torch.library.custom_op("qwen_edit::block_causal_attention", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, int[] bounds) -> (Tensor, Tensor)")
+                         schema="(Tensor q, Tensor k, Tensor v, SymInt[] bounds) -> (Tensor, Tensor)")
 def _attention(q, k, v, bounds):
     """(out, lse): out with q's strides, lse (B, H, S) float32."""
     kept_attention.backend(q)  # the kernel is chosen (once) for the whole sequence, not for a short first segment
@@ -161,7 +162,7 @@ def _(q, k, v, bounds):
 
 
 @torch.library.custom_op("qwen_edit::block_causal_attention_backward", mutates_args=(),
-                         schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int[] bounds) "
+                         schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, SymInt[] bounds) "
                                 "-> (Tensor, Tensor, Tensor)")
 def _attention_backward(grad, q, k, v, out, lse, bounds):
     """(dq, dk, dv), each with its input's strides: every call's backward with the whole attention's out and lse;
