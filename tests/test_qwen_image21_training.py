@@ -90,8 +90,9 @@ def test_compiled_segmented_blocks_take_new_layouts_without_recompiling():
         assert all(torch.allclose(grads[n], other[n], atol=1e-6, rtol=1e-4) for n in grads)
 
 
-def test_auto_attention_is_flex_only_for_compiled_blocks_on_cuda():
-    assert attention.processor_name("auto", compiled_on_cuda=True) == "flex"
+def test_auto_attention_is_segmented_only_for_compiled_blocks_on_cuda():
+    assert attention.processor_name("auto", compiled_on_cuda=True) == "segmented"
+    assert attention.processor_name("flex", compiled_on_cuda=True) == "flex"
     assert attention.processor_name("auto", compiled_on_cuda=False) == "sdpa"
     assert attention.processor_name("segmented", compiled_on_cuda=True) == "segmented"
 

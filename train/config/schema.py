@@ -173,13 +173,13 @@ class TrainConfig:
     """torch.compile each transformer block: a faster step with less activation memory, after a compile of a minute
     or two at the start of a run (and again for each new shape bucket)."""
     attention: Literal["auto", "sdpa", "flex", "segmented"] = "auto"
-    """Qwen-Image-2.1's attention processor (its block-causal mask; Qwen-Image models ignore the key): auto = flex
-    where train.compile runs on a CUDA GPU, else sdpa; flex = diffusers' QwenImage21FlexAttnProcessor (one
-    flex_attention call per block, the fastest measured on one H200, docs/results/attention21_h200_2026-12-04.md;
-    uncompiled it builds a dense float32 score matrix); sdpa = diffusers' QwenImage21AttnProcessor (one SDPA call
-    per prompt, reference and target run, text runs with a dense mask); segmented = this project's mask-free
-    processor (train/model/qwen_image21/attention.py: exact, every run as fused-kernel calls in one custom op,
-    rows padded to a common prompt length through diffusers' masked calls; not yet timed on a GPU in this form)."""
+    """Qwen-Image-2.1's attention processor (its block-causal mask; Qwen-Image models ignore the key): auto =
+    segmented where train.compile runs on a CUDA GPU, else sdpa; segmented = this project's mask-free processor
+    (train/model/qwen_image21/attention.py: exact, every run as fused-kernel calls in one custom op, rows padded to
+    a common prompt length through diffusers' masked calls; the fastest measured on one H200, 4-8% faster steps than
+    compiled flex, docs/results/segmented21_h200_2026-12-05.md); flex = diffusers' QwenImage21FlexAttnProcessor
+    (one flex_attention call per block; uncompiled it builds a dense float32 score matrix); sdpa = diffusers'
+    QwenImage21AttnProcessor (one SDPA call per prompt, reference and target run, text runs with a dense mask)."""
     fp8_base: bool = False
     """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
     (GPUs with compute capability >= 8.9): a faster step; changes the frozen model slightly (train/model/fp8.py),

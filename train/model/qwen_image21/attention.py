@@ -74,12 +74,12 @@ class SegmentedSDPAProcessor:
 
 
 def processor_name(choice: str, compiled_on_cuda: bool) -> str:
-    """train.attention resolved: "auto" is flex where the blocks are compiled on a CUDA GPU (the fastest there:
-    docs/results/attention21_h200_2026-12-04.md), else sdpa (an uncompiled flex_attention builds a dense float32
-    score matrix)."""
+    """train.attention resolved: "auto" is segmented where the blocks are compiled on a CUDA GPU (the fastest there,
+    ahead of compiled flex at text-to-image, one and three references: docs/results/segmented21_h200_2026-12-05.md),
+    else sdpa (diffusers' processor, as the pipeline runs it)."""
     if choice != "auto":
         return choice
-    return "flex" if compiled_on_cuda else "sdpa"
+    return "segmented" if compiled_on_cuda else "sdpa"
 
 
 def set_attention(transformer, choice: str, compiled_on_cuda: bool) -> str:
