@@ -207,3 +207,36 @@ def test_attention_probe_times_each_processor_on_one_layout():
     assert f"SDPA picks {record['kernel']}" in attention21.format_report(record)
     with pytest.raises(ValueError, match="--kinds"):
         attention21.run(attention21.parse_args(["--kinds", "dense"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("references", [0, 1, 3])
+def test_the_op_in_bfloat16_on_cuda_errs_as_dense_attention_does(references):
+    """On the GPU's fused kernels in bf16, the op's output and gradients are as close to float32 attention under
+    the dense block-causal mask as bf16 SDPA under that mask is (within 1.25x: the key shares are summed apart)."""
+    assert kept_attention.eligible(torch.empty(1, device="cuda", dtype=torch.bfloat16))
+    torch.manual_seed(0)
+    runs = [False] * 10
+    for k in range(references):
+        runs += [True] * 512 + [False] * (8 if k < references - 1 else 0)
+    image = torch.tensor(runs + [False] * 150 + [True] * 1024, device="cuda")
+    ids, target = transformer_qwenimage21.QwenImage21Transformer2DModel.build_token_metadata(
+        image, [(1, 16, 32)] * references + [(1, 32, 32)])
+    segments = transformer_qwenimage21._qwenimage21_prefix_segments(ids, int((~target).sum()))
+    pos = torch.arange(image.numel(), device="cuda")
+    allowed = (pos[:, None] >= pos[None, :]) | ((ids[:, None] == ids[None, :]) & (ids[:, None] >= 0))
+    qkv = [torch.randn(2, image.numel(), 8, 128, device="cuda") for _ in range(3)]
+    grad = torch.randn(2, 8, image.numel(), 128, device="cuda")
+
+    def run(op: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+        q, k, v = (x.to(dtype).transpose(1, 2).detach().requires_grad_(True) for x in qkv)
+        out = (attention.block_causal_attention(q, k, v, segments) if op
+               else torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
+        (out.float() * grad).sum().backward()
+        return [t.float() for t in (out, q.grad, k.grad, v.grad)]
+
+    exact = run(False, torch.float32)
+    op_err, dense_err = ([float((a - b).norm() / b.norm()) for a, b in zip(run(op, torch.bfloat16), exact, strict=True)]
+                         for op in (True, False))
+    assert all(o <= 1.25 * d for o, d in zip(op_err, dense_err, strict=True)), (op_err, dense_err)
