@@ -17,6 +17,7 @@ from train.model.qwen_image import rope
 from train.model.qwen_image21 import attention
 from train.model.qwen_image21 import rope as rope21
 from train.model.qwen_image21.tiny import build_transformer
+from train.runtime import probes
 
 TEXT_BEFORE, TEXT_BETWEEN = 3, 2  # prompt tokens before the first image slot and between two references' slots
 
@@ -208,6 +209,25 @@ def test_attention_probe_times_each_processor_on_one_layout():
     with pytest.raises(ValueError, match="--kinds"):
         attention21.run(attention21.parse_args(["--kinds", "dense"]))
 
+
+
+def test_the_compiled_sum_of_key_shares_writes_what_the_eager_one_does():
+    """The backward's sum of gradient shares, compiled as on CUDA (dynamic shapes), writes into a slice of the
+    gradient exactly what the eager function writes, and a region of another size reuses the graph."""
+    torch._dynamo.reset()
+    compiled = torch.compile(attention.sum_shares, dynamic=True)
+    generator = torch.Generator().manual_seed(0)
+    graphs = []
+    for length in (5, 9, 7):
+        whole = torch.randn(1, length + 3, 2, 8, generator=generator).to(torch.bfloat16).transpose(1, 2)
+        shares = [whole[:, :, 3:], *(torch.randn(1, 2, length, 8, generator=generator).to(torch.bfloat16)
+                                     for _ in range(2))]
+        expected, got = (torch.zeros(1, 2, length + 4, 8, dtype=torch.bfloat16) for _ in range(2))
+        attention.sum_shares(expected[:, :, 2:-2], *shares)
+        compiled(got[:, :, 2:-2], *shares)
+        assert torch.equal(got, expected) and bool(expected[:, :, 2:-2].abs().sum() > 0)
+        graphs.append(probes.compiled_graphs())
+    assert graphs[2] == graphs[1], "a third size compiled again"
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -20,8 +20,9 @@ fused kernel torch's SDPA picks (cuDNN or FlashAttention on CUDA, the flash kern
 that return the log-sum-exp (train/model/kept_attention.py's fused_forward), and keeps the whole attention's output
 and log-sum-exp. Its backward runs each call's own backward kernel with those: a kernel's backward reads the
 softmax from the log-sum-exp and the output it is given, so each call over part of the keys yields exactly its
-share of the whole attention's gradients, as ring attention splits the keys across devices. The shares are summed
-in float32. The run boundaries are SymInts in the ops' schemas, so a compiled block traces them as symbols: once its
+share of the whole attention's gradients, as ring attention splits the keys across devices. The shares of a key
+are summed in float32 and rounded once, region by region between the calls' key bounds (on CUDA one compiled kernel
+per region, which reads each share once). The run boundaries are SymInts in the ops' schemas, so a compiled block traces them as symbols: once its
 shapes are dynamic, a row of another layout runs the same graph instead of compiling one per layout.
 
 Without a mask this needs the same keys hidden from every row: a micro-batch whose rows are padded (prompts of
@@ -165,28 +166,55 @@ def _(q, k, v, bounds):
                          schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, SymInt[] bounds) "
                                 "-> (Tensor, Tensor, Tensor)")
 def _attention_backward(grad, q, k, v, out, lse, bounds):
-    """(dq, dk, dv), each with its input's strides: every call's backward with the whole attention's out and lse;
-    the prefix keys' shares summed in float32 (the target's keys have one share, the target call's)."""
+    """(dq, dk, dv), each with its input's strides: every call's backward with the whole attention's out and lse.
+    A prefix key's gradient is the float32 sum of the shares of the calls that saw it, taken region by region
+    between the calls' key bounds (sum_shares); the target's keys have one share, the target call's."""
     prefix_len = bounds[-2] if bounds else 0
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dk_prefix, dv_prefix = (x.new_zeros((*x.shape[:2], prefix_len, x.shape[3]), dtype=torch.float32) for x in (k, v))
+    shares: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (key start, dk share, dv share) of every call
     for q0, q1, keys in _runs(bounds, q.shape[2]):
         rows = slice(q0, q1)
         grad_rows, q_rows, out_rows = _dense(grad[:, :, rows], q[:, :, rows], out[:, :, rows])
-        shares = [kept_attention.fused_backward(grad_rows, q_rows, *_dense(k[:, :, k0:k1], v[:, :, k0:k1]), out_rows,
-                                                lse[:, :, rows].contiguous(), None, causal)
-                  for k0, k1, causal in keys]
-        dq[:, :, rows] = shares[0][0] if len(shares) == 1 else sum(share[0].float() for share in shares)
-        for (k0, k1, _), (_, dk_share, dv_share) in zip(keys, shares, strict=True):
+        calls = [kept_attention.fused_backward(grad_rows, q_rows, *_dense(k[:, :, k0:k1], v[:, :, k0:k1]), out_rows,
+                                               lse[:, :, rows].contiguous(), None, causal)
+                 for k0, k1, causal in keys]
+        dq[:, :, rows] = calls[0][0] if len(calls) == 1 else sum(call[0].float() for call in calls)
+        for (k0, k1, _), (_, dk_share, dv_share) in zip(keys, calls, strict=True):
+            shares.append((k0, dk_share, dv_share))
             if k1 > prefix_len:  # the target's call, over every key
-                dk[:, :, prefix_len:], dv[:, :, prefix_len:] = dk_share[:, :, prefix_len:], dv_share[:, :, prefix_len:]
-                dk_prefix += dk_share[:, :, :prefix_len]
-                dv_prefix += dv_share[:, :, :prefix_len]
-            else:
-                dk_prefix[:, :, k0:k1] += dk_share
-                dv_prefix[:, :, k0:k1] += dv_share
-    dk[:, :, :prefix_len], dv[:, :, :prefix_len] = dk_prefix, dv_prefix
+                dk[:, :, prefix_len:] = dk_share[:, :, prefix_len - k0:]
+                dv[:, :, prefix_len:] = dv_share[:, :, prefix_len - k0:]
+    add = summer(q.device)
+    spans = [(k0, k0 + dk_share.shape[2]) for k0, dk_share, _ in shares]
+    cuts = sorted({0, prefix_len, *(min(end, prefix_len) for _, end in spans), *(start for start, _ in spans)})
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        seen = [share for share, (start, end) in zip(shares, spans, strict=True) if start <= a and b <= end]
+        add(dk[:, :, a:b], *(dk_share[:, :, a - k0:b - k0] for k0, dk_share, _ in seen))
+        add(dv[:, :, a:b], *(dv_share[:, :, a - k0:b - k0] for k0, _, dv_share in seen))
     return dq, dk, dv
+
+
+def sum_shares(out: torch.Tensor, *shares: torch.Tensor) -> None:
+    """out = the shares summed in float32 in their order, rounded once to out's dtype."""
+    total = shares[0].float()
+    for share in shares[1:]:
+        total = total + share
+    out.copy_(total)
+
+
+_compiled_sum_shares = None
+
+
+def summer(device: torch.device):
+    """sum_shares, compiled on CUDA (one kernel per region that reads each share once, in place of a float32
+    accumulator added to share by share; dynamic shapes, so one graph per number of shares) and as written
+    elsewhere."""
+    global _compiled_sum_shares
+    if device.type != "cuda":
+        return sum_shares
+    if _compiled_sum_shares is None:
+        _compiled_sum_shares = torch.compile(sum_shares, dynamic=True)
+    return _compiled_sum_shares
 
 
 @_attention_backward.register_fake
