@@ -129,6 +129,8 @@ class ModelFamily:
     real_rope: Callable[[torch.nn.Module], None] | None = None  # rotary embedding that compiled blocks fuse, if any
     set_attention: Callable[[torch.nn.Module, str, bool], Any] | None = None  # (transformer, train.attention, compiled
     # on CUDA): the attention processor it trains with; None: its transformer's own
+    training_forward: Callable[[torch.nn.Module], None] | None = None  # gives the transformer the forward it trains
+    # with (the same computation as its own); None: its own
     cut: Any = None  # model-parallel stages (prune, embed, run_blocks, head, later_inputs)
     block_list: str = "transformer_blocks"  # the transformer's attribute holding its blocks
     # loading the encoders

@@ -76,6 +76,8 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
             checkpoint_first(blocks, checkpoint_blocks, kept_attention_blocks, fam.attention_module))
     if real_rope and fam.real_rope is not None:
         fam.real_rope(transformer)
+    if fam.training_forward is not None:
+        fam.training_forward(transformer)
     if fam.set_attention is not None:  # CUDA is where the plan, DeepSpeed or the model-parallel split place it
         fam.set_attention(transformer, attention, compile_blocks and torch.cuda.is_available())
     if compile_blocks:
