@@ -7,6 +7,7 @@ text embeddings with the references' latents in the encoder's image slots and th
     sequence.py      the joint sequence: the transformer's inputs, the target's prediction, a row's slot layout
     batches.py       a micro-batch behind the family interface: encoded rows, per-sample parts, transformer inputs
     attention.py     the block-causal attention as mask-free SDPA calls (an attention processor)
+    forward.py       the transformer's training forward, its joint-sequence metadata made once per slot layout
     lora_keys.py     LoRA targets and the export keys (diffusers; ComfyUI's fused gate_up)
     tiny.py          a tiny random checkpoint in the released layout, built in code
 """
