@@ -92,8 +92,9 @@ def test_collections_come_exactly_at_the_cadence(monkeypatch):
     assert seen == [(2, 0), (2, 3), (1, 6), (1, 9), (2, 10)]
     assert engine.automatic == [False] * 10
     assert engine.frozen[0] > 10_000  # the process's objects (torch's, pytest's) frozen out of the walks
-    assert engine.frozen[1] == engine.frozen[2] == engine.frozen[0]  # no freeze inside the warm-up
-    assert engine.frozen[3] >= engine.frozen[0] + 1000  # what step 2 made, frozen after step 3
+    # no freeze inside the warm-up: only gc.freeze() adds to the count, a frozen object that dies leaves it
+    assert engine.frozen[0] - 100 < engine.frozen[2] <= engine.frozen[1] <= engine.frozen[0]
+    assert engine.frozen[3] >= engine.frozen[2] + 1000  # what step 2 made, frozen after step 3
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
