@@ -72,19 +72,25 @@ def layout_loss_and_grads(model, target_hw, reference_hw) -> tuple[torch.Tensor,
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_compiled_segmented_blocks_take_new_layouts_without_recompiling():
+def test_compiled_segmented_blocks_take_new_layouts_without_recompiling(monkeypatch):
     """The run boundaries reach the op as symbolic ints: once a second layout has made the blocks' shapes dynamic,
     a third (other sizes, so other boundaries) runs the compiled graphs as they are, and trains as uncompiled blocks
-    do. Specialised boundaries would compile again for every layout, and fall back to eager past dynamo's limit."""
+    do. Specialised boundaries would compile again for every layout, and fall back to eager past dynamo's limit.
+    The op's backward sums the key shares with its compiled sum, as on CUDA (the uncompiled blocks: the eager one)."""
     torch._dynamo.reset()
+    sums = {"compiled": torch.compile(attention.sum_shares, dynamic=True), "eager": attention.sum_shares}
+    use = ["compiled"]
+    monkeypatch.setattr(attention, "summer", lambda device: sums[use[0]])
     compiled = prepared(attention="segmented", compile_blocks=True)
     layouts = [((4, 4), (4, 4)), ((4, 6), (4, 6)), ((6, 4), (2, 4)), ((6, 6), (6, 4))]
     for layout in layouts[:2]:
         layout_loss_and_grads(compiled, *layout)
     graphs = probes.compiled_graphs()
     for layout in layouts[2:]:
+        use[0] = "compiled"
         loss, grads = layout_loss_and_grads(compiled, *layout)
         assert probes.compiled_graphs() == graphs, f"layout {layout} compiled again"
+        use[0] = "eager"
         other_loss, other = layout_loss_and_grads(prepared(attention="segmented"), *layout)
         assert torch.allclose(loss, other_loss, rtol=1e-5)
         assert all(torch.allclose(grads[n], other[n], atol=1e-6, rtol=1e-4) for n in grads)
