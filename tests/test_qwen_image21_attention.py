@@ -210,7 +210,6 @@ def test_attention_probe_times_each_processor_on_one_layout():
         attention21.run(attention21.parse_args(["--kinds", "dense"]))
 
 
-
 def test_the_compiled_sum_of_key_shares_writes_what_the_eager_one_does():
     """The backward's sum of gradient shares, compiled as on CUDA (dynamic shapes), writes into a slice of the
     gradient exactly what the eager function writes, and a region of another size reuses the graph."""
@@ -228,6 +227,7 @@ def test_the_compiled_sum_of_key_shares_writes_what_the_eager_one_does():
         assert torch.equal(got, expected) and bool(expected[:, :, 2:-2].abs().sum() > 0)
         graphs.append(probes.compiled_graphs())
     assert graphs[2] == graphs[1], "a third size compiled again"
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -33,13 +33,16 @@ def prepared(**options):
     return model.train()
 
 
-def loss_and_grads(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One training loss (two references of different sizes, a noisy target) and the LoRA gradients."""
-    b = batches.synthetic_batch(model, 2, (4, 4), [(4, 4), (2, 4)], 20, torch.device("cpu"), torch.float32)
-    kwargs = FAM.transformer_inputs(b, b.x0, torch.tensor([0.3, 0.8]), torch.float32)
+def loss_and_grads(model, target_hw=(4, 4), reference_hws=((4, 4), (2, 4)), sigmas=(0.3, 0.8)):
+    """One training loss (by default two rows, two references of different sizes, a noisy target) and the LoRA
+    gradients of that call alone."""
+    model.zero_grad(set_to_none=True)
+    b = batches.synthetic_batch(model, len(sigmas), target_hw, list(reference_hws), 20, torch.device("cpu"),
+                                torch.float32)
+    kwargs = FAM.transformer_inputs(b, b.x0, torch.tensor(sigmas), torch.float32)
     loss = FAM.target_prediction(model(**kwargs), b).square().mean()
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_checkpointed_and_offloaded_blocks_train_exactly_like_the_plain_form():
@@ -62,14 +65,10 @@ def test_the_attention_processors_train_alike():
     assert all(torch.allclose(grads[n], other[n], atol=1e-6, rtol=1e-4) for n in grads)
 
 
-def layout_loss_and_grads(model, target_hw, reference_hw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """loss_and_grads on one row of a target and one reference of the given latent sizes."""
-    model.zero_grad(set_to_none=True)
-    b = batches.synthetic_batch(model, 1, target_hw, [reference_hw], 20, torch.device("cpu"), torch.float32)
-    kwargs = FAM.transformer_inputs(b, b.x0, torch.tensor([0.4]), torch.float32)
-    loss = FAM.target_prediction(model(**kwargs), b).square().mean()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+def one_row(model, layout):
+    """loss_and_grads on one row of a (target, reference) latent-size layout."""
+    target_hw, reference_hw = layout
+    return loss_and_grads(model, target_hw, [reference_hw], (0.4,))
 
 
 def test_compiled_segmented_blocks_take_new_layouts_without_recompiling(monkeypatch):
@@ -84,14 +83,14 @@ def test_compiled_segmented_blocks_take_new_layouts_without_recompiling(monkeypa
     compiled = prepared(attention="segmented", compile_blocks=True)
     layouts = [((4, 4), (4, 4)), ((4, 6), (4, 6)), ((6, 4), (2, 4)), ((6, 6), (6, 4))]
     for layout in layouts[:2]:
-        layout_loss_and_grads(compiled, *layout)
+        one_row(compiled, layout)
     graphs = probes.compiled_graphs()
     for layout in layouts[2:]:
         use[0] = "compiled"
-        loss, grads = layout_loss_and_grads(compiled, *layout)
+        loss, grads = one_row(compiled, layout)
         assert probes.compiled_graphs() == graphs, f"layout {layout} compiled again"
         use[0] = "eager"
-        other_loss, other = layout_loss_and_grads(prepared(attention="segmented"), *layout)
+        other_loss, other = one_row(prepared(attention="segmented"), layout)
         assert torch.allclose(loss, other_loss, rtol=1e-5)
         assert all(torch.allclose(grads[n], other[n], atol=1e-6, rtol=1e-4) for n in grads)
 

@@ -36,6 +36,8 @@ Shapes: B batch, H heads, S sequence length, D head dim; the kernels take (B, H,
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from diffusers.models.transformers import transformer_qwenimage21 as T
 
@@ -172,6 +174,7 @@ def _attention_backward(grad, q, k, v, out, lse, bounds):
     between the calls' key bounds (sum_shares); the target's keys have one share, the target call's."""
     prefix_len = bounds[-2] if bounds else 0
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    add = summer(q.device)
     shares: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (key start, dk share, dv share) of every call
     for q0, q1, keys in _runs(bounds, q.shape[2]):
         rows = slice(q0, q1)
@@ -179,16 +182,18 @@ def _attention_backward(grad, q, k, v, out, lse, bounds):
         calls = [kept_attention.fused_backward(grad_rows, q_rows, *_dense(k[:, :, k0:k1], v[:, :, k0:k1]), out_rows,
                                                lse[:, :, rows].contiguous(), None, causal)
                  for k0, k1, causal in keys]
-        dq[:, :, rows] = calls[0][0] if len(calls) == 1 else sum(call[0].float() for call in calls)
+        if len(calls) == 1:
+            dq[:, :, rows] = calls[0][0]
+        else:  # a later text run's two calls
+            add(dq[:, :, rows], *(call[0] for call in calls))
         for (k0, k1, _), (_, dk_share, dv_share) in zip(keys, calls, strict=True):
             shares.append((k0, dk_share, dv_share))
             if k1 > prefix_len:  # the target's call, over every key
                 dk[:, :, prefix_len:] = dk_share[:, :, prefix_len - k0:]
                 dv[:, :, prefix_len:] = dv_share[:, :, prefix_len - k0:]
-    add = summer(q.device)
     spans = [(k0, k0 + dk_share.shape[2]) for k0, dk_share, _ in shares]
     cuts = sorted({0, prefix_len, *(min(end, prefix_len) for _, end in spans), *(start for start, _ in spans)})
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in pairwise(cuts):
         seen = [share for share, (start, end) in zip(shares, spans, strict=True) if start <= a and b <= end]
         add(dk[:, :, a:b], *(dk_share[:, :, a - k0:b - k0] for k0, dk_share, _ in seen))
         add(dv[:, :, a:b], *(dv_share[:, :, a - k0:b - k0] for k0, _, dv_share in seen))

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers import transformer_qwenimage21 as T
 
+from train.model.qwen_image21.conditioning import TOKENS_PER_SLOT
+
 LAYOUTS = 16  # slot layouts kept per transformer (the sampler's buckets; the least recently used goes first)
-_SLOT_TOKENS = 4  # latent tokens per image slot of the prompt sequence (2 x 2), as diffusers expands them
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,11 @@ def layout(transformer, img_mask_row: torch.Tensor, img_shapes: list, device: to
     """The metadata of the layout `img_mask_row` (a host tensor) and `img_shapes` (one row's), made with diffusers'
     functions on `device`."""
     slots = img_mask_row.bool()
-    repeats = torch.where(slots, _SLOT_TOKENS, 1)
+    repeats = torch.where(slots, TOKENS_PER_SLOT, 1)
     image_pad_mask = torch.repeat_interleave(slots, repeats)  # joint positions that hold a latent
-    num_prompt = slots.numel() - math.prod(img_shapes[-1]) // _SLOT_TOKENS  # img_mask ends with the target's slots
+    num_prompt = slots.numel() - math.prod(img_shapes[-1]) // TOKENS_PER_SLOT  # img_mask ends with the target's slots
     source = torch.repeat_interleave(torch.arange(slots.numel()), repeats)  # the prompt position of each joint one
-    gather = torch.where(image_pad_mask, 0, source)
+    gather = source.clone()
     gather[image_pad_mask] = num_prompt + torch.arange(int(image_pad_mask.sum()))
     text = (~image_pad_mask).nonzero(as_tuple=True)[0]
     mask = image_pad_mask.to(device)
