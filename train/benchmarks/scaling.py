@@ -166,9 +166,12 @@ def read_run(run_dir: Path, skip: int) -> dict:
 
 
 def last_error(log: Path) -> str:
+    """The run's own last error line: the deepspeed launcher's report that a rank exited comes after it and names
+    only the command and its exit code."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["(no output)"])[-1][:400]
+    own = [line for line in lines if "sigkill_handler" not in line]
+    errors = [line for line in own if "error" in line.lower()]
+    return (errors or own or lines or ["(no output)"])[-1][:400]
 
 
 def run_one(setting: str, world: int, cfg: Path, args: argparse.Namespace) -> dict:
