@@ -229,6 +229,23 @@ def test_the_compiled_sum_of_key_shares_writes_what_the_eager_one_does():
     assert graphs[2] == graphs[1], "a third size compiled again"
 
 
+def test_every_number_of_key_shares_has_a_compiled_sum_of_its_own():
+    """Layouts with many references sum many shares: each count compiles its own graph and writes what the eager
+    sum writes, past dynamo's recompile limit per function (after which one shared function would run eagerly)."""
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    for count in range(1, torch._dynamo.config.recompile_limit + 5):
+        shares = [torch.randn(1, 2, 3, 4, generator=generator).to(torch.bfloat16) for _ in range(count)]
+        expected, got = torch.empty(1, 2, 3, 4, dtype=torch.bfloat16), torch.empty(1, 2, 3, 4, dtype=torch.bfloat16)
+        graphs = probes.compiled_graphs()
+        attention.compiled_sum(count, backend="eager")(got, *shares)
+        assert probes.compiled_graphs() == graphs + 1, f"{count} shares ran without compiling"
+        attention.sum_shares(expected, *shares)
+        assert torch.equal(got, expected)
+    assert attention.summer(torch.device("cpu")) is attention.sum_shares
+    assert attention.summer(torch.device("cuda")) is attention.compiled_sum_shares
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("references", [0, 1, 3])

@@ -77,7 +77,7 @@ def test_compiled_segmented_blocks_take_new_layouts_without_recompiling(monkeypa
     do. Specialised boundaries would compile again for every layout, and fall back to eager past dynamo's limit.
     The op's backward sums the key shares with its compiled sum, as on CUDA (the uncompiled blocks: the eager one)."""
     torch._dynamo.reset()
-    sums = {"compiled": torch.compile(attention.sum_shares, dynamic=True), "eager": attention.sum_shares}
+    sums = {"compiled": attention.compiled_sum_shares, "eager": attention.sum_shares}
     use = ["compiled"]
     monkeypatch.setattr(attention, "summer", lambda device: sums[use[0]])
     compiled = prepared(attention="segmented", compile_blocks=True)

@@ -36,6 +36,8 @@ Shapes: B batch, H heads, S sequence length, D head dim; the kernels take (B, H,
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from itertools import pairwise
 
 import torch
@@ -208,19 +210,32 @@ def sum_shares(out: torch.Tensor, *shares: torch.Tensor) -> None:
     out.copy_(total)
 
 
-_compiled_sum_shares = None
+_sums: dict[tuple[int, str], Callable] = {}  # (number of shares, backend) -> its compiled sum
 
 
-def summer(device: torch.device):
-    """sum_shares, compiled on CUDA (one kernel per region that reads each share once, in place of a float32
-    accumulator added to share by share; dynamic shapes, so one graph per number of shares) and as written
-    elsewhere."""
-    global _compiled_sum_shares
-    if device.type != "cuda":
-        return sum_shares
-    if _compiled_sum_shares is None:
-        _compiled_sum_shares = torch.compile(sum_shares, dynamic=True)
-    return _compiled_sum_shares
+def compiled_sum(count: int, backend: str = "inductor") -> Callable:
+    """sum_shares for `count` shares, compiled with dynamic shapes, as a function with a code object of its own.
+    Dynamo keeps a function's graphs on its code object and runs it eagerly once it has compiled it recompile_limit
+    (8) times; one compiled sum_shares for every count would pass that in a run whose layouts make many counts (a
+    row with 10 references makes up to 12)."""
+    key = (count, backend)
+    if key not in _sums:
+        code = sum_shares.__code__.replace(co_name=f"sum_{count}_shares")
+        fn = types.FunctionType(code, sum_shares.__globals__, code.co_name)
+        _sums[key] = torch.compile(fn, dynamic=True, backend=backend)
+    return _sums[key]
+
+
+def compiled_sum_shares(out: torch.Tensor, *shares: torch.Tensor) -> None:
+    """sum_shares through the compiled function for that many shares (one kernel per region that reads each share
+    once)."""
+    compiled_sum(len(shares))(out, *shares)
+
+
+def summer(device: torch.device) -> Callable:
+    """The backward's sum of key shares: compiled on CUDA (in place of a float32 accumulator added to share by
+    share), as written elsewhere."""
+    return compiled_sum_shares if device.type == "cuda" else sum_shares
 
 
 @_attention_backward.register_fake
