@@ -216,8 +216,8 @@ _sums: dict[tuple[int, str], Callable] = {}  # (number of shares, backend) -> it
 def compiled_sum(count: int, backend: str = "inductor") -> Callable:
     """sum_shares for `count` shares, compiled with dynamic shapes, as a function with a code object of its own.
     Dynamo keeps a function's graphs on its code object and runs it eagerly once it has compiled it recompile_limit
-    (8) times; one compiled sum_shares for every count would pass that in a run whose layouts make many counts (a
-    row with 10 references makes up to 12)."""
+    (8) times; one compiled sum_shares for every count would pass that in a run whose layouts make many counts (the
+    first text's keys are seen by every call of a row, more with every reference)."""
     key = (count, backend)
     if key not in _sums:
         code = sum_shares.__code__.replace(co_name=f"sum_{count}_shares")
