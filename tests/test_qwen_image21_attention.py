@@ -211,10 +211,11 @@ def test_attention_probe_times_each_processor_on_one_layout():
 
 
 def test_the_compiled_sum_of_key_shares_writes_what_the_eager_one_does():
-    """The backward's sum of gradient shares, compiled as on CUDA (dynamic shapes), writes into a slice of the
-    gradient exactly what the eager function writes, and a region of another size reuses the graph."""
+    """The backward's sum of gradient shares, compiled by inductor as CUDA runs it (compiled_sum, dynamic shapes),
+    writes into a slice of the gradient exactly what the eager function writes, and a region of another size reuses
+    the graph."""
     torch._dynamo.reset()
-    compiled = torch.compile(attention.sum_shares, dynamic=True)
+    compiled = attention.compiled_sum(3)
     generator = torch.Generator().manual_seed(0)
     graphs = []
     for length in (5, 9, 7):

@@ -176,7 +176,7 @@ class TrainConfig:
     """Qwen-Image-2.1's attention processor (its block-causal mask; Qwen-Image models ignore the key): auto =
     segmented where train.compile runs on a CUDA GPU, else sdpa; segmented = this project's mask-free processor
     (train/model/qwen_image21/attention.py: exact, every run as fused-kernel calls in one custom op, rows padded to
-    a common prompt length through diffusers' masked calls; the fastest measured on one H200, 4-8% faster steps than
+    a common prompt length through diffusers' masked calls; the fastest measured on one H200, 7-8% faster steps than
     compiled flex, docs/results/segmented21_h200_2026-12-05.md); flex = diffusers' QwenImage21FlexAttnProcessor
     (one flex_attention call per block; uncompiled it builds a dense float32 score matrix); sdpa = diffusers'
     QwenImage21AttnProcessor (one SDPA call per prompt, reference and target run, text runs with a dense mask)."""
