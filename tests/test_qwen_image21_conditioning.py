@@ -275,22 +275,3 @@ def test_the_family_record_encodes_a_batch_as_these_functions_do(pipe):
     for name in ("prompt_embeds", "prompt_mask", "image_slots", "reference_tokens"):
         assert_same(name, getattr(back, name), getattr(b.cond, name))
     assert back.reference_shapes == b.cond.reference_shapes and back.num_text_tokens == b.cond.num_text_tokens
-
-
-def test_batch_keeps_image_slots_on_the_host():
-    """A batch moved to the device keeps its image slots (and so the transformer's img_mask) in host memory, where
-    the training forward reads the slot layout without a synchronisation; everything else moves."""
-    from train.model.qwen_image21 import batches
-
-    slots = torch.tensor([[False, True, True, False, False]] * 2)
-    cond = batches.BatchConditioning(torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long), slots,
-                                     torch.randn(2, 8, 16), [(1, 4, 2)])
-    moved = cond.to(torch.device("meta"))
-    assert moved.image_slots.device.type == "cpu" and torch.equal(moved.image_slots, slots)
-    assert {moved.prompt_embeds.device.type, moved.prompt_mask.device.type, moved.reference_tokens.device.type} \
-        == {"meta"}
-    picked = moved.select(torch.tensor([1]))
-    assert picked.image_slots.device.type == "cpu" and picked.prompt_embeds.shape[0] == 1
-    b = batches.Batch(torch.randn(2, 8, 16, device="meta"), (4, 2), moved)
-    kwargs = batches.transformer_inputs(b, b.x0, torch.full((2,), 0.5, device="meta"), torch.float32)
-    assert kwargs["img_mask"].device.type == "cpu" and kwargs["hidden_states"].device.type == "meta"

@@ -1,5 +1,4 @@
-"""Multi-tensor versions of two per-tensor loops in DeepSpeed 0.19.8's ZeRO-1/2 optimizer step, and its gradient
-clipping without a host synchronisation.
+"""Multi-tensor versions of two per-tensor loops in DeepSpeed 0.19.8's ZeRO-1/2 optimizer step.
 
 Why: a LoRA optimizer holds about a thousand small tensors (r64 on the attention projections of 60 blocks:
 960). After the backward, DeepSpeed's overflow check (amax + amin + isfinite per tensor) and its gradient norm
@@ -8,11 +7,6 @@ launches them: 0.1-0.15 s of a 1 s step on an H200 (docs/levers.md, lever 8). Th
 quantities with `torch._foreach_norm` (a few launches): a tensor holds an inf/NaN exactly when its norm is not
 finite (or overflows, which DeepSpeed would then skip as well), and the global norm is the same sum of
 squared per-tensor norms, accumulated in float64 as DeepSpeed does.
-
-The clipping (`unscale_and_clip_grads`) asked the host whether the global norm is valid (`bool()` of a device
-tensor) before scaling the gradients: a synchronisation in every step, after which the device idles while the host
-issues the optimizer step and the next step's first launches. The replacement takes the same decision on the device
-(`torch.where`): an invalid norm (inf, NaN or DeepSpeed's -1) still clips as an infinite one.
 
 Only DeepSpeed 0.19.8 (the pinned version) is patched, since the replaced methods are internal; everything
 around them (the all-reduces over the data- and model-parallel groups, the NaN masking) is kept.
@@ -64,22 +58,6 @@ def get_grad_norm_direct(self, gradients, params, norm_type=2):
     return total_norm
 
 
-def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-    """DeepSpeed's unscale and clip, the invalid-norm case decided on the device (no host synchronisation)."""
-    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
-        return
-    combined_scale = self.loss_scale
-    if self.clip_grad > 0.0:
-        norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm), device=self.device)
-        invalid = ~torch.isfinite(norm) | (norm < 0)
-        norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
-        clip = torch.clamp(((norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-        combined_scale = clip * self.loss_scale
-    for grad in grad_groups_flat:
-        for g in grad if isinstance(grad, list) else [grad]:
-            g.data.mul_(1.0 / combined_scale)
-
-
 _ORIGINAL: dict = {}
 
 
@@ -92,9 +70,7 @@ def apply() -> bool:
         return False
     if not _ORIGINAL:
         _ORIGINAL.update(get_grad_norm_direct=Zero.get_grad_norm_direct,
-                         has_overflow_partitioned_grads_serial=Zero.has_overflow_partitioned_grads_serial,
-                         unscale_and_clip_grads=Zero.unscale_and_clip_grads)
+                         has_overflow_partitioned_grads_serial=Zero.has_overflow_partitioned_grads_serial)
         Zero.get_grad_norm_direct = get_grad_norm_direct
         Zero.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
-        Zero.unscale_and_clip_grads = unscale_and_clip_grads
     return True

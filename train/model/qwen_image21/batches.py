@@ -19,14 +19,7 @@ from train.model.qwen_image21 import conditioning, sequence
 
 @dataclass
 class BatchConditioning(conditioning.Conditioning):
-    """conditioning.Conditioning as the generic code reads it (the interface's Conditioning protocol).
-
-    `image_slots` stays in host memory wherever the rest goes (`to`): the transformer's training forward reads the
-    slot layout on the host (train/model/qwen_image21/forward.py), so a copy on the device would cost a
-    synchronisation with it in every step, after which the device idles while the host catches up."""
-
-    def __post_init__(self):
-        self.image_slots = self.image_slots.cpu()
+    """conditioning.Conditioning as the generic code reads it (the interface's Conditioning protocol)."""
 
     @property
     def num_text_tokens(self) -> int:
@@ -59,7 +52,7 @@ class BatchConditioning(conditioning.Conditioning):
         return BatchConditioning(
             self.prompt_embeds[index],
             mask,
-            self.image_slots[index.cpu()],
+            self.image_slots[index],
             self.reference_tokens[index],
             self.reference_shapes,
         )
@@ -67,11 +60,11 @@ class BatchConditioning(conditioning.Conditioning):
     def _map(self, fn) -> BatchConditioning:
         mask = None if self.prompt_mask is None else fn(self.prompt_mask)
         return BatchConditioning(
-            fn(self.prompt_embeds), mask, self.image_slots, fn(self.reference_tokens), self.reference_shapes
+            fn(self.prompt_embeds), mask, fn(self.image_slots), fn(self.reference_tokens), self.reference_shapes
         )
 
     def to(self, device: torch.device) -> BatchConditioning:
-        return self._map(lambda t: t.to(device, non_blocking=True))  # image_slots stays on the host
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> BatchConditioning:
         return self._map(torch.Tensor.pin_memory)
@@ -166,7 +159,7 @@ def synthetic_batch(
     shapes = [(1, max(2, rh // 2 * 2), max(2, rw // 2 * 2)) for rh, rw in reference_hws]
     slot_runs = [rh * rw // conditioning.TOKENS_PER_SLOT for _, rh, rw in shapes]
     length = max(text_tokens + (sum(slot_runs) if text_positions else 0), sum(slot_runs) + 2 * len(slot_runs) + 2)
-    slots = torch.zeros(length, dtype=torch.bool)  # on the host, as BatchConditioning keeps it
+    slots = torch.zeros(length, dtype=torch.bool, device=device)
     start = 2
     for run in slot_runs:  # two text tokens before each reference's slots, as its "<imageK>..." tokens
         slots[start : start + run] = True

@@ -7,9 +7,7 @@ the target mask, the prefix length and the attention's runs. Each of these synch
 about 16 times per training step, and the device idles while the host works between them. All of it depends only on
 the slot layout (row 0 of `img_mask`, which every row shares, and `img_shapes`) and the device, so `use_layout_cache`
 gives the transformer a forward that reads row 0 of `img_mask` once, builds the rest with diffusers' own functions
-the first time it meets a layout, and keeps it (a few MB per layout, at most `LAYOUTS` of them). The trainer's
-batches keep the image slots, and so `img_mask`, in host memory (batches.BatchConditioning), so that reading the row
-does not synchronise either; an `img_mask` on the device still works, at one synchronisation per call.
+the first time it meets a layout, and keeps it (a few MB per layout, at most `LAYOUTS` of them).
 
 The forward is diffusers' computation otherwise, call for call (the same modules, in the same order, with the same
 arguments): the joint sequence is gathered from the prompt embeddings and the latents by one index instead of
@@ -81,7 +79,7 @@ def use_layout_cache(transformer) -> None:
 
 
 def _cached(transformer, img_mask: torch.Tensor, img_shapes: list, device: torch.device) -> Layout:
-    row = img_mask[0].cpu()  # every row shares row 0's layout; the trainer's batches keep img_mask on the host
+    row = img_mask[0].cpu()  # the one synchronisation: every row shares row 0's layout
     key = (bytes(row.numpy()), tuple(map(tuple, img_shapes)), str(device))
     layouts = transformer._qwen_edit_layouts
     if key in layouts:
@@ -97,7 +95,6 @@ def _forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, i
              encoder_hidden_states_mask=None, attention_kwargs=None, kv_cache=None, kv_cache_mode=None,
              return_dict=True):
     if kv_cache is not None or kv_cache_mode is not None or attention_kwargs is not None or return_dict:
-        img_mask = img_mask.to(hidden_states.device)  # diffusers' forward takes it on the device
         return type(self).forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
                                   encoder_hidden_states_mask, attention_kwargs, kv_cache, kv_cache_mode, return_dict)
     batch_size = hidden_states.shape[0]
