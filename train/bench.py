@@ -6,11 +6,13 @@
     python -m train.bench --block_probe [...]          # the memory plan's block measurement, kept attention or not
     python -m train.bench --gemm_probe [...]           # one block's fp8 matmuls, fast accumulation off and on
     python -m train.bench --floor [...]                # + the step's attention and matmuls alone: its floor ratio
+    python -m train.bench --attention_kernel_probe [...]  # 2.1's attention calls with each fused kernel (sdpa, fa4)
     python -m train.bench --scaling --model M --data D [...]  # train/main.py on 1 and N GPUs, three ZeRO settings
 
 What is timed: train/benchmarks/step.py (its options: options.py); how MFU is counted: train/benchmarks/flops.py
 (Qwen-Image-2.1: flops21.py); the block probe: train/benchmarks/blocks.py; the matmul probe:
-train/benchmarks/gemms.py; the floor: train/benchmarks/floor.py; the scaling harness: train/benchmarks/scaling.py.
+train/benchmarks/gemms.py; the floor: train/benchmarks/floor.py; the scaling harness: train/benchmarks/scaling.py;
+the attention kernels: train/benchmarks/attention_kernels.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ if __package__ in (None, ""):  # run as a script (the deepspeed launcher): make 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train.runtime.quiet  # noqa: F401  (first: it quiets the libraries before they are imported)
-from train.benchmarks import blocks, gemms, scaling
+from train.benchmarks import attention_kernels, blocks, gemms, scaling
 from train.benchmarks.options import parse_args
 from train.benchmarks.report import append_json, format_report
 from train.benchmarks.step import run
@@ -32,6 +34,7 @@ from train.runtime.console import prefix_rank_output
 BLOCK_PROBE = "--block_probe"
 GEMM_PROBE = "--gemm_probe"
 SCALING = "--scaling"
+ATTENTION_KERNEL_PROBE = "--attention_kernel_probe"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return probe(blocks, [a for a in argv if a != BLOCK_PROBE])
     if GEMM_PROBE in argv:
         return probe(gemms, [a for a in argv if a != GEMM_PROBE])
+    if ATTENTION_KERNEL_PROBE in argv:
+        return probe(attention_kernels, [a for a in argv if a != ATTENTION_KERNEL_PROBE])
     if SCALING in argv:  # launches train/main.py itself: no process group here
         return probe(scaling, [a for a in argv if a != SCALING])
     prefix_rank_output()  # as train/main.py: other ranks' lines carry their rank
@@ -57,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def probe(module, argv: list[str]) -> int:
     """A one-process probe, run, reported, its JSON appended: --block_probe (train/benchmarks/blocks.py, the memory
-    plan's block measurement with and without kept attention), --gemm_probe (train/benchmarks/gemms.py) or
-    --scaling (train/benchmarks/scaling.py); exit code 1 when the record counts failed runs."""
+    plan's block measurement with and without kept attention), --gemm_probe (train/benchmarks/gemms.py),
+    --attention_kernel_probe (train/benchmarks/attention_kernels.py) or --scaling (train/benchmarks/scaling.py); exit
+    code 1 when the record counts failed runs."""
     args = module.parse_args(argv)
     record = module.run(args)
     print(module.format_report(record), flush=True)
