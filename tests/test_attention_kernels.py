@@ -36,3 +36,76 @@ def test_the_probe_times_the_ops_kernel_and_reports_what_cannot_run():
     assert "sdpa" in report and "fa4   not available" in report
     with pytest.raises(SystemExit, match="--kernels"):
         attention_kernels.run(attention_kernels.parse_args(["--kernels", "xformers"]))
+
+
+def _fake_flash_attn_4(monkeypatch) -> None:
+    """flash_attn.cute.interface with the contract of FlashAttention-4's two functions, in float32 math: q, k, v, out
+    and gradients (B, S, H, D); the log-sum-exp (B, H, S), natural log; the backward's softmax from the log-sum-exp
+    and its row sums from the output it is given."""
+    import sys
+    import types
+
+    def scores(q, k, scale, causal):
+        s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+        return s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+
+    def heads_first(*xs):
+        return [x.transpose(1, 2).float() for x in xs]
+
+    def fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+        q, k, v = heads_first(q, k, v)
+        s = scores(q, k, softmax_scale, causal)
+        lse = s.logsumexp(-1)
+        return ((s - lse[..., None]).exp() @ v).transpose(1, 2).contiguous(), lse, None, None, None
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+        q, k, v, out, dout = heads_first(q, k, v, out, dout)
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        p = (scores(q, k, softmax_scale, causal) - lse[..., None]).exp()
+        ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+        grads = (ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout)
+        return tuple(g.transpose(1, 2).contiguous() for g in grads)
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = fwd, bwd
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+
+
+def test_the_segmented_op_on_flash_attention_4_equals_it_on_sdpa(monkeypatch):
+    """The op's calls through train/model/flash4.py (a stand-in with FlashAttention-4's contract on the CPU: layout,
+    log-sum-exp, backward from a larger attention's out and lse) give the op's output and gradients on SDPA's kernel."""
+    from train.model import flash4, kept_attention
+    from train.model.qwen_image21 import attention
+
+    _fake_flash_attn_4(monkeypatch)
+    mask, shapes = attention21.layout(2, (4, 6), 7)
+    ids, target = T.QwenImage21Transformer2DModel.build_token_metadata(mask, shapes)
+    segments = T._qwenimage21_prefix_segments(ids, int((~target).sum()))
+    g = torch.Generator().manual_seed(3)
+    qkv = [torch.randn(1, mask.numel(), 3, 16, generator=g) for _ in range(3)]
+    grad = torch.randn(1, 3, mask.numel(), 16, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        q, k, v = (x.transpose(1, 2).detach().requires_grad_(True) for x in qkv)
+        out = attention.block_causal_attention(q, k, v, segments)
+        (out * grad).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    on_sdpa = run()
+    monkeypatch.setattr(kept_attention, "_external", flash4)
+    for ours, theirs in zip(run(), on_sdpa, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_choosing_the_kernel(monkeypatch):
+    from train.model import kept_attention
+
+    monkeypatch.setattr(kept_attention, "_external", None)
+    with pytest.raises(RuntimeError, match="compute capability 9.0"):
+        kept_attention.use_kernel("fa4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'sdpa' or 'fa4'"):
+        kept_attention.use_kernel("xformers", torch.device("cpu"))
+    kept_attention.use_kernel("sdpa", torch.device("cpu"))
+    assert kept_attention._external is None

@@ -3,8 +3,8 @@ shapes (the command `python -m train.bench --attention_kernel_probe`):
 
     sdpa   what the segmented op runs now: the fused kernel torch's SDPA picks (cuDNN on Hopper; the flash kernel
            on the CPU), through train/model/kept_attention.py's fused_forward / fused_backward
-    fa4    FlashAttention-4 (`flash-attn-4` on PyPI, CuTe DSL kernels; Hopper and newer): flash_attn.cute's
-           flash_attn_func with its log-sum-exp
+    fa4    FlashAttention-4 (`flash-attn-4` on PyPI, CuTe DSL kernels; Hopper and newer) through
+           train/model/flash4.py, as the op runs it with kept_attention.use_kernel("fa4")
 
 One layer's calls (train/model/qwen_image21/attention.py `kernel_calls`) for a slot layout laid out as the pipeline
 lays it out (train/benchmarks/attention21.py `layout`), q, k and v with the strides the op gives the kernels. Each
@@ -74,58 +74,33 @@ def _inputs(call: tuple, heads: int, head_dim: int, device, dtype, seed: int) ->
     return make(q1 - q0), make(k1 - k0), make(k1 - k0), make(q1 - q0)
 
 
-class _Sdpa:
-    """The segmented op's kernel (kept_attention's fused_forward / fused_backward)."""
+class _Kernel:
+    """One kernel's forward and backward of a call: the op's SDPA kernel (kept_attention's fused_forward and
+    fused_backward) or FlashAttention-4's (train/model/flash4.py, what the op runs with use_kernel("fa4"))."""
 
-    def __init__(self, device: torch.device):
-        from train.model import kept_attention
+    def __init__(self, name: str, device: torch.device):
+        from train.model import flash4, kept_attention
 
         kept_attention.detect_cuda()
-        self.k = kept_attention
+        if name == "fa4":
+            flash4.check(device)
+            self.fwd, self.bwd = flash4.forward, flash4.backward
+        else:
+            self.fwd, self.bwd = kept_attention.fused_forward, kept_attention.fused_backward
 
     def forward(self, q, k, v, causal):
-        return self.k.fused_forward(q, k, v, None, causal)
+        return self.fwd(q, k, v, None, causal)
 
-    def backward(self, dout, q, k, v, out, lse, causal, state):
-        return self.k.fused_backward(dout, q, k, v, out, lse, None, causal)
-
-
-class _Fa4:
-    """flash_attn.cute's flash_attn_func on (1, T, H, D) views; its backward through autograd."""
-
-    def __init__(self, device: torch.device):
-        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-            raise RuntimeError("needs a CUDA GPU of compute capability 9.0 or newer")
-        try:
-            from flash_attn.cute import flash_attn_func
-        except ImportError as e:
-            raise RuntimeError(f"flash-attn-4 is not installed ({e}); pip install flash-attn-4") from None
-        self.fn = flash_attn_func
-
-    def forward(self, q, k, v, causal):
-        leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]
-        out, lse = self.fn(*leaves, causal=causal, return_lse=True)
-        self.state = (leaves, out)
-        return out.transpose(1, 2), lse
-
-    def backward(self, dout, q, k, v, out, lse, causal, state):
-        leaves, out_bthd = state
-        grads = torch.autograd.grad(out_bthd, leaves, dout.transpose(1, 2))
-        return tuple(g.transpose(1, 2) for g in grads)
-
-
-def _make(kernel: str, device: torch.device):
-    return {"sdpa": _Sdpa, "fa4": _Fa4}[kernel](device)
+    def backward(self, dout, q, k, v, out, lse, causal):
+        return self.bwd(dout, q, k, v, out, lse, None, causal)
 
 
 def _errors(impl, call: tuple, heads: int, head_dim: int, device, dtype) -> dict:
     """Largest absolute errors of one call against float32 math on the same (rounded) inputs."""
     q, k, v, dout = _inputs(call, heads, head_dim, device, dtype, seed=7)
     causal = call[4]
-    with torch.enable_grad():
-        out, lse = impl.forward(q, k, v, causal)
-        state = getattr(impl, "state", None)
-    dq, dk, dv = impl.backward(dout, q, k, v, out, lse, causal, state)
+    out, lse = impl.forward(q, k, v, causal)
+    dq, dk, dv = impl.backward(dout, q, k, v, out, lse, causal)
     ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
     scores = ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(head_dim)
     if causal:
@@ -145,15 +120,11 @@ def time_kernel(impl, calls: list, args: argparse.Namespace, device, dtype) -> t
     inputs = [_inputs(call, args.heads, args.head_dim, device, dtype, seed=i) for i, call in enumerate(calls)]
     fwd = bwd = 0.0
     for step in range(args.steps + 2):
-        saved = []
         t0 = _now(device)
-        with torch.enable_grad():
-            for (q, k, v, _), call in zip(inputs, calls, strict=True):
-                out, lse = impl.forward(q, k, v, call[4])
-                saved.append((out, lse, getattr(impl, "state", None)))
+        saved = [impl.forward(q, k, v, call[4]) for (q, k, v, _), call in zip(inputs, calls, strict=True)]
         t1 = _now(device)
-        for (q, k, v, dout), call, (out, lse, state) in zip(inputs, calls, saved, strict=True):
-            impl.backward(dout, q, k, v, out, lse, call[4], state)
+        for (q, k, v, dout), call, (out, lse) in zip(inputs, calls, saved, strict=True):
+            impl.backward(dout, q, k, v, out, lse, call[4])
         t2 = _now(device)
         if step >= 2:
             fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
@@ -180,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     results, unavailable = {}, {}
     for kernel in kernels:
         try:
-            impl = _make(kernel, device)
+            impl = _Kernel(kernel, device)
         except RuntimeError as e:
             unavailable[kernel] = str(e)
             continue

@@ -47,7 +47,7 @@ from train.benchmarks.timing import Phase, reset_peak_memory, time_steps
 from train.benchmarks.workload import SEED, Workload, explained_oom, make_workload
 from train.config import Config
 from train.data import sources
-from train.model import prepare
+from train.model import kept_attention, prepare
 from train.model.interface import ModelFamily
 from train.runtime import engine
 from train.trainer import loop
@@ -137,6 +137,11 @@ def peer_builder(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Callable
 def run(args: argparse.Namespace, d: engine.Dist) -> dict:
     """Build the model and batch, time the baseline (if asked) and the project's step; the result record."""
     dtype = torch.bfloat16 if d.device.type == "cuda" and not args.tiny else torch.float32
+    if args.attention_kernel != "sdpa":  # before anything is compiled: the ops call the kernel chosen here
+        try:
+            kept_attention.use_kernel(args.attention_kernel, d.device)
+        except RuntimeError as e:
+            raise SystemExit(f"--attention_kernel {args.attention_kernel}: {e}") from None
     w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch, args_family(args))
     peer_rows = run_peer(args, w, d, dtype) if args.peer else None  # first: its memory is gone before ours is built
     model, model_info, flops_per_gpu = build_measured_model(args, w, d, dtype)
@@ -174,6 +179,8 @@ def build_measured_model(
     )
     model_info["trainable_params"] = trainable_count(model)
     model_info["attention"] = type(model.transformer_blocks[0].attn.processor).__name__
+    if args.attention_kernel != "sdpa":
+        model_info["attention"] += f" ({args.attention_kernel})"
     return model, model_info, flops_per_gpu
 
 

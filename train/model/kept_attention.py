@@ -39,6 +39,7 @@ _local = threading.local()  # .stash: the Stash of the block call running in thi
 _cuda_ok = False  # detect_cuda() sets it: the CUDA device has the fused kernels (compute capability >= 8.0)
 _backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen at the first forward
 _SDP = torch.nn.attention.SDPBackend
+_external = None  # a kernel module (forward, backward) in place of SDPA's kernel: use_kernel("fa4") sets flash4.py
 BACKEND = "qwen_edit_kept"  # the mark on a keeping block's attention processor (its _attention_backend)
 # cuDNN's log-sum-exp is (B, H, S, 1) from torch 2.9 on, (B, H, S) before; its backward takes it as its forward gave it
 _CUDNN_LSE_4D = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
@@ -150,12 +151,28 @@ def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == layout.stride() else torch.empty_like(layout).copy_(t)
 
 
+def use_kernel(name: str, device: torch.device) -> None:
+    """The fused kernel of fused_forward / fused_backward from now on: "sdpa" (the default: the one torch's SDPA
+    picks) or "fa4" (FlashAttention-4, train/model/flash4.py; a RuntimeError naming the fix when it cannot run on
+    `device`)."""
+    global _external
+    if name not in ("sdpa", "fa4"):
+        raise ValueError(f"attention kernel {name!r}: choose 'sdpa' or 'fa4'")
+    if name == "fa4":
+        from train.model import flash4
+
+        flash4.check(device)
+    _external = flash4 if name == "fa4" else None
+
+
 def fused_forward(q, k, v, scale, is_causal: bool = False):
     """(out, lse) of one fused SDPA kernel call on (B, H, S, D) tensors: out has q's strides, lse is (B, H, S) float32.
     is_causal: top-left aligned (query i sees keys 0..i), as SDPA's."""
     b, h, s = q.shape[:3]
     kind = backend(q)
-    if q.device.type == "cpu":
+    if _external is not None:
+        out, lse = _external.forward(q, k, v, scale, is_causal)
+    elif q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
     elif kind == _SDP.CUDNN_ATTENTION:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
@@ -171,7 +188,9 @@ def fused_backward(grad, q, k, v, out, lse, scale, is_causal: bool = False):
     `lse` may be those of a larger attention that this call is one part of (the same queries over more keys,
     merged by log-sum-exp): the gradients are then this part's share of that attention's."""
     grad = _like(grad, out)
-    if q.device.type == "cpu":
+    if _external is not None:
+        grads = _external.backward(grad, q, k, v, out, lse, scale, is_causal)
+    elif q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
                                                                                      is_causal, scale=scale)
     elif backend(q) == _SDP.CUDNN_ATTENTION:

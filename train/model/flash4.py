@@ -1,0 +1,48 @@
+"""FlashAttention-4's kernels (`flash-attn-4` on PyPI: CuTe DSL kernels for compute capability 9.0 and newer) as the
+fused kernel behind train/model/kept_attention.py's fused_forward and fused_backward, in place of the one torch's
+SDPA picks (cuDNN on Hopper), for a measurement of the two (docs/levers.md, 41): `python -m train.bench --variant
+qwen_image_21 --attention segmented --attention_kernel fa4` and `python -m train.bench --attention_kernel_probe`.
+
+Both ops that call these functions (Qwen-Image-2.1's segmented attention, the kept attention of checkpointed blocks)
+hand over (B, H, S, D) views of contiguous (B, S, H, D) tensors: FlashAttention's own layout, one transpose away.
+The forward returns its log-sum-exp (B, H, S) in float32, natural log, as the segmented op merges calls by it; the
+backward takes an out and log-sum-exp that may belong to a larger attention the call is one part of (FlashAttention's
+backward computes its softmax from the log-sum-exp and the output's row sums from the output it is given, as cuDNN's
+does), which gives the call's share of that attention's gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACKAGE = "flash-attn-4==4.0.0b36"  # the version these calls are written against (its forward/backward functions)
+
+
+def check(device: torch.device) -> None:
+    """Raise a RuntimeError naming the fix when the kernels cannot run on `device`."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        raise RuntimeError("FlashAttention-4 needs a CUDA GPU of compute capability 9.0 or newer")
+    try:
+        from flash_attn.cute import interface  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"FlashAttention-4 is not installed ({e}): pip install {PACKAGE}") from None
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool):
+    """(out (B, H, S, D) with q's layout, lse (B, H, S) float32) of one call; causal: query i sees keys 0..i (the
+    calls are square where causal, so top-left and bottom-right alignment agree)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=scale, causal=causal,
+                               return_lse=True)[:2]
+    return out.transpose(1, 2), lse.contiguous()
+
+
+def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, scale: float | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), (B, H, S, D) each, of forward's call given the (possibly larger attention's) out and lse."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(*(x.transpose(1, 2) for x in (q, k, v, out, grad)), lse.contiguous(),
+                                 softmax_scale=scale, causal=causal)[:3]
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
