@@ -20,6 +20,7 @@ How:
 - The op runs the fused kernel that torch's own SDPA would choose for these inputs (cuDNN or FlashAttention on
   CUDA, the flash kernel on the CPU) through its aten op, which returns the log-sum-exp; its backward is the same
   kernel's backward op, also a custom op. Both are opaque to torch.compile, so the compiled blocks call them.
+  `use_kernel("fa4")` puts FlashAttention-4's kernels (train/model/flash4.py) in that place, for a measurement.
 - `Stash.run` wraps a block's call inside `checkpoint(...)`: the first call (the forward) records each attention's
   (out, lse), the second (the recomputation in the backward) gets them back from the op instead of running the
   kernel, and drops them. The stash is found through a thread-local: the recomputation runs in the autograd
