@@ -6,11 +6,11 @@ shapes (the command `python -m train.bench --attention_kernel_probe`):
     fa4    FlashAttention-4 (`flash-attn-4` on PyPI, CuTe DSL kernels; Hopper and newer) through
            train/model/flash4.py, as the op runs it with kept_attention.use_kernel("fa4")
 
-One layer's calls (train/model/qwen_image21/attention.py `kernel_calls`) for a slot layout laid out as the pipeline
-lays it out (train/benchmarks/attention21.py `layout`), q, k and v with the strides the op gives the kernels. Each
-kernel's forward of every call and backward of every call are timed apart (CUDA events, the mean of --steps after
-two warm-up rounds) and counted in FLOPs over the allowed query-key pairs only (4 per pair and head dimension
-forward, 2.5x that backward). Its agreement is checked on the layer's largest call against a float32 computation:
+One layer's calls (train/model/qwen_image21/attention.py `kernel_calls`, through the family's bench record) for a
+slot layout laid out as the pipeline lays it out (train/benchmarks/attention21.py `layout`), q, k and v with the
+strides the op gives the kernels. Each kernel's forward of every call and backward of every call are timed apart
+(the host's clock between device synchronisations, the mean of --steps rounds after two warm-up rounds) and counted
+in FLOPs over the allowed query-key pairs only (4 per pair and head dimension forward, 2.5x that backward). Its agreement is checked on the layer's largest call against a float32 computation:
 the output's and the gradients' largest error, and the log-sum-exp's (natural log, as the op merges calls by it).
 A kernel that cannot run here (fa4 without a Hopper GPU or without the package) is reported as not available, with
 why. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
@@ -46,14 +46,14 @@ def layer_calls(references: int, target_hw: tuple[int, int], prompt_tokens: int)
     from diffusers.models.transformers import transformer_qwenimage21 as T
 
     from train.benchmarks.attention21 import layout
-    from train.model.qwen_image21.attention import kernel_calls
+    from train.model import family
 
     mask, shapes = layout(references, target_hw, prompt_tokens)
     image_ids, target_mask = T.QwenImage21Transformer2DModel.build_token_metadata(mask, shapes)
     prefix_len = int((~target_mask).sum())
     segments = T._qwenimage21_prefix_segments(image_ids, prefix_len)
     bounds = [x for start, end, is_text in segments for x in (start, end, int(is_text))]
-    return kernel_calls(bounds, len(mask)), len(mask)
+    return family.family_named("qwen_image21").bench.kernel_calls(bounds, len(mask)), len(mask)
 
 
 def pairs(call: tuple) -> int:

@@ -1,6 +1,6 @@
 """What the benchmarks (train/benchmarks/) build of Qwen-Image-2.1: the released transformer's config at any depth,
-the tests' tiny transformer, the pipeline's scheduler settings, a synthetic micro-batch of a benchmark workload, and
-the attention processor train/benchmarks/attention21.py times."""
+the tests' tiny transformer, the pipeline's scheduler settings, a synthetic micro-batch of a benchmark workload, the
+attention processor train/benchmarks/attention21.py times and the kernel calls attention_kernels.py times."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from train.model.qwen_image21.archs import TRANSFORMER
 
 SCHEDULER = tiny.SCHEDULER_CONFIG  # the pipeline's dynamic shift
 attention_processor = attention.SegmentedSDPAProcessor
+kernel_calls = attention.kernel_calls  # the segmented op's fused-kernel calls for a layout's prefix runs
 # A benchmark workload's micro-batch: its text tokens are the joint sequence's text positions, the image slots of
 # the references come on top of them in the prompt embeddings.
 synthetic_batch = functools.partial(batches.synthetic_batch, text_positions=True)
