@@ -10,8 +10,9 @@ One layer's calls (train/model/qwen_image21/attention.py `kernel_calls`, through
 slot layout laid out as the pipeline lays it out (train/benchmarks/attention21.py `layout`), q, k and v with the
 strides the op gives the kernels. Each kernel's forward of every call and backward of every call are timed apart
 (the host's clock between device synchronisations, the mean of --steps rounds after two warm-up rounds) and counted
-in FLOPs over the allowed query-key pairs only (4 per pair and head dimension forward, 2.5x that backward). Its agreement is checked on the layer's largest call against a float32 computation:
-the output's and the gradients' largest error, and the log-sum-exp's (natural log, as the op merges calls by it).
+in FLOPs over the allowed query-key pairs only (4 per pair and head dimension forward, 2.5x that backward). Its
+agreement is checked on the layer's largest call against a float32 computation: the output's and the gradients'
+largest error, and the log-sum-exp's (natural log, as the op merges calls by it).
 A kernel that cannot run here (fa4 without a Hopper GPU or without the package) is reported as not available, with
 why. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
 """
