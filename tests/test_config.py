@@ -711,7 +711,10 @@ def test_resolve_defaults_and_no_mutation():
     assert PROJECT_KEY not in ds
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_accumulation_steps"] == 1
     assert ds["steps_per_print"] >= 10**9
+    assert ds["timers"] == {"throughput": {"enabled": False}}  # no device synchronisation for an unprinted figure
     assert ds["bf16"] == {"enabled": True} and ds["optimizer"]["params"] == {"torch_adam": True}
+    timers = {"throughput": {"enabled": True, "synchronized": False}}
+    assert resolve_deepspeed({"timers": timers}, max_steps=3, has_gpu=True)["timers"] == timers  # the config's own
 
 
 # --- write_resolved / to_dict -------------------------------------------------------------------------------------

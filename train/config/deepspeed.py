@@ -191,13 +191,17 @@ def _ds_model(name: str):
 
 def resolve_deepspeed(ds: dict, max_steps: int, has_gpu: bool, deepcompile: bool = False) -> dict:
     """DeepSpeed's section as it will be run: project section removed, schedule length, DeepCompile's switch
-    (qwen_edit.train.deepcompile) and CPU choices filled."""
+    (qwen_edit.train.deepcompile), DeepSpeed's own progress report and throughput timer off unless the config sets
+    them, and CPU choices filled."""
     ds = json.loads(json.dumps({k: v for k, v in ds.items() if k != PROJECT_KEY}))
     if deepcompile:
         ds.setdefault("compile", {})["deepcompile"] = True
     ds.setdefault("train_micro_batch_size_per_gpu", 1)
     ds.setdefault("gradient_accumulation_steps", 1)
     ds.setdefault("steps_per_print", 10**9)  # progress goes through our own logger
+    # DeepSpeed's throughput timer synchronises the device at every forward and every step to time them, for a
+    # report that steps_per_print above never prints; the step times come from our own CUDA events.
+    ds.setdefault("timers", {"throughput": {"enabled": False}})
     scheduler = ds.get("scheduler")
     if scheduler and scheduler.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
         scheduler.setdefault("params", {})["total_num_steps"] = max_steps
