@@ -247,14 +247,31 @@ def test_idle_report_attributes_gaps_to_the_issuing_phase():
              s("k3", 60, 90, True),  # 10 us gap, issued in forward
              s("k4", 130, 190, True),  # 40 us gap, issued in backward
              s("k5", 290, 300, True),  # 100 us gap, issued in step
-             s("cudaStreamSynchronize", 210, 280, False), s("cudaStreamSynchronize", 20, 25, False)]
+             s("cudaStreamSynchronize", 210, 280, False), s("cudaStreamSynchronize", 20, 25, False),
+             s("deepspeed/runtime/utils.py(233): is_invalid_grad_norm", 204, 286, False),
+             s("torch/_tensor.py(10): item", 205, 285, False), s("aten::item", 206, 284, False),
+             s("aten::_local_scalar_dense", 207, 283, False)]
     lines = profiling.idle_report(spans, steps=1, top=2).splitlines()
     assert lines[0].startswith("device idle between kernels: 0.15 ms/step in 3 gaps/step")
     assert lines[1:4] == ["  bench/step: 0.10 ms/step", "  bench/backward: 0.04 ms/step",
                           "  bench/forward: 0.01 ms/step"]
     assert lines[4] == ("host synchronisations per step: cudaStreamSynchronize in bench/forward x1, "
                         "cudaStreamSynchronize in bench/step x1")
-    assert "k4 -> k5" in lines[6] and "k3 -> k4" in lines[7] and len(lines) == 8
+    assert "k4 -> k5" in lines[6] and "k3 -> k4" in lines[7]
+    # each synchronisation by the innermost op around it and the innermost Python frame outside torch
+    assert lines[8].startswith("host synchronisations per step by origin") and len(lines) == 11
+    assert sorted(lines[9:]) == [
+        "  x1 cudaStreamSynchronize in bench/forward from python",
+        "  x1 cudaStreamSynchronize in bench/step from aten::_local_scalar_dense at "
+        "deepspeed/runtime/utils.py(233): is_invalid_grad_norm"]
+    # an op's own stack, where the profiler attaches one, and an explicit synchronisation (no op around it)
+    spans[-1] = s("aten::_local_scalar_dense", 207, 283, False, ("/v/torch/_tensor.py(10): item",
+                                                                 "/r/train/benchmarks/step.py(70): step"))
+    assert "from aten::_local_scalar_dense at train/benchmarks/step.py(70): step" in profiling.idle_report(spans, 1)
+    assert profiling.sync_origin(s("cudaDeviceSynchronize", 2, 3, False),
+                                 [s("/v/deepspeed/utils/timer.py(237): start", 0, 10, False),
+                                  s("torch/cuda/__init__.py(9): synchronize", 1, 5, False)]) == \
+        "deepspeed/utils/timer.py(237): start"
 
 
 def test_kernel_filter_takes_events_and_averages():

@@ -4,6 +4,7 @@ GPU, where the device waits for the host (the idle report) and the kernels by ca
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ class Span:
     start: float
     end: float
     on_device: bool
+    stack: tuple[str, ...] = ()  # a host op's own Python frames, innermost first, where the profiler gives them
 
 
 def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
@@ -66,12 +68,55 @@ def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
     lines.append(f"largest {top} gaps (ms, phase, kernel before -> kernel after):")
     for length, phase, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         lines.append(f"  {length / 1e3:7.3f}  {phase:15s} {str(before)[:60]} -> {after[:60]}")
+    origins: dict[str, int] = {}
+    for s in spans:
+        if not s.on_device and s.name in SYNC_CALLS:
+            key = f"{s.name} in {phase_at(s.start)} from {sync_origin(s, spans)}"
+            origins[key] = origins.get(key, 0) + 1
+    if origins:
+        lines.append("host synchronisations per step by origin (the innermost host op around each and the "
+                     "innermost Python frame outside torch):")
+        lines += [f"  x{count / steps:g} {key}" for key, count in sorted(origins.items(), key=lambda x: -x[1])]
     return "\n".join(lines) + "\n"
+
+
+def sync_origin(sync_span: Span, spans: list[Span]) -> str:
+    """What issued a host synchronisation: the innermost host op around it (not a phase) and the innermost Python
+    frame around it outside torch (the profiler's with_stack frames, spans named "file(line): function", or an op's
+    own stack), its path cut to the package; "python" when nothing encloses it."""
+    around = sorted((s for s in spans if not s.on_device and s is not sync_span and s.name not in PHASES
+                     and s.name not in SYNC_CALLS and s.start <= sync_span.start and sync_span.end <= s.end),
+                    key=lambda s: s.end - s.start)
+    ops = [s for s in around if not _is_frame(s.name)]
+    op = ops[0] if ops else None
+    frames = list(op.stack) if op is not None and op.stack else [s.name for s in around if _is_frame(s.name)]
+    outside = [f for f in frames if not f.startswith("<built-in") and not _in_torch(f) and "profiling.py" not in f]
+    parts = [op.name if op is not None else "", _short(outside[0]) if outside else ""]
+    return " at ".join(p for p in parts if p) or "python"
+
+
+def _is_frame(name: str) -> bool:
+    """A with_stack Python frame ("file(line): function" or a built-in) rather than an op."""
+    return name.startswith("<built-in") or re.match(r".+\(\d+\): ", name) is not None
+
+
+def _in_torch(frame: str) -> bool:
+    path = frame.split("(", 1)[0]
+    return path.startswith("torch/") or "/torch/" in path
+
+
+def _short(frame: str) -> str:
+    """A frame's path from its package on (deepspeed/..., train/...)."""
+    for package in ("deepspeed/", "train/", "diffusers/", "peft/", "model_parallel/"):
+        if "/" + package in frame:
+            return package + frame.split("/" + package, 1)[1]
+    return frame
 
 
 def profiler_spans(prof) -> list[Span]:
     """Kernels, copies and host events of a finished torch.profiler run."""
-    return [Span(e.name, e.time_range.start, e.time_range.end, is_kernel(e)) for e in prof.events()]
+    return [Span(e.name, e.time_range.start, e.time_range.end, is_kernel(e), tuple(getattr(e, "stack", None) or ()))
+            for e in prof.events()]
 
 
 def is_kernel(event) -> bool:
@@ -93,7 +138,7 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:  # stacks: where each synchronisation comes from
         for i in range(first, first + 3):
             step(i)
         sync(device)
