@@ -24,7 +24,8 @@ def test_the_calls_count_the_allowed_pairs_of_the_mask(references):
     assert sum(attention_kernels.pairs(c) for c in calls) == int(allowed.sum())
 
 
-def test_the_probe_times_the_ops_kernel_and_reports_what_cannot_run():
+def test_the_probe_times_the_ops_kernel_and_reports_what_cannot_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's report, on any machine
     args = attention_kernels.parse_args(["--references", "2", "--target", "4x4", "--prompt_tokens", "5",
                                          "--heads", "2", "--head_dim", "16", "--steps", "1"])
     record = attention_kernels.run(args)

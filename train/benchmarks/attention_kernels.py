@@ -2,9 +2,11 @@
 shapes (the command `python -m train.bench --attention_kernel_probe`):
 
     sdpa   what the segmented op runs now: the fused kernel torch's SDPA picks (cuDNN on Hopper; the flash kernel
-           on the CPU), through train/model/kept_attention.py's fused_forward / fused_backward
-    fa4    FlashAttention-4 (`flash-attn-4` on PyPI, CuTe DSL kernels; Hopper and newer) through
-           train/model/flash4.py, as the op runs it with kept_attention.use_kernel("fa4")
+           on the CPU)
+    fa4    FlashAttention-4 (`flash-attn-4` on PyPI, CuTe DSL kernels; Hopper and newer, train/model/flash4.py)
+
+each chosen by train/model/kept_attention.py's use_kernel and run through its fused_forward / fused_backward, as
+the op runs them.
 
 One layer's calls (train/model/qwen_image21/attention.py `kernel_calls`, through the family's bench record) for a
 slot layout laid out as the pipeline lays it out (train/benchmarks/attention21.py `layout`), q, k and v with the
@@ -53,8 +55,7 @@ def layer_calls(references: int, target_hw: tuple[int, int], prompt_tokens: int)
     image_ids, target_mask = T.QwenImage21Transformer2DModel.build_token_metadata(mask, shapes)
     prefix_len = int((~target_mask).sum())
     segments = T._qwenimage21_prefix_segments(image_ids, prefix_len)
-    bounds = [x for start, end, is_text in segments for x in (start, end, int(is_text))]
-    return family.family_named("qwen_image21").bench.kernel_calls(bounds, len(mask)), len(mask)
+    return family.family_named("qwen_image21").bench.kernel_calls(segments, len(mask)), len(mask)
 
 
 def pairs(call: tuple) -> int:
@@ -75,33 +76,14 @@ def _inputs(call: tuple, heads: int, head_dim: int, device, dtype, seed: int) ->
     return make(q1 - q0), make(k1 - k0), make(k1 - k0), make(q1 - q0)
 
 
-class _Kernel:
-    """One kernel's forward and backward of a call: the op's SDPA kernel (kept_attention's fused_forward and
-    fused_backward) or FlashAttention-4's (train/model/flash4.py, what the op runs with use_kernel("fa4"))."""
+def _errors(call: tuple, heads: int, head_dim: int, device, dtype) -> dict:
+    """Largest absolute errors of one call of the chosen kernel against float32 math on the same (rounded) inputs."""
+    from train.model.kept_attention import fused_backward, fused_forward
 
-    def __init__(self, name: str, device: torch.device):
-        from train.model import flash4, kept_attention
-
-        kept_attention.detect_cuda()
-        if name == "fa4":
-            flash4.check(device)
-            self.fwd, self.bwd = flash4.forward, flash4.backward
-        else:
-            self.fwd, self.bwd = kept_attention.fused_forward, kept_attention.fused_backward
-
-    def forward(self, q, k, v, causal):
-        return self.fwd(q, k, v, None, causal)
-
-    def backward(self, dout, q, k, v, out, lse, causal):
-        return self.bwd(dout, q, k, v, out, lse, None, causal)
-
-
-def _errors(impl, call: tuple, heads: int, head_dim: int, device, dtype) -> dict:
-    """Largest absolute errors of one call against float32 math on the same (rounded) inputs."""
     q, k, v, dout = _inputs(call, heads, head_dim, device, dtype, seed=7)
     causal = call[4]
-    out, lse = impl.forward(q, k, v, causal)
-    dq, dk, dv = impl.backward(dout, q, k, v, out, lse, causal)
+    out, lse = fused_forward(q, k, v, None, causal)
+    dq, dk, dv = fused_backward(dout, q, k, v, out, lse, None, causal)
     ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
     scores = ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(head_dim)
     if causal:
@@ -116,16 +98,18 @@ def _errors(impl, call: tuple, heads: int, head_dim: int, device, dtype) -> dict
     }
 
 
-def time_kernel(impl, calls: list, args: argparse.Namespace, device, dtype) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of one layer's calls: the mean of args.steps rounds."""
+def time_kernel(calls: list, args: argparse.Namespace, device, dtype) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of one layer's calls on the chosen kernel: the mean of args.steps rounds."""
+    from train.model.kept_attention import fused_backward, fused_forward
+
     inputs = [_inputs(call, args.heads, args.head_dim, device, dtype, seed=i) for i, call in enumerate(calls)]
     fwd = bwd = 0.0
     for step in range(args.steps + 2):
         t0 = _now(device)
-        saved = [impl.forward(q, k, v, call[4]) for (q, k, v, _), call in zip(inputs, calls, strict=True)]
+        saved = [fused_forward(q, k, v, None, call[4]) for (q, k, v, _), call in zip(inputs, calls, strict=True)]
         t1 = _now(device)
         for (q, k, v, dout), call, (out, lse) in zip(inputs, calls, saved, strict=True):
-            impl.backward(dout, q, k, v, out, lse, call[4])
+            fused_backward(dout, q, k, v, out, lse, None, call[4])
         t2 = _now(device)
         if step >= 2:
             fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
@@ -139,6 +123,8 @@ def _now(device: torch.device) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from train.model import kept_attention
+
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = [k for k in args.kernels.split(",") if k]
@@ -150,19 +136,24 @@ def run(args: argparse.Namespace) -> dict:
     flops = 4 * sum(pairs(c) for c in calls) * args.heads * args.head_dim
     largest = max(calls, key=pairs)
     results, unavailable = {}, {}
+    kept_attention.detect_cuda()
     for kernel in kernels:
         try:
-            impl = _Kernel(kernel, device)
+            kept_attention.use_kernel(kernel, device)  # what the op then runs, as train.bench --attention_kernel
         except RuntimeError as e:
             unavailable[kernel] = str(e)
             continue
-        fwd, bwd = time_kernel(impl, calls, args, device, dtype)
+        try:
+            fwd, bwd = time_kernel(calls, args, device, dtype)
+            errors = _errors(largest, args.heads, args.head_dim, device, dtype)
+        finally:
+            kept_attention.use_kernel("sdpa", device)
         results[kernel] = {
             "forward_s": fwd,
             "backward_s": bwd,
             "forward_tflops": flops / fwd / 1e12,
             "backward_tflops": 2.5 * flops / bwd / 1e12,
-            "max_abs_error": _errors(impl, largest, args.heads, args.head_dim, device, dtype),
+            "max_abs_error": errors,
         }
     return {
         "probe": "attention_kernels",

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-PACKAGE = "flash-attn-4==4.0.0b36"  # the version these calls are written against (its forward/backward functions)
-
 
 def check(device: torch.device) -> None:
     """Raise a RuntimeError naming the fix when the kernels cannot run on `device`."""
@@ -25,7 +23,8 @@ def check(device: torch.device) -> None:
     try:
         from flash_attn.cute import interface  # noqa: F401
     except ImportError as e:
-        raise RuntimeError(f"FlashAttention-4 is not installed ({e}): pip install {PACKAGE}") from None
+        raise RuntimeError(f"FlashAttention-4 is not installed ({e}): pip install -e '.[fa4]' (setup.cfg's pin, the "
+                           "version these calls are written against)") from None
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool):

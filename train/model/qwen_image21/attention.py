@@ -104,8 +104,12 @@ def set_attention(transformer, choice: str, compiled_on_cuda: bool) -> str:
 def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
     """The block-causal attention of (B, H, S, D) tensors whose rows share their keys (no padding); the output has
     q's strides."""
-    bounds = [x for start, end, is_text in segments for x in (start, end, int(is_text))]
-    return torch.ops.qwen_edit.block_causal_attention(q, k, v, bounds)[0]
+    return torch.ops.qwen_edit.block_causal_attention(q, k, v, flat_bounds(segments))[0]
+
+
+def flat_bounds(segments: Segments) -> list[int]:
+    """The prefix runs as the op takes them: flat (start, end, is_text) triples."""
+    return [x for start, end, is_text in segments for x in (start, end, int(is_text))]
 
 
 def kernel_calls(bounds: list[int], length: int) -> list[tuple[int, int, int, int, bool]]:
