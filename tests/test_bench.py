@@ -257,17 +257,19 @@ def test_idle_report_attributes_gaps_to_the_issuing_phase():
                           "  bench/forward: 0.01 ms/step"]
     assert lines[4] == ("host synchronisations per step: cudaStreamSynchronize in bench/forward x1, "
                         "cudaStreamSynchronize in bench/step x1")
-    assert "k4 -> k5" in lines[6] and "k3 -> k4" in lines[7]
+    assert "k4 -> k5" in lines[6] and "k3 -> k4" in lines[7] and len(lines) == 8
     # each synchronisation by the innermost op around it and the innermost Python frame outside torch
-    assert lines[8].startswith("host synchronisations per step by origin") and len(lines) == 11
-    assert sorted(lines[9:]) == [
+    lines = profiling.sync_origins_report(spans, steps=1).splitlines()
+    assert lines[0].startswith("host synchronisations per step by origin") and len(lines) == 3
+    assert sorted(lines[1:]) == [
         "  x1 cudaStreamSynchronize in bench/forward from python",
         "  x1 cudaStreamSynchronize in bench/step from aten::_local_scalar_dense at "
         "deepspeed/runtime/utils.py(233): is_invalid_grad_norm"]
     # an op's own stack, where the profiler attaches one, and an explicit synchronisation (no op around it)
     spans[-1] = s("aten::_local_scalar_dense", 207, 283, False, ("/v/torch/_tensor.py(10): item",
                                                                  "/r/train/benchmarks/step.py(70): step"))
-    assert "from aten::_local_scalar_dense at train/benchmarks/step.py(70): step" in profiling.idle_report(spans, 1)
+    assert "from aten::_local_scalar_dense at train/benchmarks/step.py(70): step" in \
+        profiling.sync_origins_report(spans, 1)
     assert profiling.sync_origin(s("cudaDeviceSynchronize", 2, 3, False),
                                  [s("/v/deepspeed/utils/timer.py(237): start", 0, 10, False),
                                   s("torch/cuda/__init__.py(9): synchronize", 1, 5, False)]) == \

@@ -143,13 +143,15 @@ def test_a_taken_port_in_the_benchmarks_is_one_line_too():
 def test_a_probe_that_cannot_run_here_says_why():
     """A SystemExit with a message (a probe that needs a GPU, a kernel this machine lacks) reaches the user through
     engine.exit_with: the message on stderr, exit 1, no traceback."""
+    import os
     import subprocess
     import sys
 
     from conftest import REPO
 
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU's refusal, on any machine
     proc = subprocess.run([sys.executable, "-m", "train.bench", "--tiny", "--attention_kernel", "fa4"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "--attention_kernel fa4: FlashAttention-4 needs a CUDA GPU of compute capability 9.0 or newer")

@@ -68,16 +68,22 @@ def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
     lines.append(f"largest {top} gaps (ms, phase, kernel before -> kernel after):")
     for length, phase, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         lines.append(f"  {length / 1e3:7.3f}  {phase:15s} {str(before)[:60]} -> {after[:60]}")
+    return "\n".join(lines) + "\n"
+
+
+def sync_origins_report(spans: list[Span], steps: int) -> str:
+    """Each host synchronisation by phase and origin (sync_origin), from a profile taken with Python stacks."""
+    phases = [s for s in spans if not s.on_device and s.name in PHASES]
     origins: dict[str, int] = {}
     for s in spans:
         if not s.on_device and s.name in SYNC_CALLS:
-            key = f"{s.name} in {phase_at(s.start)} from {sync_origin(s, spans)}"
+            inside = [p.name for p in phases if p.start <= s.start <= p.end]
+            key = f"{s.name} in {inside[-1] if inside else 'between phases'} from {sync_origin(s, spans)}"
             origins[key] = origins.get(key, 0) + 1
-    if origins:
-        lines.append("host synchronisations per step by origin (the innermost host op around each and the "
-                     "innermost Python frame outside torch):")
-        lines += [f"  x{count / steps:g} {key}" for key, count in sorted(origins.items(), key=lambda x: -x[1])]
-    return "\n".join(lines) + "\n"
+    lines = ["host synchronisations per step by origin (the innermost host op around each and the innermost Python "
+             "frame outside torch):"]
+    lines += [f"  x{count / steps:g} {key}" for key, count in sorted(origins.items(), key=lambda x: -x[1])]
+    return "\n".join(lines if origins else lines[:1] + ["  none"]) + "\n"
 
 
 def sync_origin(sync_span: Span, spans: list[Span]) -> str:
@@ -131,18 +137,24 @@ def is_kernel(event) -> bool:
 
 def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch.device, path: str) -> None:
     """torch.profiler over 3 more steps; writes the op table (by device time), the device-busy share and, on a
-    GPU, the idle report (where the device waits for the host) and the kernels by category (train/benchmarks/
-    kernels.py: which part of the floor each belongs to, or what it is beyond it)."""
+    GPU, the idle report (where the device waits for the host), the host synchronisations by origin (from a fourth
+    step profiled with Python stacks, which slow the host, so that the figures above stay comparable) and the
+    kernels by category (train/benchmarks/kernels.py: which part of the floor each belongs to, or what it is beyond
+    it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     start = time.perf_counter()
-    with profile(activities=activities, with_stack=True) as prof:  # stacks: where each synchronisation comes from
+    with profile(activities=activities) as prof:
         for i in range(first, first + 3):
             step(i)
         sync(device)
     wall = time.perf_counter() - start
+    if device.type == "cuda":  # one more step with Python stacks (slower host, so apart from the figures above)
+        with profile(activities=activities, with_stack=True) as stacked:
+            step(first + 3)
+            sync(device)
     events = prof.key_averages()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     # Kernels (and copies) only: an op's row repeats the device time of the kernels it launched.
@@ -155,5 +167,6 @@ def profile_steps(step: Callable[[int], torch.Tensor], first: int, device: torch
         )
         if device.type == "cuda":
             f.write(idle_report(profiler_spans(prof), steps=3) + "\n")
+            f.write(sync_origins_report(profiler_spans(stacked), steps=1) + "\n")
             f.write(kernels.report(kernels.profiled_kernels(prof), steps=3) + "\n")
         f.write(events.table(sort_by=sort, row_limit=60, max_name_column_width=90))
