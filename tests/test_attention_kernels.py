@@ -39,6 +39,18 @@ def test_the_probe_times_the_ops_kernel_and_reports_what_cannot_run(monkeypatch)
         attention_kernels.run(attention_kernels.parse_args(["--kernels", "xformers"]))
 
 
+def test_the_dense_probe_times_one_unmasked_call_over_the_whole_sequence(monkeypatch):
+    """--dense: the MMDiT's attention, one non-causal call over every token, its FLOPs over all query-key pairs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = attention_kernels.parse_args(["--dense", "24", "--heads", "3", "--head_dim", "8", "--steps", "1",
+                                         "--kernels", "sdpa"])
+    record = attention_kernels.run(args)
+    assert record["calls"] == [[0, 24, 0, 24, False]] and record["tokens"] == 24
+    assert record["forward_flops"] == 4 * 24 * 24 * 3 * 8
+    assert max(record["kernels"]["sdpa"]["max_abs_error"].values()) < 1e-4
+    assert "one dense call" in attention_kernels.format_report(record)
+
+
 def _fake_flash_attn_4(monkeypatch) -> None:
     """flash_attn.cute.interface with the contract of FlashAttention-4's two functions, in float32 math: q, k, v, out
     and gradients (B, S, H, D); the log-sum-exp (B, H, S), natural log; the backward's softmax from the log-sum-exp

@@ -15,8 +15,10 @@ strides the op gives the kernels. Each kernel's forward of every call and backwa
 in FLOPs over the allowed query-key pairs only (4 per pair and head dimension forward, 2.5x that backward). Its
 agreement is checked on the layer's largest call against a float32 computation: the output's and the gradients'
 largest error, and the log-sum-exp's (natural log, as the op merges calls by it).
-A kernel that cannot run here (fa4 without a Hopper GPU or without the package) is reported as not available, with
-why. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
+`--dense TOKENS` times one non-causal call over TOKENS tokens instead: the joint attention of the Qwen-Image MMDiT
+(2509, 2511, v1; one call per block, no mask), e.g. `--dense 8448 --heads 24` for a 1 MP target, one 1 MP reference
+and 256 text tokens. A kernel that cannot run here (fa4 without a Hopper GPU or without the package) is reported as
+not available, with why. A module of the probe protocol of train/bench.py (parse_args, run, format_report).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target", default="64x64", help="latent grid HxW of the target and of each reference (1 MP)")
     p.add_argument("--prompt_tokens", type=int, default=246,
                    help="prompt tokens after the slots (default 246: with the 10 before them, 256 text tokens)")
+    p.add_argument("--dense", type=int, default=0,
+                   help="instead of 2.1's calls, one non-causal call over this many tokens (the MMDiT's attention)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
@@ -131,8 +135,10 @@ def run(args: argparse.Namespace) -> dict:
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
         raise SystemExit(f"--kernels: {unknown} are not among {', '.join(KERNELS)}")
-    target_hw = tuple(int(x) for x in args.target.split("x"))
-    calls, length = layer_calls(args.references, target_hw, args.prompt_tokens)
+    if args.dense > 0:
+        calls, length = [(0, args.dense, 0, args.dense, False)], args.dense
+    else:
+        calls, length = layer_calls(args.references, tuple(int(x) for x in args.target.split("x")), args.prompt_tokens)
     flops = 4 * sum(pairs(c) for c in calls) * args.heads * args.head_dim
     largest = max(calls, key=pairs)
     results, unavailable = {}, {}
@@ -159,8 +165,8 @@ def run(args: argparse.Namespace) -> dict:
         "probe": "attention_kernels",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "references": args.references,
-        "target": args.target,
+        "references": None if args.dense else args.references,
+        "target": None if args.dense else args.target,
         "tokens": length,
         "heads": args.heads,
         "head_dim": args.head_dim,
@@ -172,9 +178,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_report(record: dict) -> str:
+    what = ("one dense call (the MMDiT's attention)" if record["references"] is None else
+            f"Qwen-Image-2.1's segmented attention, {record['references']} reference(s) of {record['target']} latents")
     lines = [
-        f"attention kernels: Qwen-Image-2.1's segmented attention, {record['references']} reference(s) of "
-        f"{record['target']} latents, {record['tokens']} tokens, {record['heads']} heads of {record['head_dim']}, "
+        f"attention kernels: {what}, {record['tokens']} tokens, {record['heads']} heads of {record['head_dim']}, "
         f"{record['dtype']} on {record['device']}; one layer's {len(record['calls'])} calls, "
         f"{record['forward_flops'] / 1e12:.3f} TFLOP forward:"
     ]
