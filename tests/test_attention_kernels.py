@@ -4,6 +4,8 @@ cannot run is reported, not raised."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from diffusers.models.transformers import transformer_qwenimage21 as T
@@ -110,6 +112,41 @@ def test_the_segmented_op_on_flash_attention_4_equals_it_on_sdpa(monkeypatch):
     monkeypatch.setattr(kept_attention, "_external", flash4)
     for ours, theirs in zip(run(), on_sdpa, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mmdit_blocks_run_their_attention_on_the_chosen_kernel(monkeypatch):
+    """train.bench --attention_kernel fa4 on the Qwen-Image MMDiT: every block's attention goes through the op to
+    flash4.py (the stand-in counts the calls), with the loss and gradients of diffusers' own attention."""
+    from conftest import transformer_inputs
+
+    from train.benchmarks.step import route_attention
+    from train.config import LoraConfig
+    from train.model import family, flash4, kept_attention, prepare
+    from train.model.qwen_image.tiny import build_transformer
+
+    _fake_flash_attn_4(monkeypatch)
+    interface = sys.modules["flash_attn.cute.interface"]
+    calls, forward = [], interface._flash_attn_fwd
+    monkeypatch.setattr(interface, "_flash_attn_fwd", lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k))
+    lora = LoraConfig(rank=4, alpha=4.0, target_modules=["attn.to_q", "attn.add_k_proj"])
+
+    def loss_and_grads(routed: bool):
+        torch.manual_seed(0)
+        model = build_transformer(num_layers=3)
+        prepare.prepare_for_training(model, "lora", lora, False, False)
+        if routed:
+            assert route_attention(model, family.family_named("qwen_image")) == 3
+        loss = model.train()(**transformer_inputs(model, generator=torch.Generator().manual_seed(1)))[0].square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad]
+
+    plain = loss_and_grads(routed=False)
+    assert not calls
+    monkeypatch.setattr(kept_attention, "_external", flash4)
+    for ours, theirs in zip(loss_and_grads(routed=True), plain, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3  # one call per block
+    assert route_attention(build_transformer(num_layers=1), family.family_named("qwen_image21")) == 0
 
 
 def test_choosing_the_kernel(monkeypatch):

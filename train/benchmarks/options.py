@@ -117,8 +117,9 @@ def _add_variant_arguments(p: argparse.ArgumentParser) -> None:
         "--attention_kernel",
         choices=("sdpa", "fa4"),
         default="sdpa",
-        help="the fused kernel of the segmented op's calls and of kept attention (train/model/kept_attention.py "
-        "use_kernel): sdpa, the one torch's SDPA picks; fa4, FlashAttention-4 (train/model/flash4.py)",
+        help="the fused kernel of the attention (train/model/kept_attention.py use_kernel): sdpa, the one torch's "
+        "SDPA picks; fa4, FlashAttention-4 (train/model/flash4.py), for 2.1's segmented op and every MMDiT block "
+        "(routed through kept attention's op)",
     )
     p.add_argument(
         "--text_mask", action="store_true", help="pass an all-ones text mask (the pipelines pass none at micro-batch 1)"

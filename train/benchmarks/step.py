@@ -180,8 +180,21 @@ def build_measured_model(
     model_info["trainable_params"] = trainable_count(model)
     model_info["attention"] = type(model.transformer_blocks[0].attn.processor).__name__
     if args.attention_kernel != "sdpa":
+        route_attention(model, w.family)
         model_info["attention"] += f" ({args.attention_kernel})"
     return model, model_info, flops_per_gpu
+
+
+def route_attention(model: torch.nn.Module, fam: ModelFamily) -> int:
+    """Every block's attention as kept_attention's op, so on the kernel --attention_kernel chose, for a family whose
+    attention the op can take (its record's `attention_module`: the MMDiT's unmasked joint attention; 2.1's
+    segmented op calls the kernel itself). Blocks stay as compiled; a call the op cannot take (a text mask) goes to
+    diffusers. Returns how many blocks were routed."""
+    if fam.attention_module is None:
+        return 0
+    for block in model.transformer_blocks:
+        kept_attention.keep(block, fam.attention_module)
+    return len(model.transformer_blocks)
 
 
 def model_flops(model: torch.nn.Module, w: Workload, mode: str) -> float:
