@@ -155,7 +155,7 @@ def test_workload_and_option_checks():
     args = options.parse_args([])
     assert (args.area, args.text_tokens, args.lora_rank, args.steps, args.warmup) == (1024 * 1024, 256, 64, 20, 5)
     for bad in (["--mode", "full", "--baseline"], ["--tiny", "--num_layers", "4"], ["--steps", "0"],
-                ["--compile_mode", "reduce-overhead"]):
+                ["--compile_mode", "reduce-overhead"], ["--baseline", "--attention_kernel", "fa4"]):
         with pytest.raises(SystemExit):
             options.parse_args(bad)
 

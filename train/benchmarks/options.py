@@ -238,6 +238,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         )
     if args.baseline and args.mode != "lora":
         parser.error("--baseline is the plain PyTorch LoRA loop; use it with --mode lora")
+    if args.baseline and args.attention_kernel != "sdpa":
+        parser.error("--baseline runs SDPA as the plain loop would; drop --attention_kernel or --baseline")
     if args.fp8_impl != "ours" and not args.fp8_base:
         parser.error("--fp8_impl applies with --fp8_base")
     if (args.fp8_transposed or args.fp8_fast_accum) and args.fp8_impl != "ours":

@@ -30,16 +30,22 @@ class Span:
     stack: tuple[str, ...] = ()  # a host op's own Python frames, innermost first, where the profiler gives them
 
 
-def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
-    """Where the device waits for the host: gaps between kernels, attributed to the step phase (PHASES) the host
-    was in when the next kernel was issued, and the host synchronisations in each phase."""
-    device_spans = sorted((s for s in spans if s.on_device), key=lambda s: s.start)
+def phase_finder(spans: list[Span]) -> Callable[[float], str]:
+    """A function of a host time: the innermost step phase (PHASES) open at it, or "between phases"."""
     phases = sorted((s for s in spans if not s.on_device and s.name in PHASES), key=lambda s: s.start)
 
     def phase_at(t: float) -> str:
         inside = [p.name for p in phases if p.start <= t <= p.end]
         return inside[-1] if inside else "between phases"
 
+    return phase_at
+
+
+def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
+    """Where the device waits for the host: gaps between kernels, attributed to the step phase (PHASES) the host
+    was in when the next kernel was issued, and the host synchronisations in each phase."""
+    device_spans = sorted((s for s in spans if s.on_device), key=lambda s: s.start)
+    phase_at = phase_finder(spans)
     gaps, busy_until, previous = [], None, None  # (length, phase, kernel before, kernel after)
     for k in device_spans:
         if busy_until is not None and k.start > busy_until:
@@ -73,12 +79,11 @@ def idle_report(spans: list[Span], steps: int, top: int = 12) -> str:
 
 def sync_origins_report(spans: list[Span], steps: int) -> str:
     """Each host synchronisation by phase and origin (sync_origin), from a profile taken with Python stacks."""
-    phases = [s for s in spans if not s.on_device and s.name in PHASES]
+    phase_at = phase_finder(spans)
     origins: dict[str, int] = {}
     for s in spans:
         if not s.on_device and s.name in SYNC_CALLS:
-            inside = [p.name for p in phases if p.start <= s.start <= p.end]
-            key = f"{s.name} in {inside[-1] if inside else 'between phases'} from {sync_origin(s, spans)}"
+            key = f"{s.name} in {phase_at(s.start)} from {sync_origin(s, spans)}"
             origins[key] = origins.get(key, 0) + 1
     lines = ["host synchronisations per step by origin (the innermost host op around each and the innermost Python "
              "frame outside torch):"]

@@ -18,6 +18,8 @@ attention_processor = attention.SegmentedSDPAProcessor
 def kernel_calls(segments, length: int) -> list[tuple[int, int, int, int, bool]]:
     """The segmented op's fused-kernel calls over `length` tokens whose prefix runs are diffusers' `segments`."""
     return attention.kernel_calls(attention.flat_bounds(segments), length)
+
+
 # A benchmark workload's micro-batch: its text tokens are the joint sequence's text positions, the image slots of
 # the references come on top of them in the prompt embeddings.
 synthetic_batch = functools.partial(batches.synthetic_batch, text_positions=True)
