@@ -134,3 +134,25 @@ def test_prepared_blocks_run_the_pass_under_inductor(monkeypatch):
 def test_compile_options_keep_the_mode_s_settings():
     assert lora_fusion.compile_options(None) == {"pre_grad_custom_pass": lora_fusion.PASS}
     assert lora_fusion.compile_options("max-autotune-no-cudagraphs")["max_autotune"] is True
+
+
+def test_the_compiling_call_saves_what_later_calls_save():
+    """The pass runs inside the first call. A checkpointed block counts the tensors its forward saves and checks the
+    recomputation saves as many, so compiling must save nothing of its own (caches off: really compiled here)."""
+    model = peft.get_peft_model(Projections(), peft.LoraConfig(r=2, target_modules=["q", "k", "v"]))
+    compiled = torch.compile(model, options=lora_fusion.compile_options(None))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    counts = []
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for call in range(2):
+            counts.append(0)
+
+            def pack(t, call=call):
+                counts[call] += 1
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                compiled(x)
+        y = torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False)
+        y.square().sum().backward()
+    assert counts[0] == counts[1] > 0 and x.grad.abs().sum() > 0

@@ -67,9 +67,13 @@ def fuse_group(graph: torch.fx.Graph, calls: list[torch.fx.Node]) -> bool:
         fused = graph.call_function(torch._C._nn.linear, (first.args[0], stacked))
         parts = graph.call_function(torch.split, (fused, rows, -1))
         outputs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(calls))]
-    stacked.meta["example_value"] = torch.cat(examples, 0)
-    fused.meta.update(first.meta)
-    fused.meta["example_value"] = torch.nn.functional.linear(_example(first.args[0]), stacked.meta["example_value"])
+    # Without autograd: the pass runs inside the block's first call, where a checkpoint's saved-tensor hooks would
+    # count whatever these fake products saved, and the recomputation would then save fewer.
+    with torch.no_grad():
+        stacked.meta["example_value"] = torch.cat(examples, 0)
+        fused.meta.update(first.meta)
+        fused.meta["example_value"] = torch.nn.functional.linear(_example(first.args[0]),
+                                                                 stacked.meta["example_value"])
     for call, output in zip(calls, outputs, strict=True):
         output.meta.update(call.meta)
         call.replace_all_uses_with(output)
