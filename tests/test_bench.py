@@ -122,23 +122,17 @@ def test_tiny_flops_follow_the_module():
 
 
 def test_compile_mode_reaches_every_block(monkeypatch):
-    """--compile_mode is torch.compile's mode for each block (reduce-overhead: CUDA graphs); none: torch's default.
-    LoRA blocks take it as the mode's inductor settings beside the down-projection pass (train/model/lora_fusion.py)."""
-    from train.model import lora_fusion
+    """--compile_mode is torch.compile's mode for each block (reduce-overhead: CUDA graphs); none: torch's default."""
     from train.model.qwen_image.tiny import build_transformer
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
     lora = build.lora_config(4, "attn")
     build.prepare_training(build_transformer(), "lora", lora, "none", True, compile_mode="reduce-overhead")
-    cuda_graphs = {"triton.cudagraphs": True, "pre_grad_custom_pass": lora_fusion.PASS}
-    assert seen == [{"options": cuda_graphs}] * 2  # the tiny model's 2 blocks
+    assert seen == [{"mode": "reduce-overhead"}] * 2  # the tiny model's 2 blocks
     seen.clear()
     build.prepare_training(build_transformer(), "lora", lora, "none", True)
-    assert seen == [{"options": {"pre_grad_custom_pass": lora_fusion.PASS}}] * 2
-    seen.clear()
-    build.prepare_training(build_transformer(), "full", lora, "none", True, compile_mode="reduce-overhead")
-    assert seen == [{"mode": "reduce-overhead"}] * 2
+    assert seen == [{}] * 2
     assert options.parse_args(["--compile", "--compile_mode", "reduce-overhead"]).compile_mode == "reduce-overhead"
 
 

@@ -11,7 +11,7 @@ import torch
 
 from train.config import LoraConfig
 from train.config.files import transformer_class
-from train.model import family, fp8, kept_attention, lora_fusion, streaming
+from train.model import family, fp8, kept_attention, streaming
 from train.model.loading import streamed_transformer
 
 
@@ -81,12 +81,9 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     if fam.set_attention is not None:  # CUDA is where the plan, DeepSpeed or the model-parallel split place it
         fam.set_attention(transformer, attention, compile_blocks and torch.cuda.is_available())
     if compile_blocks:
-        # LoRA blocks compile with one down-projection per shared input (train/model/lora_fusion.py)
-        options = {"options": lora_fusion.compile_options(compile_mode)} if mode == "lora" else (
-            {"mode": compile_mode} if compile_mode else {})
         for block in blocks:
             # in place, so the DeepSpeed engine wraps the same modules; the blocks share one graph
-            block.compile(**options)
+            block.compile(**({"mode": compile_mode} if compile_mode else {}))
     return offloader
 
 
