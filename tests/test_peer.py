@@ -102,9 +102,11 @@ def test_peer_quantised_base_and_refused_variants():
     setup = peer.build(peer.Variant("torchao_fp8_w8a16", "eager"), **kwargs)
     weights = [type(m.weight).__name__ for n, m in setup.model.named_modules() if type(m).__name__ == "TorchaoLinear"]
     assert len(weights) == 2 * 14 + 6 and set(weights) == {"Float8Tensor"}  # blocks; in, out, time, norm_out
-    for bad in ("bf16", "bf16:fast", ":eager", ""):
+    for bad in ("bf16", "bf16:fast", ":eager", "", "bf16:compile:fast", "bf16:compile:torch:more"):
         with pytest.raises(ValueError, match="peer_variants"):
             peer.parse_variants(bad)
+    torch_sdpa = peer.parse_variants("bf16:compile:torch")[0]
+    assert torch_sdpa == peer.Variant("bf16", "compile", "torch") and torch_sdpa.name == "bf16:compile:torch"
 
 
 def test_bench_options_for_peer_and_fp8_impls():
@@ -113,6 +115,7 @@ def test_bench_options_for_peer_and_fp8_impls():
     assert peer.parse_variants(args.peer_variants) == [peer.Variant(*v.split(":")) for v in peer.DEFAULT_VARIANTS]
     for bad in (["--peer", "diffsynth", "--micro_batch", "2"], ["--peer", "diffsynth", "--mode", "full"],
                 ["--peer", "diffsynth", "--peer_variants", "bf16"], ["--fp8_impl", "torchao_training"],
+                ["--peer", "diffsynth", "--peer_variants", "bf16:compile:torch"],  # the MMDiT's peer: no choice
                 ["--fp8_base", "--fp8_transposed", "--fp8_impl", "torchao_inference"]):
         with pytest.raises(SystemExit):
             options.parse_args(bad)

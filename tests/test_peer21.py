@@ -106,3 +106,33 @@ def test_peer21_builds_the_released_architecture():
     dit = peer21.build_dit(dict(ours.config), "meta", torch.bfloat16)
     shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
     assert shapes(dit) == shapes(ours) and len(dit.transformer_blocks) == 32
+
+
+def test_peer21_variant_sets_diffsynth_s_attention(monkeypatch):
+    """A variant's third field is the implementation DiffSynth's unmasked attention calls run (its module global, as
+    its import-time choice sets it); without one, DiffSynth's own choice. Here FlashAttention-4's entry is a recorder
+    in front of SDPA, so the CPU can see which calls reach it."""
+    needs_peer()
+    module = peer.load("core.attention.attention")
+    monkeypatch.setattr(module, "ATTENTION_IMPLEMENTATION", module.ATTENTION_IMPLEMENTATION)  # restored afterwards
+    calls = []
+
+    def recorded(q, k, v, *patterns, scale=None, is_causal=False, window_size=None):
+        calls.append(q.shape)
+        return module.torch_sdpa(q, k, v, *patterns, scale=scale, is_causal=is_causal)
+
+    monkeypatch.setattr(module, "flash_attention_4", recorded)
+    args = options.parse_args(["--variant", "qwen_image_21", "--tiny", "--refs", "1"])
+    w = make_workload(args.area, args.refs, args.text_tokens, 1, build.args_family(args))
+    counts = {}
+    for attention in ("flash_attention_4", "torch", ""):
+        setup = peer21.build(peer.Variant("bf16", "eager", attention), dict(build_transformer().config),
+                             w.latent_hw, w.refs, w.text_tokens, ["attn.to_q"], rank=4, device=CPU,
+                             dtype=torch.float32, seed=0)
+        assert setup.attention == (attention or module.initialize_attention_priority())
+        before = len(calls)
+        setup.step(0)
+        counts[attention] = len(calls) - before
+    assert counts["flash_attention_4"] > 0 and counts["torch"] == 0
+    assert counts[""] == (counts["flash_attention_4"] if module.initialize_attention_priority() == "flash_attention_4"
+                          else 0)

@@ -97,8 +97,9 @@ def _add_variant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peer_variants",
         default=",".join(peer.DEFAULT_VARIANTS),
-        help="comma-separated BASE:MODE, BASE bf16 or a DiffSynth quantisation method, MODE eager, "
-        f"compile or compile_dynamic (default {','.join(peer.DEFAULT_VARIANTS)})",
+        help="comma-separated BASE:MODE[:ATTENTION], BASE bf16 or a DiffSynth quantisation method, MODE eager, "
+        "compile or compile_dynamic, ATTENTION (2.1's peer) DiffSynth's attention implementation, e.g. torch or "
+        f"flash_attention_4 (default: the one it picks; variants {','.join(peer.DEFAULT_VARIANTS)})",
     )
     p.add_argument(
         "--complex_rope",
@@ -252,9 +253,12 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 "drop --mode full, --micro_batch and --checkpoint_blocks"
             )
         try:
-            peer.parse_variants(args.peer_variants)
+            variants = peer.parse_variants(args.peer_variants)
         except ValueError as e:
             parser.error(str(e))
+        if args.variant == "edit" and any(v.attention for v in variants):
+            parser.error("--peer_variants: an attention implementation (BASE:MODE:ATTENTION) is for Qwen-Image-2.1's "
+                         "peer; the MMDiT's DiffSynth DiT calls FlashAttention-3 where installed, else SDPA")
 
 
 def _check_variant(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -50,6 +50,8 @@ import torch
 PACKAGE = "_diffsynth_peer"  # the name the installed package's files are registered under (see `load`)
 TESTED_VERSION = "2.1.12"  # the version this driver was written against (setup.cfg's bench extra pins it)
 MODES = ("eager", "compile", "compile_dynamic")
+# DiffSynth's attention implementations (core/attention/attention.py), which its 2.1 DiT's unmasked calls go through
+ATTENTIONS = ("torch", "flash_attention_4", "flash_attention_3", "flash_attention_2", "sage_attention", "xformers")
 DEFAULT_VARIANTS = ("bf16:compile", "bf16:compile_dynamic", "bf16:eager", "torchao_fp8_w8a16:compile",
                     "torchao_int8_w8a16:compile")
 TRAIN_TIMESTEPS = 1000
@@ -104,25 +106,29 @@ def load(name: str) -> types.ModuleType:
 
 @dataclass(frozen=True)
 class Variant:
-    """One peer configuration: its base ("bf16" or a DiffSynth quantisation method) and how blocks run."""
+    """One peer configuration: its base ("bf16" or a DiffSynth quantisation method), how blocks run, and (2.1 only)
+    DiffSynth's attention implementation, "" for the one it picks itself from what is installed."""
 
     base: str
     mode: str
+    attention: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.base}:{self.mode}"
+        return ":".join(part for part in (self.base, self.mode, self.attention) if part)
 
 
 def parse_variants(text: str) -> list[Variant]:
-    """'bf16:compile,torchao_fp8_w8a16:eager' -> variants; ValueError naming the bad entry and the choices."""
+    """'bf16:compile,torchao_fp8_w8a16:eager,bf16:compile:torch' -> variants; ValueError naming the bad entry and
+    the choices."""
     variants = []
     for entry in (e.strip() for e in text.split(",") if e.strip()):
-        base, _, mode = entry.partition(":")
-        if mode not in MODES or not base:
-            raise ValueError(f"--peer_variants entry {entry!r}: write BASE:MODE with BASE bf16 or a DiffSynth "
-                             f"quantisation method (e.g. torchao_fp8_w8a16) and MODE one of {', '.join(MODES)}")
-        variants.append(Variant(base, mode))
+        base, mode, attention, *rest = entry.split(":") + ["", ""]
+        if mode not in MODES or not base or (attention and attention not in ATTENTIONS) or any(rest):
+            raise ValueError(f"--peer_variants entry {entry!r}: write BASE:MODE[:ATTENTION] with BASE bf16 or a "
+                             f"DiffSynth quantisation method (e.g. torchao_fp8_w8a16), MODE one of {', '.join(MODES)} "
+                             f"and ATTENTION (Qwen-Image-2.1's peer) one of {', '.join(ATTENTIONS)}")
+        variants.append(Variant(base, mode, attention))
     if not variants:
         raise ValueError("--peer_variants is empty; e.g. bf16:compile,bf16:eager")
     return variants
@@ -316,6 +322,7 @@ class Setup:
     trainable_params: int
     total_params: int
     quantized: dict = field(default_factory=dict)  # backend capabilities, empty for bf16
+    attention: str = ""  # DiffSynth's attention implementation the step ran with, where the driver sets one
 
 
 def build(variant: Variant, num_layers: int, latent_hw: tuple[int, int], refs: int, text_tokens: int,
@@ -368,7 +375,7 @@ def run_variants(variants: list[Variant], time_step: Callable[[Callable[[int], t
         try:
             setup = (builder or build)(variant, **build_kwargs)
             row.update(trainable_params=setup.trainable_params, total_params=setup.total_params,
-                       **time_step(setup.step))
+                       **({"attention": setup.attention} if setup.attention else {}), **time_step(setup.step))
         except (ImportError, ValueError, TypeError, RuntimeError, NotImplementedError, AssertionError) as e:
             # RuntimeError covers CUDA out of memory and inductor failures; the row says what happened
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"

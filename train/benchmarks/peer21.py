@@ -30,10 +30,14 @@ compilation, AdamW, the variants) is peer.py's; this module holds what differs. 
 - checkpointing: the example script passes `--use_gradient_checkpointing`; here `--checkpointing full` turns it on.
 - optimizer and compile: peer.trainer and peer.compile_blocks (its `compile_pipeline` compiles the DiT's
   `_repeated_blocks`, `QwenImage21TransformerBlock`, as it compiles the MMDiT's).
+- attention (`core/attention/attention.py`): the DiT's masked calls run torch's SDPA; its unmasked ones run the
+  implementation DiffSynth picks at import (FlashAttention-4, 3 or 2 where installed, else SDPA). A variant's third
+  field sets it (`bf16:compile:torch`), so its fastest configuration is measured whatever is installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -154,4 +158,14 @@ def build(
     def loss() -> torch.Tensor:
         return loss_fn(x.target, lambda noisy, t: forward(dit, noisy, t, x, checkpointing))
 
-    return peer.trainer(dit, variant, targets, rank, dtype, loss)
+    attention = use_attention(variant.attention)
+    return dataclasses.replace(peer.trainer(dit, variant, targets, rank, dtype, loss), attention=attention)
+
+
+def use_attention(name: str) -> str:
+    """DiffSynth's attention implementation for the DiT's calls from now on (its module global, read at each call):
+    `name`, or for "" the one DiffSynth picks itself (its import-time priority: an installed flash-attention build
+    before torch's SDPA, or DIFFSYNTH_ATTENTION_IMPLEMENTATION). Returns the implementation set."""
+    module = peer.load("core.attention.attention")
+    module.ATTENTION_IMPLEMENTATION = name or module.initialize_attention_priority()
+    return module.ATTENTION_IMPLEMENTATION

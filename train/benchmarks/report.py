@@ -252,7 +252,7 @@ def peer_report(r: dict) -> list[str]:
             lines.append(
                 f"  {row['variant']:28s} {row['s_per_step']:.4f} s/step (median "
                 f"{row['median_s_per_step']:.4f}), MFU {100 * row['mfu']:.2f}%, peak "
-                f"{row['peak_memory_gb']:.2f} GB"
+                f"{row['peak_memory_gb']:.2f} GB" + (f", attention {row['attention']}" if "attention" in row else "")
             )
     lines.append(f"  {'':28s} not measured: {r['peer_not_measured']}")
     if "peer_ratio" in r:
