@@ -677,6 +677,15 @@ def test_flex_attention_needs_a_cuda_gpu(setup):
     assert setup.load(has_gpu=True).project.train.attention == "flex"
 
 
+def test_flash_attention_4_needs_its_package_and_a_hopper_gpu(setup):
+    """train.attention_kernel "fa4" is refused before step 1 where FlashAttention-4 cannot run, naming the key, the
+    reason and the other choices; "auto" (the default) falls back to SDPA's kernel instead."""
+    assert setup.load(has_gpu=False).project.train.attention_kernel == "auto"
+    setup.set("qwen_edit.train.attention_kernel", "fa4")
+    assert setup.problem(has_gpu=False) == ('qwen_edit.train.attention_kernel: "fa4": FlashAttention-4 needs a CUDA '
+                                            'GPU of compute capability 9.0 or newer; or set it to "auto" or "sdpa"')
+
+
 def test_resolve_cpu_precision_property(setup):
     """The precision property follows the resolved CPU choice."""
     assert fp16_adam(setup).load(has_gpu=False).precision == "bfloat16"

@@ -282,3 +282,20 @@ def test_the_gemm_probe_covers_the_converted_linears():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             gemms.run(gemms.parse_args([]))
+
+
+def test_train_attention_kernel_resolves_to_what_can_run(monkeypatch):
+    """train.attention_kernel: auto takes FlashAttention-4 where its check passes (here a stand-in check), else the
+    kernel SDPA picks; fa4 where it cannot run raises the check's error; the choice is what fused calls use."""
+    from train.model import flash4
+
+    cpu = torch.device("cpu")
+    try:
+        assert kept_attention.choose_kernel("auto", cpu) == "sdpa" and kept_attention._external is None
+        with pytest.raises(RuntimeError, match="compute capability 9.0"):
+            kept_attention.choose_kernel("fa4", cpu)
+        monkeypatch.setattr(flash4, "check", lambda device: None)
+        assert kept_attention.choose_kernel("auto", cpu) == "fa4" and kept_attention._external is flash4
+        assert kept_attention.choose_kernel("sdpa", cpu) == "sdpa" and kept_attention._external is None
+    finally:
+        kept_attention.use_kernel("sdpa", cpu)

@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+import torch
+
 from train.config import files
 from train.config.schema import PROJECT_KEY, ProjectConfig
 
@@ -64,10 +66,18 @@ def check_project(cfg: ProjectConfig, problems: list[str]) -> None:
 
 
 def check_machine(cfg: ProjectConfig, has_gpu: bool, problems: list[str]) -> None:
-    """What the machine must have for the settings: train.attention "flex" trains on a CUDA GPU only."""
+    """What the machine must have for the settings: train.attention "flex" trains on a CUDA GPU only;
+    train.attention_kernel "fa4" needs FlashAttention-4 installed and a GPU that runs it."""
     if cfg.train.attention == "flex" and not has_gpu:
         problems.append(f'{PROJECT_KEY}.train.attention: "flex" needs a CUDA GPU (torch\'s flex_attention has no '
                         'backward on the CPU); set it to "auto" or "sdpa"')
+    if cfg.train.attention_kernel == "fa4":
+        from train.model import flash4
+
+        try:
+            flash4.check(torch.device("cuda", 0) if has_gpu else torch.device("cpu"))
+        except RuntimeError as e:
+            problems.append(f'{PROJECT_KEY}.train.attention_kernel: "fa4": {e}; or set it to "auto" or "sdpa"')
 
 
 def _check_paths(cfg: ProjectConfig, problems: list[str]) -> None:

@@ -180,6 +180,11 @@ class TrainConfig:
     compiled flex, docs/results/segmented21_h200_2026-12-05.md); flex = diffusers' QwenImage21FlexAttnProcessor
     (one flex_attention call per block; uncompiled it builds a dense float32 score matrix); sdpa = diffusers'
     QwenImage21AttnProcessor (one SDPA call per prompt, reference and target run, text runs with a dense mask)."""
+    attention_kernel: Literal["auto", "sdpa", "fa4"] = "auto"
+    """The fused attention kernel behind Qwen-Image-2.1's segmented processor and the kept attention of checkpointed
+    blocks: sdpa = the one torch's SDPA picks (cuDNN on Hopper); fa4 = FlashAttention-4 (`pip install -e '.[fa4]'`,
+    compute capability 9.0 or newer; faster on Hopper, docs/performance.md); auto = fa4 where it is installed and the
+    GPU can run it, else sdpa. Other attention calls stay on SDPA."""
     fp8_base: bool = False
     """LoRA only: keep the frozen block weights in float8 e4m3 (half the memory) and run their matmuls in fp8
     (GPUs with compute capability >= 8.9): a faster step; changes the frozen model slightly (train/model/fp8.py),

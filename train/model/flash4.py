@@ -1,7 +1,7 @@
 """FlashAttention-4's kernels (`flash-attn-4` on PyPI: CuTe DSL kernels for compute capability 9.0 and newer) as the
 fused kernel behind train/model/kept_attention.py's fused_forward and fused_backward, in place of the one torch's
-SDPA picks (cuDNN on Hopper), for a measurement of the two (docs/levers.md, 41): `python -m train.bench --variant
-qwen_image_21 --attention segmented --attention_kernel fa4` and `python -m train.bench --attention_kernel_probe`.
+SDPA picks (cuDNN on Hopper), where train.attention_kernel chooses it (kept_attention.choose_kernel; docs/levers.md,
+41) and in `python -m train.bench --attention_kernel fa4` and `python -m train.bench --attention_kernel_probe`.
 
 Both ops that call these functions (Qwen-Image-2.1's segmented attention, the kept attention of checkpointed blocks)
 hand over (B, H, S, D) views of contiguous (B, S, H, D) tensors: FlashAttention's own layout, one transpose away.

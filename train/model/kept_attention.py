@@ -166,6 +166,21 @@ def use_kernel(name: str, device: torch.device) -> None:
     _external = flash4 if name == "fa4" else None
 
 
+def choose_kernel(setting: str, device: torch.device) -> str:
+    """train.attention_kernel resolved and put in use (use_kernel) for training on `device`: "auto" is "fa4" where
+    FlashAttention-4 can run there (installed, compute capability 9.0 or newer), else "sdpa". Returns the kernel."""
+    if setting == "auto":
+        from train.model import flash4
+
+        try:
+            flash4.check(device)
+            setting = "fa4"
+        except RuntimeError:
+            setting = "sdpa"
+    use_kernel(setting, device)
+    return setting
+
+
 def fused_forward(q, k, v, scale, is_causal: bool = False):
     """(out, lse) of one fused SDPA kernel call on (B, H, S, D) tensors: out has q's strides, lse is (B, H, S) float32.
     is_causal: top-left aligned (query i sees keys 0..i), as SDPA's."""

@@ -16,7 +16,7 @@ import torch
 from train import config
 from train.data import cache_reader, pairs, prompts, sources
 from train.data.rows import check_references, fingerprint
-from train.model import family, fp8, loading, lora_io, prepare
+from train.model import family, fp8, kept_attention, loading, lora_io, prepare
 from train.model.interface import ModelFamily
 from train.plan import run_plan
 from train.runtime import checkpoint, diskspace, engine, exports, gpumon, outdir, preempt, resume_changes, steptime
@@ -60,6 +60,9 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     dtype = getattr(torch, cfg.precision)
     share = run_plan.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
+    kernel = kept_attention.choose_kernel(t.attention_kernel, training_device(device))
+    print0(f"attention kernel: {kernel} (train.attention_kernel {t.attention_kernel})",
+           rank=int(os.environ.get("RANK", "0")))
     try:
         transformer, offloader = prepare.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
@@ -82,6 +85,14 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
         report = lora_io.load_into(transformer, p.lora.init_from, adapter_name="default")
         print0(f"{report} from {p.lora.init_from}", rank=int(os.environ.get("RANK", "0")))
     return transformer
+
+
+def training_device(device: torch.device | None) -> torch.device:
+    """Where the transformer trains: `device`, or for the model-parallel split (which builds on the CPU) the first
+    GPU, or the CPU without one."""
+    if device is not None:
+        return device
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def build_source(cfg: config.Config, d: engine.Dist, variant: str, rows: list[pairs.Row],
