@@ -8,8 +8,6 @@ import math
 import re
 from pathlib import Path
 
-import torch
-
 from train.config import files
 from train.config.schema import PROJECT_KEY, ProjectConfig
 
@@ -72,6 +70,8 @@ def check_machine(cfg: ProjectConfig, has_gpu: bool, problems: list[str]) -> Non
         problems.append(f'{PROJECT_KEY}.train.attention: "flex" needs a CUDA GPU (torch\'s flex_attention has no '
                         'backward on the CPU); set it to "auto" or "sdpa"')
     if cfg.train.attention_kernel == "fa4":
+        import torch
+
         from train.model import flash4
 
         try:
