@@ -95,15 +95,19 @@ def test_options_of_the_21_variant():
     tokens and an unknown processor are refused."""
     assert options.parse_args(["--variant", "qwen_image_21", "--refs", "10"]).refs == 10
     assert options.parse_args(["--variant", "qwen_image_21", "--attention", "flex"]).attention == "flex"
-    bad_options = (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"])
+    assert options.parse_args(["--variant", "qwen_image_21", "--fp8_base", "--fused_swiglu"]).fused_swiglu
+    bad_options = (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"], ["--fused_swiglu"])
     for bad in (*bad_options, ["--refs", "3", "--text_tokens", "7"]):
         with pytest.raises(SystemExit):
             options.parse_args(["--variant", "qwen_image_21", *bad])
+    with pytest.raises(SystemExit):  # the MMDiT's MLP is no SwiGLU
+        options.parse_args(["--fp8_base", "--fused_swiglu"])
 
 
 def test_cpu_run_end_to_end(tmp_path):
-    """`python -m train.bench --variant qwen_image_21 --tiny --refs 1` runs the project's 2.1 step on CPU and
-    records its workload and FLOPs; with the bench extra installed, also the peer's bf16 eager step and its ratio."""
+    """`python -m train.bench --variant qwen_image_21 --tiny --refs 1 --fp8_base --fused_swiglu` runs the project's
+    2.1 step on CPU and records its workload and FLOPs; with the bench extra installed, also the peer's bf16 eager
+    step and its ratio."""
     out = tmp_path / "bench.jsonl"
     cmd = [
         sys.executable,
@@ -121,6 +125,8 @@ def test_cpu_run_end_to_end(tmp_path):
         "--text_mask",
         "--attention",
         "segmented",
+        "--fp8_base",
+        "--fused_swiglu",
         "--json",
         str(out),
     ]
@@ -133,6 +139,7 @@ def test_cpu_run_end_to_end(tmp_path):
     record = json.loads(out.read_text().splitlines()[-1])
     assert record["variant"] == "qwen_image_21" and record["tokens_per_sample"] == 32 + 2 * 64
     assert record["attention"] == "SegmentedSDPAProcessor" and "attention SegmentedSDPAProcessor" in proc.stdout
+    assert record["fp8_base"] and record["fused_swiglu"] and "fused SwiGLU" in proc.stdout
     assert record["flops_per_step"] > 0 and record["s_per_step"] > 0 and len(record["losses"]) == 3
     assert all(loss == loss and abs(loss) < float("inf") for loss in record["losses"])
     if with_peer:

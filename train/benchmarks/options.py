@@ -203,6 +203,12 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
         "(torchao_training) or fp8 inference linears (torchao_inference); "
         "train/benchmarks/fp8_impls.py says what each does",
     )
+    p.add_argument(
+        "--fused_swiglu",
+        action="store_true",
+        help="with --fp8_base (ours): the SwiGLU MLP's input side in one autograd function whose backward is one "
+        "Triton kernel on CUDA (train/model/swiglu.py), in place of inductor's fusion; Qwen-Image-2.1",
+    )
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -243,6 +249,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--baseline runs SDPA as the plain loop would; drop --attention_kernel or --baseline")
     if args.fp8_impl != "ours" and not args.fp8_base:
         parser.error("--fp8_impl applies with --fp8_base")
+    if args.fused_swiglu and (not args.fp8_base or args.fp8_impl != "ours"):
+        parser.error("--fused_swiglu fuses train/model/fp8.py's base matmuls: use it with --fp8_base (--fp8_impl ours)")
     if (args.fp8_transposed or args.fp8_fast_accum) and args.fp8_impl != "ours":
         parser.error("--fp8_transposed and --fp8_fast_accum are train/model/fp8.py's; use them with --fp8_impl ours")
     _check_variant(parser, args)
@@ -268,6 +276,8 @@ def _check_variant(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     most = max(v.max_references for v in fam.variants)
     if args.refs > most:
         parser.error(f"--refs {args.refs}: {fam.title} takes at most {most} references")
+    if args.fused_swiglu and fam.swiglu is None:
+        parser.error(f"--fused_swiglu: {fam.title}'s blocks have no SwiGLU MLP; drop it for --variant {args.variant}")
     if args.variant == "edit":
         return
     if args.zero_cond_t or args.floor:

@@ -126,6 +126,7 @@ def make_record(
         "fp8_transposed": args.fp8_transposed,
         "fp8_fast_accum": args.fp8_fast_accum,
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
+        "fused_swiglu": args.fused_swiglu,
         "rope": rope_name(args),
         "checkpoint_blocks": args.checkpoint_blocks,
         "text_mask": args.text_mask,
@@ -202,7 +203,8 @@ def format_report(r: dict) -> str:
         f"options     checkpointing {r['checkpointing']}, compile {r['compile']}"
         f"{' (' + r['compile_mode'] + ')' if r.get('compile_mode') else ''}, text mask {r['text_mask']}, "
         f"ZeRO stage {r['zero_stage']}, fp8 base {r['fp8_base']} ({r['fp8_impl'] or '-'}, transposed copy "
-        f"{r['fp8_transposed']}{', fast accumulation' if r.get('fp8_fast_accum') else ''}), "
+        f"{r['fp8_transposed']}{', fast accumulation' if r.get('fp8_fast_accum') else ''}"
+        f"{', fused SwiGLU' if r.get('fused_swiglu') else ''}), "
         f"RoPE {r['rope']}, attention {r.get('attention', '-')}, "
         f"checkpointed blocks {r['checkpoint_blocks'] or 'all'}, "
         f"{r['steps']} timed steps after {r['warmup']} warm-up",

@@ -47,7 +47,7 @@ from train.benchmarks.timing import Phase, reset_peak_memory, time_steps
 from train.benchmarks.workload import SEED, Workload, explained_oom, make_workload
 from train.config import Config
 from train.data import sources
-from train.model import kept_attention, prepare
+from train.model import kept_attention, prepare, swiglu
 from train.model.interface import ModelFamily
 from train.runtime import engine
 from train.trainer import loop
@@ -207,13 +207,17 @@ def model_flops(model: torch.nn.Module, w: Workload, mode: str) -> float:
 
 def to_project_form(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> None:
     """After the baseline (which runs diffusers' RoPE and the bf16 base): the trainer's real-pair rotary embedding
-    (train.model.prepare.prepare_for_training's real_rope) and, with --fp8_base, the fp8 base."""
+    (train.model.prepare.prepare_for_training's real_rope) and, with --fp8_base, the fp8 base (--fused_swiglu: with
+    the SwiGLU MLPs fused, train/model/swiglu.py)."""
     real_rope = args_family(args).real_rope
     if real_rope is not None and not args.complex_rope:
         real_rope(model)
     if args.fp8_base:
         prepare.check_fp8_device()
         fp8_impls.convert(model, args.fp8_impl, keep_transposed=args.fp8_transposed, fast_accum=args.fp8_fast_accum)
+        if args.fused_swiglu:  # after the conversion: it fuses the fp8 linears' matmuls
+            fam = args_family(args)
+            swiglu.fuse(fam.blocks(model), fam.swiglu)
         reset_peak_memory(device)
 
 

@@ -104,6 +104,17 @@ class Fp8Linears:
 
 
 @dataclass(frozen=True)
+class SwiGLU:
+    """A block's SwiGLU MLP, out(silu(gate(x)) * up(x)), by its names (train/model/swiglu.py fuses its input side)."""
+
+    module: str  # the MLP's name within the block
+    gate: str  # the MLP's attributes: the gate and up linears, the output linear, the SiLU
+    up: str
+    out: str
+    activation: str
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One architecture behind the seam; every callable is a plain function of the family's folder.
 
@@ -125,6 +136,7 @@ class ModelFamily:
     rgba: bool = False  # the VAE reads RGBA: images keep their transparency (images.to_rgba; else composited), and
     # renders open references as RGBA
     fp8_linears: Fp8Linears | None = None  # what train.fp8_base converts
+    swiglu: SwiGLU | None = None  # its blocks' SwiGLU MLP, which the bench's --fused_swiglu fuses
     attention_module: str | None = None  # the diffusers module whose dispatch_attention_fn kept attention routes
     real_rope: Callable[[torch.nn.Module], None] | None = None  # rotary embedding that compiled blocks fuse, if any
     set_attention: Callable[[torch.nn.Module, str, bool], Any] | None = None  # (transformer, train.attention, compiled

@@ -4,7 +4,7 @@ train/model/support.py."""
 
 from __future__ import annotations
 
-from train.model.interface import Fp8Linears, LoraKeys, ModelFamily, Variant
+from train.model.interface import Fp8Linears, LoraKeys, ModelFamily, SwiGLU, Variant
 from train.model.qwen_image21 import (
     attention,
     batches,
@@ -38,6 +38,7 @@ FAMILY = ModelFamily(
     rgba=True,
     # every linear of a block is a token linear; the one shared modulation sits outside the blocks
     fp8_linears=Fp8Linears(lora_keys.DEFAULT_TARGETS),
+    swiglu=SwiGLU("img_mlp", "gate_layer", "proj", "out", "activation_fn"),
     set_attention=attention.set_attention,
     real_rope=rope.use_real_pairs,
     training_forward=forward.use_layout_cache,
