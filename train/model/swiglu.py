@@ -29,6 +29,7 @@ except ImportError:  # no Triton: the torch path below computes the same values
     triton = None
 
 BLOCK = 2048  # columns per loop iteration of the kernel (8 per thread at 8 warps: 16-byte bf16 loads)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once: compiled code does not read the environment
 
 
 def reference_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, g_scale: torch.Tensor,
@@ -110,7 +111,7 @@ if triton is not None:
 def kernel_runs(device: torch.device) -> bool:
     """Whether `swiglu_backward` runs the Triton kernel on `device` (CUDA, or any device under Triton's
     interpreter, TRITON_INTERPRET=1, which the CPU tests use)."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (device.type == "cuda" or INTERPRETED)
 
 
 def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, g_scale: torch.Tensor,
