@@ -2,7 +2,7 @@
 # Speed benchmark in one GPU call, one H200: the project's fastest step (docs/performance.md) against
 # DiffSynth-Studio's (the peer, train/benchmarks/peer.py) and against torchao's fp8 linears on the same workload,
 # the 2509 two-reference workload, micro-batch 2 in one bucket, and the 50-step loss curves of the kept levers
-# against the plain bf16 loop (with the tolerance). Each row is one `python -m train.bench` run: its record is
+# against the plain bf16 loop (with the tolerance); the q21_* rows (not in the default ROWS) time Qwen-Image-2.1. Each row is one `python -m train.bench` run: its record is
 # $OUT/<row>.jsonl, its log $OUT/<row>.log; $OUT/summary.txt is the table of every row.
 # Rows run in the order of ROWS until the time budget is spent; a row that would not fit is skipped (and listed).
 # Usage (repo root, on a CUDA host with the project and its bench extra installed, or a wheelhouse on PYTHONPATH
@@ -35,6 +35,9 @@ PY
 exact=(--compile --fp8_base --fp8_transposed --zero_stage 1 --lora_targets attn)
 fast=("${exact[@]}" --fp8_fast_accum)
 timing=(--steps "$steps" --warmup "$warmup")
+# Qwen-Image-2.1's fastest configuration (docs/performance.md's 2.1 rows): LoRA r64 on every linear of a block.
+q21=(--variant qwen_image_21 --refs 1 --lora_targets default --lora_rank 64 --compile --fp8_base --fp8_transposed
+     --fp8_fast_accum --attention segmented)
 
 run_row() {  # NAME SECONDS_IT_NEEDS BENCH_ARGS...: run when the budget has that much left
   local name=$1 need=$2
@@ -91,8 +94,19 @@ for row in $rows; do
       # Last: the fp8 weight-only variant once took over 6 minutes for 12 steps (docs/results/peer_h200_2026-12-01.md).
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
+    q21_peer)  # Qwen-Image-2.1, one reference, FlashAttention-4: against the peer on SDPA and on its own pick
+      run_row q21_peer 330 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" --peer diffsynth \
+        --peer_variants bf16:compile:torch,bf16:compile ;;
+    q21_fa4)  # the same step alone: the reference for the 2.1 single-lever rows
+      run_row q21_fa4 150 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" ;;
+    q21_swiglu)  # levers 39: the SwiGLU backward as one Triton kernel (train/model/swiglu.py), against q21_fa4
+      run_row q21_swiglu 150 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" ;;
+    q21_swiglu_profile)  # the same under the profiler: the kernel's own time per block ($OUT/q21_swiglu.project.txt)
+      run_row q21_swiglu_profile 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" \
+        --profile "$out/q21_swiglu" ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
-            "curves exact_accum microbatch2 autotune peer_more floor floor_refs2)" ;;
+            "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_fa4 q21_swiglu" \
+            "q21_swiglu_profile)" ;;
   esac
 done
 
@@ -108,7 +122,8 @@ for path in sorted(out.glob("*.jsonl")):
     r = json.loads(lines[-1])
     opts = [f"refs {r['refs']}", f"mb {r['micro_batch']}"]
     fp8 = f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "") + ("+F" if r.get("fp8_fast_accum") else "")
-    opts += [fp8] if r["fp8_base"] else ["bf16"]  # T: the stored transposed copy, F: fast accumulation
+    fp8 += "+S" if r.get("fused_swiglu") else ""
+    opts += [fp8] if r["fp8_base"] else ["bf16"]  # T: the stored transposed copy, F: fast accumulation, S: fused SwiGLU
     opts += [(f"compiled {r['compile_mode']}" if r.get("compile_mode") else "compiled") if r["compile"] else "eager",
              f"ZeRO-{r['zero_stage']}"]
     print(f"{path.stem:18s} {'project: ' + ', '.join(opts):54s} {r['s_per_step']:8.4f} {100 * r['mfu']:5.1f}% "
