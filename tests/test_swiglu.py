@@ -79,11 +79,12 @@ def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=list(FAM.lora.targets))
 
 
-def _prepared(fused: bool, targets=None):
+def _prepared(fused: bool, targets=None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+              compiled: bool = False):
     torch.manual_seed(0)
-    model = build_transformer(num_layers=2)
+    model = build_transformer(num_layers=2).to(device, dtype)
     lora = LORA if targets is None else LoraConfig(rank=4, alpha=4.0, target_modules=targets)
-    prepare.prepare_for_training(model, "lora", lora, False, False, fp8_base=True)
+    prepare.prepare_for_training(model, "lora", lora, False, compiled, fp8_base=True)
     with torch.no_grad():  # LoRA B starts at zero: give the updates a value so that their gradients matter
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -93,9 +94,9 @@ def _prepared(fused: bool, targets=None):
     return model.train()
 
 
-def _loss_and_grads(model):
-    b = batches.synthetic_batch(model, 2, (4, 4), [(4, 4)], 12, torch.device("cpu"), torch.float32)
-    kwargs = FAM.transformer_inputs(b, b.x0, torch.tensor([0.3, 0.8]), torch.float32)
+def _loss_and_grads(model, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    b = batches.synthetic_batch(model, 2, (4, 4), [(4, 4)], 12, torch.device(device), dtype)
+    kwargs = FAM.transformer_inputs(b, b.x0, torch.tensor([0.3, 0.8], device=device), dtype)
     loss = FAM.target_prediction(model(**kwargs), b).square().mean()
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -150,3 +151,20 @@ def test_the_compiled_fused_mlp_runs_the_kernel_on_cuda():
         assert q.dtype == fp8.E4M3 and torch.allclose(rows, want_rows, rtol=2 ** -7)
         err = (q.float() - wq.float()).abs()  # one e4m3 step at most
         assert bool((err <= 0.125 * wq.float().abs() + 2 ** -9).all()) and (err == 0).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+def test_compiled_fused_blocks_train_like_compiled_unfused_ones_on_cuda():
+    """Compiled blocks in bf16 on CUDA: the fused MLP's kernel runs inside the compiled backward, and the loss and
+    LoRA gradients stay within bf16 rounding of the unfused blocks'."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with fp8 matmuls")
+    torch._dynamo.reset()
+    loss, grads = _loss_and_grads(_prepared(False, device="cuda", dtype=torch.bfloat16, compiled=True), "cuda",
+                                  torch.bfloat16)
+    fused_loss, fused = _loss_and_grads(_prepared(True, device="cuda", dtype=torch.bfloat16, compiled=True), "cuda",
+                                        torch.bfloat16)
+    assert torch.allclose(loss.float(), fused_loss.float(), rtol=2e-2)
+    for n in grads:
+        err = (grads[n].float() - fused[n].float()).norm() / grads[n].float().norm()
+        assert err < 5e-2, (n, err)
