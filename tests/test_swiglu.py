@@ -4,6 +4,7 @@ tiny transformer."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,31 @@ def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
     out = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "kernel ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "no_kernel"])
+def test_the_kernel_probe_times_each_variant_and_checks_it(tmp_path, interpreted):
+    """`python -m train.bench --swiglu_probe` on the CPU: the eager reference and a kernel launch (under Triton's
+    interpreter; without it, reported as not available), each timed and compared with the reference."""
+    pytest.importorskip("triton")
+    out = tmp_path / "probe.jsonl"
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpreted else "0"}
+    cmd = [sys.executable, "-m", "train.bench", "--swiglu_probe", "--rows", "4", "--cols", "600", "--steps", "1",
+           "--variants", "eager,256x4", "--json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert record["probe"] == "swiglu" and (record["rows"], record["cols"]) == (4, 600)
+    eager = record["variants"]["eager"]
+    assert eager["s"] > 0 and eager["gradients"] == eager["row_scales"] == eager["fp8_differing"] == 0
+    if interpreted:  # the interpreter's truncating casts: within a bf16 step (e4m3 copies: see the kernel test)
+        kernel = record["variants"]["256x4"]
+        assert kernel["s"] > 0 and kernel["gradients"] < 2 ** -6 and kernel["row_scales"] < 2 ** -6
+        assert "256x4" in proc.stdout and "x inductor" not in proc.stdout
+    else:
+        assert "256x4" in record["not_available"] and "256x4     not available" in proc.stdout
+    bad = subprocess.run([*cmd[:4], "--variants", "3000x8"], env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "'3000x8' is none of inductor, eager or BxW" in bad.stderr
 
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=list(FAM.lora.targets))

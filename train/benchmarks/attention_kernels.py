@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
+
+from train.benchmarks.timing import synced_now
 
 KERNELS = ("sdpa", "fa4")
 
@@ -109,21 +110,15 @@ def time_kernel(calls: list, args: argparse.Namespace, device, dtype) -> tuple[f
     inputs = [_inputs(call, args.heads, args.head_dim, device, dtype, seed=i) for i, call in enumerate(calls)]
     fwd = bwd = 0.0
     for step in range(args.steps + 2):
-        t0 = _now(device)
+        t0 = synced_now(device)
         saved = [fused_forward(q, k, v, None, call[4]) for (q, k, v, _), call in zip(inputs, calls, strict=True)]
-        t1 = _now(device)
+        t1 = synced_now(device)
         for (q, k, v, dout), call, (out, lse) in zip(inputs, calls, saved, strict=True):
             fused_backward(dout, q, k, v, out, lse, None, call[4])
-        t2 = _now(device)
+        t2 = synced_now(device)
         if step >= 2:
             fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
     return fwd / max(1, args.steps), bwd / max(1, args.steps)
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def run(args: argparse.Namespace) -> dict:

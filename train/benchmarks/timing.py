@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import resource
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,12 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def synced_now(device: torch.device) -> float:
+    """The host's clock once the device's queued work is done: what the probes time calls with."""
+    sync(device)
+    return time.perf_counter()
 
 
 def reset_peak_memory(device: torch.device) -> None:

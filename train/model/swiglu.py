@@ -28,7 +28,7 @@ try:
 except ImportError:  # no Triton: the torch path below computes the same values
     triton = None
 
-BLOCK = 2048  # columns per loop iteration of the kernel (8 per thread at 8 warps: 16-byte bf16 loads)
+BLOCK, WARPS = 2048, 8  # the kernel's columns per loop iteration and warps: 8 columns a thread, 16-byte bf16 loads
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once: compiled code does not read the environment
 
 
@@ -87,18 +87,19 @@ if triton is not None:
             tl.store(du8_ptr + row + cols, du8, mask=inside)
 
     def launch(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, g_scale: torch.Tensor, u_scale: torch.Tensor,
-               q_dtype: torch.dtype = fp8.E4M3) -> tuple[torch.Tensor, ...]:
+               q_dtype: torch.dtype = fp8.E4M3, block: int = BLOCK, num_warps: int = WARPS) -> tuple[torch.Tensor, ...]:
         """The kernel over contiguous (M, N) inputs, reference_backward's outputs; q_dtype: the quantised copies'
-        dtype (float32 shows the values before the cast, which the CPU test reads)."""
+        dtype (float32 shows the values before the cast, which the CPU test reads); block, num_warps: its launch
+        (`python -m train.bench --swiglu_probe` times others)."""
         rows, cols = dh.shape
         dg, du = torch.empty_like(dh), torch.empty_like(dh)
         dg8 = torch.empty(rows, cols, dtype=q_dtype, device=dh.device)
         du8 = torch.empty_like(dg8)
         g_rows = torch.empty(rows, 1, dtype=torch.float32, device=dh.device)
         u_rows = torch.empty_like(g_rows)
-        block = min(BLOCK, triton.next_power_of_2(cols))
         torch.library.wrap_triton(_backward_kernel)[(rows,)](
-            dh, g, u, g_scale, u_scale, dg, du, dg8, du8, g_rows, u_rows, cols, BLOCK=block, num_warps=8)
+            dh, g, u, g_scale, u_scale, dg, du, dg8, du8, g_rows, u_rows, cols,
+            BLOCK=min(block, triton.next_power_of_2(cols)), num_warps=num_warps)
         return dg, du, dg8, g_rows, du8, u_rows
 
     @torch.library.triton_op("qwen_edit::swiglu_backward_fp8", mutates_args=())
