@@ -72,12 +72,24 @@ def check_machine(cfg: ProjectConfig, has_gpu: bool, problems: list[str]) -> Non
     if cfg.train.attention_kernel == "fa4":
         import torch
 
-        from train.model import flash4
+        problem = flash_attention_4_problem(torch.device("cuda", 0) if has_gpu else torch.device("cpu"))
+        if problem:
+            problems.append(f'{PROJECT_KEY}.train.attention_kernel: "fa4": {problem}; or set it to "auto" or "sdpa"')
 
-        try:
-            flash4.check(torch.device("cuda", 0) if has_gpu else torch.device("cpu"))
-        except RuntimeError as e:
-            problems.append(f'{PROJECT_KEY}.train.attention_kernel: "fa4": {e}; or set it to "auto" or "sdpa"')
+
+def flash_attention_4_problem(device) -> str | None:
+    """Why FlashAttention-4's kernels (train/model/flash4.py) cannot run on `device`, naming the fix; None where they
+    can: a CUDA GPU of compute capability 9.0 or newer with `flash-attn-4` installed."""
+    import torch
+
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return "FlashAttention-4 needs a CUDA GPU of compute capability 9.0 or newer"
+    try:
+        from flash_attn.cute import interface  # noqa: F401
+    except ImportError as e:
+        return (f"FlashAttention-4 is not installed ({e}): pip install -e '.[fa4]' (setup.cfg's pin, the version "
+                "train/model/flash4.py is written against)")
+    return None
 
 
 def _check_paths(cfg: ProjectConfig, problems: list[str]) -> None:

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from train.config.checks import flash_attention_4_problem
+
 
 def check(device: torch.device) -> None:
-    """Raise a RuntimeError naming the fix when the kernels cannot run on `device`."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        raise RuntimeError("FlashAttention-4 needs a CUDA GPU of compute capability 9.0 or newer")
-    try:
-        from flash_attn.cute import interface  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError(f"FlashAttention-4 is not installed ({e}): pip install -e '.[fa4]' (setup.cfg's pin, the "
-                           "version these calls are written against)") from None
+    """Raise a RuntimeError naming the fix when the kernels cannot run on `device` (the config's pre-flight asks the
+    same question: train.config.checks.flash_attention_4_problem)."""
+    problem = flash_attention_4_problem(device)
+    if problem:
+        raise RuntimeError(problem)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool):
