@@ -60,9 +60,11 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
     dtype = getattr(torch, cfg.precision)
     share = run_plan.offload_share(p.model.path, p.lora, t.offload_blocks if t.mode == "lora" else 0,
                                  t.fp8_base and t.mode == "lora", dtype.itemsize)
-    kernel = kept_attention.choose_kernel(t.attention_kernel, training_device(device))
-    print0(f"attention kernel: {kernel} (train.attention_kernel {t.attention_kernel})",
-           rank=int(os.environ.get("RANK", "0")))
+    where = training_device(device)
+    kernel = kept_attention.choose_kernel(t.attention_kernel, where)
+    if where.type == "cuda":  # where there is a choice (a CPU runs its one SDPA kernel): say which one runs
+        print0(f"attention kernel: {kernel} (train.attention_kernel {t.attention_kernel})",
+               rank=int(os.environ.get("RANK", "0")))
     try:
         transformer, offloader = prepare.load_for_training(
             p.model.path, dtype, device or torch.device("cpu"), t.mode, p.lora,
