@@ -78,6 +78,12 @@ def rope_name(args: argparse.Namespace) -> str:
     return "complex (diffusers)" if args.complex_rope or bench_family(args.variant).real_rope is None else "real pairs"
 
 
+# the options a record holds as they were given
+RECORDED_OPTIONS = ("variant", "mode", "lora_rank", "lora_targets", "checkpointing", "compile", "compile_mode",
+                    "zero_cond_t", "zero_stage", "fp8_base", "fp8_transposed", "fp8_fast_accum", "fused_swiglu",
+                    "checkpoint_blocks", "text_mask", "steps", "warmup", "gc_every_steps")
+
+
 def make_record(
     args: argparse.Namespace,
     w: Workload,
@@ -113,24 +119,9 @@ def make_record(
         "micro_batch": w.micro_batch,
         **model_info,
         "precision": str(dtype).removeprefix("torch."),
-        "variant": args.variant,
-        "mode": args.mode,
-        "lora_rank": args.lora_rank,
-        "lora_targets": args.lora_targets,
-        "checkpointing": args.checkpointing,
-        "compile": args.compile,
-        "compile_mode": args.compile_mode,
-        "zero_cond_t": args.zero_cond_t,
-        "zero_stage": args.zero_stage,
-        **{key: getattr(args, key) for key in ("fp8_base", "fp8_transposed", "fp8_fast_accum")},
+        **{name: getattr(args, name) for name in RECORDED_OPTIONS},
         "fp8_impl": args.fp8_impl if args.fp8_base else None,
-        "fused_swiglu": args.fused_swiglu,
         "rope": rope_name(args),
-        "checkpoint_blocks": args.checkpoint_blocks,
-        "text_mask": args.text_mask,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "gc_every_steps": args.gc_every_steps,
         "peak_tflops_per_gpu": args.peak_tflops,
         **machine(d),
     }

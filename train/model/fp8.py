@@ -49,6 +49,17 @@ def scaled_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, out
     return scaled_mm(*quantize_rows(a), b_t, b_scale, out_dtype, fast_accum)
 
 
+def input_gradient(g8: torch.Tensor, g_rows: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None,
+                   out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """dx = (g8 * g_rows) @ W8 for an e4m3 output gradient g8 (M, N) with row scales (M, 1), the weight's row scales
+    already folded in, and the frozen e4m3 weight (N, K). _scaled_mm wants its second operand column-major, i.e.
+    W8^T stored row-major: weight_t where it was kept from the conversion (train.fp8_transposed), otherwise
+    transposed here, a pass over the weight per call."""
+    ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
+    w_t = weight.t().contiguous() if weight_t is None else weight_t
+    return scaled_mm(g8, g_rows, w_t, ones, out_dtype, fast_accum)
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A frozen weight (N, K) -> (e4m3 (N, K), fp32 scale (N,)), absmax per output row."""
     scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / E4M3_MAX
@@ -70,11 +81,7 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         weight, scale, weight_t = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1]) * scale.view(1, -1)  # fold W's row scales into dy
-        # dx = (dy * s) @ W8: _scaled_mm wants its second operand column-major, i.e. W8^T stored row-major
-        # (kept from the conversion when asked, otherwise transposed here, a pass over the weight per call).
-        ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
-        w_t = weight.t().contiguous() if weight_t is None else weight_t
-        grad_x = scaled_matmul(g2, w_t, ones, grad_out.dtype, ctx.fast_accum)
+        grad_x = input_gradient(*quantize_rows(g2), weight, weight_t, grad_out.dtype, ctx.fast_accum)
         return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), None, None, None, None
 
 

@@ -145,11 +145,8 @@ class SwiGLUFp8(torch.autograd.Function):
     def backward(ctx, dh):
         g, u, wg, g_scale, wg_t, wu, u_scale, wu_t = ctx.saved_tensors
         dg, du, dg8, g_rows, du8, u_rows = swiglu_backward(dh.reshape(g.shape), g, u, g_scale, u_scale)
-        ones = torch.ones(wg.shape[1], dtype=torch.float32, device=wg.device)
-        # dx = dg Wg + du Wu; _scaled_mm wants W8^T row-major (fp8.py's backward: kept, else transposed here)
-        dx = fp8.scaled_mm(dg8, g_rows, wg.t().contiguous() if wg_t is None else wg_t, ones, dh.dtype, ctx.fast_accum)
-        dx = dx + fp8.scaled_mm(du8, u_rows, wu.t().contiguous() if wu_t is None else wu_t, ones, dh.dtype,
-                                ctx.fast_accum)
+        dx = fp8.input_gradient(dg8, g_rows, wg, wg_t, dh.dtype, ctx.fast_accum)  # dx = dg Wg + du Wu
+        dx = dx + fp8.input_gradient(du8, u_rows, wu, wu_t, dh.dtype, ctx.fast_accum)
         shape = (*ctx.x_shape[:-1], wg.shape[0])
         return (dx.view(ctx.x_shape), dg.view(shape) if ctx.needs_input_grad[1] else None,
                 du.view(shape) if ctx.needs_input_grad[2] else None, None, None, None, None, None, None, None)
@@ -185,7 +182,7 @@ def _base(layer: torch.nn.Module, what: str) -> fp8.Float8FrozenLinear:
 def fused_forward(mlp: torch.nn.Module, names: SwiGLU, hidden_states: torch.Tensor) -> torch.Tensor:
     """The MLP's forward through SwiGLUFp8: the same values as out(silu(gate(x)) * up(x))."""
     gate, up = getattr(mlp, names.gate), getattr(mlp, names.up)
-    bg, bu = gate.base_layer if hasattr(gate, "lora_A") else gate, up.base_layer if hasattr(up, "lora_A") else up
+    bg, bu = getattr(gate, "base_layer", gate), getattr(up, "base_layer", up)  # peft's wrapped layer, or the linear
     h = SwiGLUFp8.apply(hidden_states, lora_update(gate, hidden_states), lora_update(up, hidden_states),
                         bg.weight_fp8, bg.weight_scale, bg.weight_fp8_t, bu.weight_fp8, bu.weight_scale,
                         bu.weight_fp8_t, bg.fast_accum)
