@@ -6,7 +6,8 @@
 # $OUT/<row>.jsonl, its log $OUT/<row>.log; $OUT/summary.txt is the table of every row.
 # Rows run in the order of ROWS until the time budget is spent; a row that would not fit is skipped (and listed).
 # Usage (repo root, on a CUDA host with the project and its bench extra installed, or a wheelhouse on PYTHONPATH
-# that holds diffsynth==2.1.12, einops and torchao==0.18.0 too; this script installs nothing):
+# that holds diffsynth==2.1.12, einops and torchao==0.18.0 too; this script installs nothing; where the host has no
+# package index, tests/gpu_kit.sh makes that wheelhouse and `source tests/gpu_env.sh` installs it there):
 #   OUT=/tmp/speed bash tests/gpu_speed.sh
 #   BUDGET_S=540 STEPS=8 WARMUP=4 ROWS="peer refs2" OUT=/tmp/speed bash tests/gpu_speed.sh
 # EXTRA is appended to every benchmark command (EXTRA=--tiny: a CPU dry run of the script itself).
