@@ -4,7 +4,8 @@
 # the 2509 two-reference workload, micro-batch 2 in one bucket, and the 50-step loss curves of the kept levers
 # against the plain bf16 loop (with the tolerance); the q21_* rows (not in the default ROWS) time Qwen-Image-2.1. Each row is one `python -m train.bench` run: its record is
 # $OUT/<row>.jsonl, its log $OUT/<row>.log; $OUT/summary.txt is the table of every row.
-# Rows run in the order of ROWS until the time budget is spent; a row that would not fit is skipped (and listed).
+# Rows run in the order of ROWS until the time budget is spent; a row that would not fit is skipped (and listed). A
+# row named twice runs twice (ROWS="q21_fa4 q21_swiglu q21_fa4 q21_swiglu": an A/B across processes), a line each.
 # Usage (repo root, on a CUDA host with the project and its bench extra installed, or a wheelhouse on PYTHONPATH
 # that holds diffsynth==2.1.12, einops and torchao==0.18.0 too; this script installs nothing; where the host has no
 # package index, tests/gpu_kit.sh makes that wheelhouse and `source tests/gpu_env.sh` installs it there):
@@ -52,7 +53,7 @@ run_row() {  # NAME SECONDS_IT_NEEDS BENCH_ARGS...: run when the budget has that
   t0=$(date +%s)
   echo "== $name: python -m train.bench $*" | tee -a "$out/commands.txt"
   # shellcheck disable=SC2086
-  timeout "$left" python -m train.bench "$@" ${EXTRA:-} --json "$out/$name.jsonl" > "$out/$name.log" 2>&1 || rc=$?
+  timeout "$left" python -m train.bench "$@" ${EXTRA:-} --json "$out/$name.jsonl" >> "$out/$name.log" 2>&1 || rc=$?
   echo "$name: rc $rc, $(( $(date +%s) - t0 )) s" | tee -a "$out/commands.txt"
   if [ "$rc" != 0 ]; then
     echo "$name: failed (rc $rc; 124 = out of budget): $(grep -E 'Error|error' "$out/$name.log" | tail -1 | cut -c1-200)" \
@@ -116,11 +117,9 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'row':18s} {'configuration':54s} {'s/step':>8s} {'MFU':>6s} {'GB':>6s}  note")
-for path in sorted(out.glob("*.jsonl")):
-    lines = path.read_text().splitlines()
-    if not lines:
-        continue
-    r = json.loads(lines[-1])
+records = [(p, line) for p in sorted(out.glob("*.jsonl")) for line in p.read_text().splitlines() if line.strip()]
+for path, line in records:  # a row run twice (ROWS="a b a b") has a line per run
+    r = json.loads(line)
     opts = [f"refs {r['refs']}", f"mb {r['micro_batch']}"]
     fp8 = f"fp8 {r['fp8_impl']}" + ("+T" if r["fp8_transposed"] else "") + ("+F" if r.get("fp8_fast_accum") else "")
     fp8 += "+S" if r.get("fused_swiglu") else ""
