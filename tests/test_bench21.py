@@ -11,12 +11,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from train.benchmarks import build, flops21, options, step
+from train.benchmarks import ab, build, flops21, options, step
 from train.benchmarks.workload import make_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,9 +106,9 @@ def test_options_of_the_21_variant():
 
 
 def test_cpu_run_end_to_end(tmp_path):
-    """`python -m train.bench --variant qwen_image_21 --tiny --refs 1 --fp8_base --fused_swiglu` runs the project's
-    2.1 step on CPU and records its workload and FLOPs; with the bench extra installed, also the peer's bf16 eager
-    step and its ratio."""
+    """`python -m train.bench --variant qwen_image_21 --tiny --refs 1 --fp8_base --fused_swiglu --ab_rounds 1` runs
+    the project's 2.1 step on CPU, without and with the fused SwiGLU, and records its workload and FLOPs; with the
+    bench extra installed, also the peer's bf16 eager step and its ratio."""
     out = tmp_path / "bench.jsonl"
     cmd = [
         sys.executable,
@@ -127,6 +128,8 @@ def test_cpu_run_end_to_end(tmp_path):
         "segmented",
         "--fp8_base",
         "--fused_swiglu",
+        "--ab_rounds",
+        "1",
         "--json",
         str(out),
     ]
@@ -140,9 +143,31 @@ def test_cpu_run_end_to_end(tmp_path):
     assert record["variant"] == "qwen_image_21" and record["tokens_per_sample"] == 32 + 2 * 64
     assert record["attention"] == "SegmentedSDPAProcessor" and "attention SegmentedSDPAProcessor" in proc.stdout
     assert record["fp8_base"] and record["fused_swiglu"] and "fused SwiGLU" in proc.stdout
-    assert record["flops_per_step"] > 0 and record["s_per_step"] > 0 and len(record["losses"]) == 3
+    assert record["ab_rounds"] == 1 and record["ab_off_s_per_step"] > 0 and "fused SwiGLU off" in proc.stdout
+    assert record["flops_per_step"] > 0 and record["s_per_step"] > 0 and len(record["losses"]) == 2  # timed steps
     assert all(loss == loss and abs(loss) < float("inf") for loss in record["losses"])
     if with_peer:
         (row,) = record["peer_rows"]
         assert "error" not in row and row["trainable_params"] == record["trainable_params"], row
         assert record["peer_ratio"] > 0 and "QwenImage21DiT" in proc.stdout
+
+
+def test_ab_rounds_alternate_the_lever_and_pool_each_side(monkeypatch):
+    """ab.alternate: off then on in every pair of rounds, the lever left on; each side's timed steps pooled without
+    the warm-ups; the rounds' means and their difference; a graph count that grows after the first pair is flagged."""
+    switched, graphs = [], iter([3, 5, 5, 5, 5, 6])
+    monkeypatch.setattr(ab, "compiled_graphs", lambda: next(graphs))
+    step_s = {False: 0.002, True: 0.001}
+
+    def step(i: int) -> torch.Tensor:
+        time.sleep(step_s[switched[-1]])
+        return torch.tensor(float(i))
+
+    on, fields = ab.alternate(step, switched.append, rounds=3, warmup=1, steps=4, device=torch.device("cpu"))
+    assert switched == [False, True] * 3
+    assert len(on.seconds) == 12 and on.warmup == 0 and on.losses == [1.0, 2.0, 3.0, 4.0] * 3
+    assert len(fields["ab_round_means_s"]) == 3 and all(off > on_ for off, on_ in fields["ab_round_means_s"])
+    assert fields["ab_off_s_per_step"] > on.s_per_step and fields["ab_on_minus_off_ms"] < 0
+    assert fields["ab_graphs_after_round"] == [3, 5, 5, 5, 5, 6] and fields["ab_recompiled"]
+    lines = ab.report_lines({**fields, "s_per_step": on.s_per_step, "steps": 4}, "the lever")
+    assert "WARNING" in lines[-1] and "3 rounds each of 4 timed steps" in lines[0]

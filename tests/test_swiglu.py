@@ -145,6 +145,24 @@ def test_the_fused_mlp_trains_like_the_unfused_fp8_mlp(monkeypatch, targets):
         assert torch.allclose(grads[n], fused[n], rtol=1e-3, atol=1e-6 * grads[n].abs().max()), n
 
 
+def test_unfuse_puts_the_mlps_back_on_their_own_forward(monkeypatch):
+    """fuse, unfuse, fuse again (train.bench --ab_rounds switches so between rounds): the unfused model runs no fused
+    backward and gives the never-fused model's loss; fused again, the fused backward runs again."""
+    calls = []
+    backward = swiglu.swiglu_backward
+    monkeypatch.setattr(swiglu, "swiglu_backward", lambda *a: calls.append(1) or backward(*a))
+    plain_loss, _ = _loss_and_grads(_prepared(False))
+    model = _prepared(True)
+    assert swiglu.unfuse(FAM.blocks(model), FAM.swiglu) == 2 and swiglu.unfuse(FAM.blocks(model), FAM.swiglu) == 0
+    assert not any("forward" in vars(block.img_mlp) for block in model.transformer_blocks)
+    loss, _ = _loss_and_grads(model)
+    assert not calls and torch.equal(loss, plain_loss)
+    model.zero_grad()
+    assert swiglu.fuse(FAM.blocks(model), FAM.swiglu) == 2
+    fused_loss, _ = _loss_and_grads(model)
+    assert len(calls) == 2 and torch.allclose(fused_loss, plain_loss, rtol=1e-5)
+
+
 def test_the_lora_update_is_what_peft_adds_to_the_base():
     model = _prepared(False)
     gate = model.transformer_blocks[0].img_mlp.gate_layer

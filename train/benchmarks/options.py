@@ -209,6 +209,13 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
         help="with --fp8_base (ours): the SwiGLU MLP's input side in one autograd function whose backward is one "
         "Triton kernel on CUDA (train/model/swiglu.py), in place of inductor's fusion; Qwen-Image-2.1",
     )
+    p.add_argument(
+        "--ab_rounds",
+        type=int,
+        default=0,
+        help="with --fused_swiglu: N rounds without it and N with it, alternating on the same model and engine, each "
+        "round --warmup + --steps steps; the difference measured in one process (train/benchmarks/ab.py)",
+    )
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -249,6 +256,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--baseline runs SDPA as the plain loop would; drop --attention_kernel or --baseline")
     if args.fp8_impl != "ours" and not args.fp8_base:
         parser.error("--fp8_impl applies with --fp8_base")
+    if args.ab_rounds and (not args.fused_swiglu or args.profile or args.ab_rounds < 1):
+        parser.error("--ab_rounds alternates --fused_swiglu off and on: give it with --fused_swiglu, a count >= 1 "
+                     "and no --profile")
     if args.fused_swiglu and (not args.fp8_base or args.fp8_impl != "ours"):
         parser.error("--fused_swiglu fuses train/model/fp8.py's base matmuls: use it with --fp8_base (--fp8_impl ours)")
     if (args.fp8_transposed or args.fp8_fast_accum) and args.fp8_impl != "ours":

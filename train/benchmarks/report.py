@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from train.benchmarks import floor, peer
+from train.benchmarks import ab, floor, peer
 from train.benchmarks.flops import mfu
 from train.benchmarks.timing import Phase
 from train.benchmarks.workload import Workload, bench_family
@@ -220,6 +220,8 @@ def format_report(r: dict) -> str:
         lines += peer_report(r)
     if "floor_s" in r:
         lines += floor.report_lines(r)
+    if "ab_rounds" in r:
+        lines += ab.report_lines(r, "fused SwiGLU")
     if r["device_type"] != "cuda":
         lines.append(
             "note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from train.benchmarks import floor, flops, flops21, fp8_impls, peer, peer21
+from train.benchmarks import ab, floor, flops, flops21, fp8_impls, peer, peer21
 from train.benchmarks.baseline import run_baseline
 from train.benchmarks.build import (
     args_family,
@@ -76,15 +76,22 @@ def project_step(
 
 def run_project(
     model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype, args: argparse.Namespace
-) -> Phase:
-    """Build the DeepSpeed engine over `model` (train.runtime.engine.build_engine) and time its step."""
+) -> tuple[Phase, dict]:
+    """Build the DeepSpeed engine over `model` (train.runtime.engine.build_engine) and time its step; with
+    --ab_rounds, in rounds with the fused SwiGLU off and on (ab.py). Returns the timed phase and the A/B's fields."""
     eng, _ = engine.build_engine(model, cfg.deepspeed)
     eng.train()
-    step = project_step(eng, b, cfg, d, dtype, args_family(args))
+    fam = args_family(args)
+    step = project_step(eng, b, cfg, d, dtype, fam)
+    if args.ab_rounds:
+        def switch(on: bool) -> int:
+            return (swiglu.fuse if on else swiglu.unfuse)(fam.blocks(model), fam.swiglu)
+
+        return ab.alternate(step, switch, args.ab_rounds, args.warmup, args.steps, d.device, args.gc_every_steps)
     phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
     if args.profile and d.is_main:
         profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.project.txt")
-    return phase
+    return phase, {}
 
 
 def run_peer(args: argparse.Namespace, w: Workload, d: engine.Dist, dtype: torch.dtype) -> list[dict]:
@@ -151,8 +158,8 @@ def run(args: argparse.Namespace, d: engine.Dist) -> dict:
         baseline = run_baseline(model, b, cfg, d, dtype, args) if args.baseline else None
     to_project_form(model, args, d.device)
     with explained_oom(w):
-        project = run_project(model, b, cfg, d, dtype, args)
-    record = make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype)
+        project, ab_fields = run_project(model, b, cfg, d, dtype, args)
+    record = {**make_record(args, w, model_info, flops_per_gpu, project, baseline, d, dtype), **ab_fields}
     if peer_rows is not None:
         add_peer(record, peer_rows, flops_per_gpu, args.peak_tflops)
     if args.floor:  # after the step's timing, in the same process: its kernels alone at its shapes

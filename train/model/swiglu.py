@@ -204,3 +204,12 @@ def fuse(blocks: torch.nn.ModuleList, names: SwiGLU) -> int:
     for mlp in mlps:
         mlp.forward = functools.partial(fused_forward, mlp, names)
     return len(mlps)
+
+
+def unfuse(blocks: torch.nn.ModuleList, names: SwiGLU) -> int:
+    """Undo fuse: every block's MLP back on its class's forward. Returns how many were fused."""
+    mlps = [block.get_submodule(names.module) for block in blocks]
+    fused = [mlp for mlp in mlps if "forward" in vars(mlp)]
+    for mlp in fused:
+        del mlp.forward
+    return len(fused)
