@@ -99,6 +99,9 @@ for row in $rows; do
     q21_peer)  # Qwen-Image-2.1, one reference, FlashAttention-4: against the peer on SDPA and on its own pick
       run_row q21_peer 330 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile:torch,bf16:compile ;;
+    q21_peer_swiglu)  # the same with levers 39's fused SwiGLU on our side
+      run_row q21_peer_swiglu 330 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" --peer diffsynth \
+        --peer_variants bf16:compile:torch,bf16:compile ;;
     q21_fa4)  # the same step alone: the reference for the 2.1 single-lever rows
       run_row q21_fa4 150 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" ;;
     q21_swiglu)  # levers 39: the SwiGLU backward as one Triton kernel (train/model/swiglu.py), against q21_fa4
@@ -109,8 +112,8 @@ for row in $rows; do
       run_row q21_swiglu_profile 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" \
         --profile "$out/q21_swiglu" ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
-            "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_fa4 q21_swiglu" \
-            "q21_swiglu_ab q21_swiglu_profile)" ;;
+            "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_peer_swiglu q21_fa4" \
+            "q21_swiglu q21_swiglu_ab q21_swiglu_profile)" ;;
   esac
 done
 
