@@ -108,12 +108,14 @@ for row in $rows; do
       run_row q21_swiglu 150 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" ;;
     q21_swiglu_ab)  # levers 39 in one process: the fused SwiGLU off and on in three alternating rounds (ab.py)
       run_row q21_swiglu_ab 220 "${q21[@]}" --attention_kernel fa4 --fused_swiglu --ab_rounds 3 "${timing[@]}" ;;
+    q21_cudagraphs)  # each compiled block replayed as a CUDA graph (reduce-overhead): the host's launches on 2.1
+      run_row q21_cudagraphs 180 "${q21[@]}" --attention_kernel fa4 --compile_mode reduce-overhead "${timing[@]}" ;;
     q21_swiglu_profile)  # the same under the profiler: the kernel's own time per block ($OUT/q21_swiglu.project.txt)
       run_row q21_swiglu_profile 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" \
         --profile "$out/q21_swiglu" ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
             "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_peer_swiglu q21_fa4" \
-            "q21_swiglu q21_swiglu_ab q21_swiglu_profile)" ;;
+            "q21_swiglu q21_swiglu_ab q21_cudagraphs q21_swiglu_profile)" ;;
   esac
 done
 
