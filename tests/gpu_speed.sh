@@ -106,13 +106,13 @@ for row in $rows; do
       run_row q21_fa4 150 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" ;;
     q21_swiglu)  # levers 39: the SwiGLU backward as one Triton kernel (train/model/swiglu.py), against q21_fa4
       run_row q21_swiglu 150 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" ;;
+    q21_swiglu_profile)  # the same under the profiler: the kernel's own time per block ($OUT/q21_swiglu.project.txt)
+      run_row q21_swiglu_profile 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" \
+        --profile "$out/q21_swiglu" ;;
     q21_swiglu_ab)  # levers 39 in one process: the fused SwiGLU off and on in three alternating rounds (ab.py)
       run_row q21_swiglu_ab 220 "${q21[@]}" --attention_kernel fa4 --fused_swiglu --ab_rounds 3 "${timing[@]}" ;;
     q21_cudagraphs)  # each compiled block replayed as a CUDA graph (reduce-overhead): the host's launches on 2.1
       run_row q21_cudagraphs 180 "${q21[@]}" --attention_kernel fa4 --compile_mode reduce-overhead "${timing[@]}" ;;
-    q21_swiglu_profile)  # the same under the profiler: the kernel's own time per block ($OUT/q21_swiglu.project.txt)
-      run_row q21_swiglu_profile 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" \
-        --profile "$out/q21_swiglu" ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
             "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_peer_swiglu q21_fa4" \
             "q21_swiglu q21_swiglu_ab q21_cudagraphs q21_swiglu_profile)" ;;
@@ -146,6 +146,10 @@ for path, line in records:  # a row run twice (ROWS="a b a b") has a line per ru
         else:
             print(f"{'':18s} {'peer ' + p['variant']:54s} {p['s_per_step']:8.4f} {100 * p['mfu']:5.1f}% "
                   f"{p['peak_memory_gb']:6.1f}  project is {p['s_per_step'] / r['s_per_step']:.3f}x faster")
+    if "ab_rounds" in r:
+        label = f"the same without {r['ab_lever']} ({r['ab_rounds']} alternating rounds)"
+        flag = " (RECOMPILED: not the lever alone)" if r["ab_recompiled"] else ""
+        print(f"{'':18s} {label:54s} {r['ab_off_s_per_step']:8.4f}   on - off {r['ab_on_minus_off_ms']:+.1f} ms{flag}")
     if "floor_s" in r:
         print(f"{'':18s} {'floor: attention + fp8 + dense matmuls alone':54s} {r['floor_s']:8.4f}   step/floor "
               f"{r['floor_ratio']:.3f} (mean), {r['floor_ratio_median']:.3f} (median {r['floor_step_median_s']:.4f} s)")

@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from train.benchmarks import ab, build, flops21, options, step
+from train.benchmarks.timing import Phase
 from train.benchmarks.workload import make_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,17 +157,20 @@ def test_ab_rounds_alternate_the_lever_and_pool_each_side(monkeypatch):
     the warm-ups; the rounds' means and their difference; a graph count that grows after the first pair is flagged."""
     switched, graphs = [], iter([3, 5, 5, 5, 5, 6])
     monkeypatch.setattr(ab, "compiled_graphs", lambda: next(graphs))
-    step_s = {False: 0.002, True: 0.001}
+    step_s = {False: 0.002, True: 0.001}  # each side's step time; the warm-up steps take 9 s
 
-    def step(i: int) -> torch.Tensor:
-        time.sleep(step_s[switched[-1]])
-        return torch.tensor(float(i))
+    def timed(step, warmup, steps, device, gc_every_steps):  # time_steps' result, with the clock made up
+        losses = [float(step(i)) for i in range(warmup + steps)]
+        return Phase([9.0] * warmup + [step_s[switched[-1]]] * steps, warmup, 1.0 + switched[-1], losses)
 
-    on, fields = ab.alternate(step, switched.append, rounds=3, warmup=1, steps=4, device=torch.device("cpu"))
+    monkeypatch.setattr(ab, "time_steps", timed)
+    on, fields = ab.alternate(lambda i: torch.tensor(float(i)), switched.append, rounds=3, warmup=1, steps=4,
+                              device=torch.device("cpu"))
     assert switched == [False, True] * 3
     assert len(on.seconds) == 12 and on.warmup == 0 and on.losses == [1.0, 2.0, 3.0, 4.0] * 3
     assert len(fields["ab_round_means_s"]) == 3 and all(off > on_ for off, on_ in fields["ab_round_means_s"])
     assert fields["ab_off_s_per_step"] > on.s_per_step and fields["ab_on_minus_off_ms"] < 0
+    assert fields["ab_on_minus_off_ms"] == pytest.approx(-1.0) and fields["ab_off_peak_memory_gb"] == 1.0
     assert fields["ab_graphs_after_round"] == [3, 5, 5, 5, 5, 6] and fields["ab_recompiled"]
-    lines = ab.report_lines({**fields, "s_per_step": on.s_per_step, "steps": 4}, "the lever")
+    lines = ab.report_lines({**fields, "s_per_step": on.s_per_step, "steps": 4})
     assert "WARNING" in lines[-1] and "3 rounds each of 4 timed steps" in lines[0]

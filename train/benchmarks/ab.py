@@ -1,9 +1,9 @@
 """`--ab_rounds N`: one lever timed without and with it in alternating rounds on the same model, engine and batch,
-in one process. Identical benchmark processes differ by 7-15 ms on a 0.56 s Qwen-Image-2.1 step (the machine's
-clocks, where the allocator put things); a lever worth 10 ms is lost in that spread across processes but not across
-rounds a few seconds apart in one. The lever is `--fused_swiglu` (the only one switched on a built model):
-train/model/swiglu.py's fuse and unfuse between rounds, each compiled form compiled once, in its first round's
-warm-up.
+in one process. Identical benchmark processes differ by more than a lever of about a per cent of the step (the
+machine's clocks, where the allocator put things; docs/levers.md, 40-42); rounds a few seconds apart in one process
+share the model, the engine and the allocator's state. The lever is `--fused_swiglu` (the only one switched on a
+built model): train/model/swiglu.py's fuse and unfuse between rounds, each compiled form compiled once, in its first
+round's warm-up.
 
 Each round is `--warmup` + `--steps` steps (train/benchmarks/timing.py's time_steps, the same seeds every round).
 The record's main figures are the rounds with the lever, pooled; its `ab_` fields hold the rounds without it, each
@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 
 from train.benchmarks.timing import Phase, time_steps
+
+LEVER = "fused SwiGLU"  # what switch(True) turns on: train.bench's --fused_swiglu
 
 
 def compiled_graphs() -> int:
@@ -57,6 +59,7 @@ def alternate(
     off, on = pooled(sides[False]), pooled(sides[True])
     off_stats = off.stats(1.0)
     fields = {
+        "ab_lever": LEVER,
         "ab_rounds": rounds,
         "ab_off_s_per_step": off_stats["mean_s_per_step"],
         "ab_off_median_s_per_step": off_stats["median_s_per_step"],
@@ -69,13 +72,14 @@ def alternate(
     return on, fields
 
 
-def report_lines(r: dict, lever: str) -> list[str]:
+def report_lines(r: dict) -> list[str]:
     """The A/B's lines of train.bench's report."""
     rounds = ", ".join(f"{1000 * (b - a):+.1f}" for a, b in r["ab_round_means_s"])
     lines = [
-        f"A/B         {lever} off {r['ab_off_s_per_step']:.4f} s/step (median {r['ab_off_median_s_per_step']:.4f}, "
-        f"peak {r['ab_off_peak_memory_gb']:.2f} GB), on {r['s_per_step']:.4f} (the figures above), alternating "
-        f"{r['ab_rounds']} rounds each of {r['steps']} timed steps",
+        f"A/B         {r['ab_lever']} off {r['ab_off_s_per_step']:.4f} s/step "
+        f"(median {r['ab_off_median_s_per_step']:.4f}, peak {r['ab_off_peak_memory_gb']:.2f} GB), "
+        f"on {r['s_per_step']:.4f} (the figures above), alternating {r['ab_rounds']} rounds each of "
+        f"{r['steps']} timed steps",
         f"            on - off {r['ab_on_minus_off_ms']:+.1f} ms per step; per round {rounds} ms",
     ]
     if r["ab_recompiled"]:

@@ -221,7 +221,7 @@ def format_report(r: dict) -> str:
     if "floor_s" in r:
         lines += floor.report_lines(r)
     if "ab_rounds" in r:
-        lines += ab.report_lines(r, "fused SwiGLU")
+        lines += ab.report_lines(r)
     if r["device_type"] != "cuda":
         lines.append(
             "note        CPU run: MFU (against a GPU's bf16 peak) and peak memory (process RSS) are not "
