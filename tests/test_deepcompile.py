@@ -11,8 +11,9 @@ import torch
 from conftest import write_config
 
 from train.config import Config, ConfigError, LoraConfig, ProjectConfig, TrainConfig, load_config, parse_args
-from train.model import prepare
+from train.model import family, prepare
 from train.model.qwen_image.tiny import build_transformer
+from train.model.qwen_image21.tiny import build_transformer as build_21
 from train.plan import keys
 from train.plan.choice import OFFLOAD_KEY
 from train.plan.predict import Choice
@@ -149,3 +150,34 @@ def test_build_engine_compiles_the_whole_module_after_moving_the_frozen_weights(
     engine.deepcompile(Engine())
     assert calls == [[]]  # compiled once, with no frozen parameter left
     assert "DeepCompile: the engine compiles the whole transformer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("name", ["qwen_image", "qwen_image21"])
+def test_after_freeze_unreached_every_trainable_weight_gets_a_gradient(name, mode):
+    """DeepCompile's precondition: once prepare.freeze_unreached has run, one forward and backward give every
+    trainable weight a gradient, and the output is unchanged. The Qwen-Image MMDiT has weights without one before
+    (its last block's text stream after the attention); Qwen-Image-2.1's single stream has none."""
+    fam = family.family_named(name)
+    torch.manual_seed(0)
+    model = (build_transformer() if name == "qwen_image" else build_21(num_layers=2)).float()
+    lora = LoraConfig(rank=4, alpha=4.0, target_modules=list(fam.lora.targets))
+    prepare.prepare_for_training(model, mode, lora, False, False)
+    with torch.no_grad():  # LoRA B starts at zero; a value makes every LoRA weight's gradient matter
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+    b = fam.synthetic_batch(model, 1, (4, 4), [(4, 4)], 6, torch.device("cpu"), torch.float32)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = fam.target_prediction(model(**fam.transformer_inputs(b, b.x0, torch.tensor([0.4]), torch.float32)), b)
+        out.square().mean().backward()
+        return out.detach(), [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+
+    before, missing = step()
+    frozen = prepare.freeze_unreached(model)
+    after, none_now = step()
+    assert none_now == []
+    assert frozen == len(missing) and (frozen > 0) == (name == "qwen_image"), missing
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

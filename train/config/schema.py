@@ -205,9 +205,11 @@ class TrainConfig:
     """DeepSpeed's DeepCompile (ZeRO stage 1 or 2, CUDA GPUs): the engine compiles the whole transformer
     (engine.compile()) and DeepSpeed reduces the gradients inside the compiled backward instead of from
     per-parameter hooks. Set here only (it fills DeepSpeed's compile.deepcompile); the frozen base weights become
-    buffers, since DeepCompile takes every parameter in its graph for one the optimizer holds. Excludes
-    train.compile (per block), offload_blocks, kept attention and DeepSpeed's optimizer offload; the memory plan
-    then leaves them out. Off by default: its loss curve has not yet been compared with the default path's."""
+    buffers, since DeepCompile takes every parameter in its graph for one the optimizer holds, and the trainable
+    weights that no output reaches (Qwen-Image's last block's text stream after its attention) are frozen, since it
+    needs a gradient for each. Excludes train.compile (per block), offload_blocks, kept attention and DeepSpeed's
+    optimizer offload; the memory plan then leaves them out. Off by default: its loss curve has not yet been
+    compared with the default path's on a GPU."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
     gc_every_steps: int = 1

@@ -145,6 +145,8 @@ class ModelFamily:
     # with (the same computation as its own); None: its own
     cut: Any = None  # model-parallel stages (prune, embed, run_blocks, head, later_inputs)
     block_list: str = "transformer_blocks"  # the transformer's attribute holding its blocks
+    unreached: tuple[str, ...] = ()  # modules of the last block whose output the transformer drops: their
+    # trainable weights get no gradient (prepare.freeze_unreached)
     # loading the encoders
     load_encoders: Callable[..., Encoders] | None = None  # (model_dir, dtype, device, stream_text_encoder, 2d)
     load_vae: Callable[..., torch.nn.Module] | None = None  # (model_dir, dtype, device, vae_2d_frames)

@@ -87,6 +87,20 @@ def prepare_for_training(transformer, mode: str, lora: LoraConfig, gradient_chec
     return offloader
 
 
+def freeze_unreached(transformer) -> int:
+    """Freeze the trainable weights that no output of the transformer reaches (its family's `unreached` modules of
+    the last block: the Qwen-Image MMDiT drops the text stream after its last attention); returns how many. They
+    train nothing either way, but DeepCompile's ZeRO-1/2 pass looks up a gradient for every trainable weight among
+    a compiled graph's inputs and fails on one without (DeepSpeed 0.19.8, add_z1_reduce_bw in
+    deepspeed/compile/passes/zero_1_and_2_compile.py)."""
+    fam = family.transformer_family(transformer)
+    last = fam.blocks(transformer)[-1]
+    frozen = [p for name in fam.unreached for p in last.get_submodule(name).parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
+
+
 def _device_of(module: torch.nn.Module, block_list: str) -> torch.device:
     """The training device: where the non-block weights are (they are never offloaded)."""
     return next(p.device for name, p in module.named_parameters() if not name.startswith(f"{block_list}."))

@@ -97,6 +97,8 @@ FAMILY = ModelFamily(
     # every LoRA target is a token linear (both streams' attention and MLPs); the modulation gives one vector a sample
     fp8_linears=Fp8Linears(lora_keys.TARGETS, ("img_mod.1", "txt_mod.1")),
     attention_module="diffusers.models.transformers.transformer_qwenimage",
+    # the last block's text stream after its attention: the transformer returns the image stream only
+    unreached=("attn.to_add_out", "txt_mlp"),
     detect_variant=components.detect_variant,
     load_encoders=components.load_encoders,
     load_vae=components.load_vae,
