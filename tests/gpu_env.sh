@@ -1,22 +1,30 @@
 # Sourced on a CUDA host without a package index, in the repository root: installs the wheels that
 # tests/gpu_kit.sh packed into .kit/N, each group (base, fa4) into $KIT_ROOT/GROUP (default /tmp/kit) once every file
-# of the group that .kit/1/manifest.txt lists is there, and sets the environment the GPU scripts expect. Sourcing it
-# again installs only what has become complete, so a kit carried in several transfers can be sourced after each.
+# of the group that .kit/1/manifest.txt lists has arrived, and sets the environment the GPU scripts expect. Each
+# sourcing first copies what .kit/ holds to $KIT_ROOT/arrived, since a later device call need not keep the folders an
+# earlier one carried; so a kit carried in several transfers is sourced after each, and installs what is complete.
 #   source tests/gpu_env.sh && OUT=/tmp/speed bash tests/gpu_speed.sh
 # KIT_FA4=0 leaves FlashAttention-4 off the import path although installed.
 export KIT_ROOT=${KIT_ROOT:-/tmp/kit}
 export NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 - <<'PY'
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-kit, root = Path(".kit"), Path(os.environ["KIT_ROOT"])
-if not (kit / "1" / "manifest.txt").is_file():
-    sys.exit("kit: no .kit/1/manifest.txt here (make the kit with tests/gpu_kit.sh and carry .kit/1 first)")
+root = Path(os.environ["KIT_ROOT"])
+arrived = root / "arrived"
+for f in Path(".kit").glob("*/**/*"):  # N/manifest.txt and N/GROUP/FILE, kept as manifest.txt and GROUP/FILE
+    to = arrived / f.relative_to(Path(".kit", f.relative_to(".kit").parts[0]))
+    if f.is_file() and (f.name == "manifest.txt" or not to.is_file()):
+        to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, to)
+if not (arrived / "manifest.txt").is_file():
+    sys.exit("kit: no manifest has arrived (make the kit with tests/gpu_kit.sh and carry .kit/1 first)")
 groups: dict[str, list[tuple[str, int]]] = {}
-for line in (kit / "1" / "manifest.txt").read_text().split("\n"):
+for line in (arrived / "manifest.txt").read_text().split("\n"):
     if line.strip():
         group, name, parts = line.split()
         groups.setdefault(group, []).append((name, int(parts)))
@@ -25,7 +33,7 @@ for group, wheels in groups.items():
     if (target / ".installed").is_file():
         continue
     files = {f"{name}.part.{i:02d}" if parts else name for name, parts in wheels for i in range(max(parts, 1))}
-    found = {p.name: p for p in kit.glob(f"*/{group}/*") if p.name in files}
+    found = {p.name: p for p in (arrived / group).glob("*") if p.name in files}
     if len(found) < len(files):
         print(f"kit: {group} waits for {len(files) - len(found)} of its {len(files)} files")
         continue

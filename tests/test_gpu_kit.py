@@ -1,7 +1,8 @@
 """tests/gpu_kit.sh packs wheels into size-capped folders, cutting a wheel larger than a folder, and
 tests/gpu_env.sh, sourced on the host, installs each group only once all of its files have arrived (the kit carried
-in several transfers), joins the cut wheel byte for byte, and puts FlashAttention-4's group on the import path unless
-KIT_FA4=0. Pure-Python wheels built here stand in for the real ones; pip installs them offline."""
+in several transfers, each of which may find the earlier ones' folders gone), joins the cut wheel byte for byte, and
+puts FlashAttention-4's group on the import path unless KIT_FA4=0. Pure-Python wheels built here stand in for the
+real ones; pip installs them offline."""
 
 from __future__ import annotations
 
@@ -78,7 +79,9 @@ def test_kit_packs_cuts_and_installs_in_transfers(tmp_path):
     assert "kit: fa4 waits for" in first.stdout
     assert "300000" in first.stdout and "No module named 'kit_big'" in first.stderr
 
-    # the rest arrives: only the fa4 group installs now; the cut wheel is the original, byte for byte
+    # the rest arrives, and the first transfer's folder is gone (a device call keeps only what it carries): only
+    # the fa4 group installs now, from the files each sourcing kept; the cut wheel is the original, byte for byte
+    shutil.rmtree(root / ".kit" / "1")
     for folder in ("2", "3"):
         shutil.move(held / folder, root / ".kit" / folder)
     second = source_env(root, kit_root, "import kit_big; print(kit_big.SIZE)")
