@@ -30,16 +30,18 @@ def changed(cfg: dict, **changes) -> dict:
 
 
 def test_settings_the_checkpoint_cannot_follow_are_refused_by_name(saved):
-    """LoRA rank and targets, the optimizer type, ZeRO stage and precision are named together with both values."""
+    """LoRA rank and targets, the optimizer type, ZeRO stage, precision and DeepCompile (which sets what trains) are
+    named together with both values."""
     now = changed(saved, **{"qwen_edit.lora.rank": 8, "qwen_edit.lora.target_modules": ["attn.to_q"],
                             "optimizer.type": "SGD", "zero_optimization.stage": 1, "bf16.enabled": True,
-                            "optimizer.params.lr": 0.5})
+                            "qwen_edit.train.deepcompile": True, "optimizer.params.lr": 0.5})
     with pytest.raises(resume_changes.ResumeError) as e:
         resume_changes.config_changes({"config": saved}, now, "global_step4")
     msg = str(e.value)
     for key in ("qwen_edit.lora.rank: 16 in the checkpoint, 8 now", "qwen_edit.lora.target_modules",
                 'optimizer.type: "AdamW" in the checkpoint, "SGD" now', "zero_optimization.stage: 2",
-                "bf16.enabled: null in the checkpoint, true now", "python -m train.export"):
+                "bf16.enabled: null in the checkpoint, true now", "qwen_edit.train.deepcompile: ",
+                "python -m train.export"):
         assert key in msg, msg
     assert "optimizer.params.lr" not in msg
 

@@ -49,6 +49,7 @@ FIXED_KEYS = (
     "qwen_edit.lora.target_modules",
     "qwen_edit.model.variant",
     "qwen_edit.parallel.mode",
+    "qwen_edit.train.deepcompile",  # freezes the weights no output reaches (prepare.freeze_unreached)
     "zero_optimization.stage",
     "bf16.enabled",
     "fp16.enabled",
