@@ -72,8 +72,8 @@ def build_transformer(cfg: config.Config, device: torch.device | None = None):
             share, t.kept_attention_blocks, fp8_fast_accum=t.fp8_fast_accum, attention=t.attention)
     except torch.cuda.OutOfMemoryError as e:
         raise out_of_memory(e, "loading the transformer", "load", cfg.micro_batch_size) from e
-    if t.deepcompile:  # its ZeRO-1/2 pass needs a gradient for every trainable weight it compiles
-        frozen = prepare.freeze_unreached(transformer)
+    frozen = prepare.freeze_unreached(transformer) if t.deepcompile else 0  # its ZeRO-1/2 pass needs a gradient
+    if frozen:  # for every trainable weight it compiles
         print0(f"DeepCompile: {frozen} trainable weights of the last block frozen, which no output reaches",
                rank=int(os.environ.get("RANK", "0")))
     if offloader is not None:
