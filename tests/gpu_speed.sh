@@ -111,11 +111,15 @@ for row in $rows; do
         --profile "$out/q21_swiglu" ;;
     q21_swiglu_ab)  # levers 39 in one process: the fused SwiGLU off and on in three alternating rounds (ab.py)
       run_row q21_swiglu_ab 220 "${q21[@]}" --attention_kernel fa4 --fused_swiglu --ab_rounds 3 "${timing[@]}" ;;
+    q21_text_calls_ab)  # a later text run as one FlashAttention-4 call (bottom-right causal) or two merged calls,
+      # in three alternating rounds in one process (ab.py)
+      run_row q21_text_calls_ab 220 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever text_calls \
+        "${timing[@]}" ;;
     q21_cudagraphs)  # each compiled block replayed as a CUDA graph (reduce-overhead): the host's launches on 2.1
       run_row q21_cudagraphs 180 "${q21[@]}" --attention_kernel fa4 --compile_mode reduce-overhead "${timing[@]}" ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
             "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_peer_swiglu q21_fa4" \
-            "q21_swiglu q21_swiglu_ab q21_cudagraphs q21_swiglu_profile)" ;;
+            "q21_swiglu q21_swiglu_ab q21_text_calls_ab q21_cudagraphs q21_swiglu_profile)" ;;
   esac
 done
 

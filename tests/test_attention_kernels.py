@@ -55,14 +55,16 @@ def test_the_dense_probe_times_one_unmasked_call_over_the_whole_sequence(monkeyp
 
 def _fake_flash_attn_4(monkeypatch) -> None:
     """flash_attn.cute.interface with the contract of FlashAttention-4's two functions, in float32 math: q, k, v, out
-    and gradients (B, S, H, D); the log-sum-exp (B, H, S), natural log; the backward's softmax from the log-sum-exp
-    and its row sums from the output it is given."""
+    and gradients (B, S, H, D); the log-sum-exp (B, H, S), natural log; a causal triangle aligned bottom-right (query
+    i of S sees keys 0..i + K - S); the backward's softmax from the log-sum-exp and its row sums from the output it is
+    given."""
     import sys
     import types
 
     def scores(q, k, scale, causal):
         s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
-        return s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+        hidden = torch.ones_like(s, dtype=torch.bool).triu(1 + s.shape[-1] - s.shape[-2])
+        return s.masked_fill(hidden, float("-inf")) if causal else s
 
     def heads_first(*xs):
         return [x.transpose(1, 2).float() for x in xs]
@@ -90,11 +92,18 @@ def _fake_flash_attn_4(monkeypatch) -> None:
 
 def test_the_segmented_op_on_flash_attention_4_equals_it_on_sdpa(monkeypatch):
     """The op's calls through train/model/flash4.py (a stand-in with FlashAttention-4's contract on the CPU: layout,
-    log-sum-exp, backward from a larger attention's out and lse) give the op's output and gradients on SDPA's kernel."""
+    log-sum-exp, bottom-right causal triangle, backward from a larger attention's out and lse) give the op's output
+    and gradients on SDPA's kernel, with a later text run as one causal call over every key before its end, and as
+    two calls where the A/B splits it."""
     from train.model import flash4, kept_attention
     from train.model.qwen_image21 import attention
 
     _fake_flash_attn_4(monkeypatch)
+    calls = []
+    fused_forward = kept_attention.fused_forward
+    monkeypatch.setattr(kept_attention, "fused_forward",
+                        lambda q, k, v, scale, causal=False: calls.append((q.shape[2], k.shape[2], causal))
+                        or fused_forward(q, k, v, scale, causal))
     mask, shapes = attention21.layout(2, (4, 6), 7)
     ids, target = T.QwenImage21Transformer2DModel.build_token_metadata(mask, shapes)
     segments = T._qwenimage21_prefix_segments(ids, int((~target).sum()))
@@ -109,9 +118,25 @@ def test_the_segmented_op_on_flash_attention_4_equals_it_on_sdpa(monkeypatch):
         return [out.detach(), q.grad, k.grad, v.grad]
 
     on_sdpa = run()
+    split = list(calls)
     monkeypatch.setattr(kept_attention, "_external", flash4)
-    for ours, theirs in zip(run(), on_sdpa, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    one_call = list(split)  # each later text run's two calls (keys before it; its own, causal) as one
+    later_text = [(start, end) for start, end, is_text in segments if is_text and start > 0]
+    for start, end in later_text:
+        one_call.remove((end - start, start, False))
+        one_call.remove((end - start, end - start, True))
+        one_call.append((end - start, end, True))
+    assert len(later_text) == 2
+    for split_text in (False, True):
+        calls.clear()
+        kept_attention.split_text_calls(split_text)
+        try:
+            for ours, theirs in zip(run(), on_sdpa, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+            assert kept_attention.causal_bottom_right() is not split_text
+        finally:
+            kept_attention.split_text_calls(False)
+        assert calls == split if split_text else sorted(calls) == sorted(one_call)
 
 
 def test_the_mmdit_blocks_run_their_attention_on_the_chosen_kernel(monkeypatch):

@@ -93,11 +93,14 @@ def test_full_size_linears_all_have_rows():
 
 def test_options_of_the_21_variant():
     """--variant qwen_image_21 takes 0-10 references and an attention processor; the MMDiT's options, too few text
-    tokens and an unknown processor are refused."""
+    tokens, an unknown processor and an A/B without its lever's setting are refused."""
     assert options.parse_args(["--variant", "qwen_image_21", "--refs", "10"]).refs == 10
     assert options.parse_args(["--variant", "qwen_image_21", "--attention", "flex"]).attention == "flex"
     assert options.parse_args(["--variant", "qwen_image_21", "--fp8_base", "--fused_swiglu"]).fused_swiglu
-    bad_options = (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"], ["--fused_swiglu"])
+    text_calls = ["--ab_rounds", "2", "--ab_lever", "text_calls", "--attention", "segmented"]
+    assert options.parse_args(["--variant", "qwen_image_21", *text_calls, "--attention_kernel", "fa4"]).ab_rounds == 2
+    bad_options = (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"], ["--fused_swiglu"],
+                   text_calls, ["--ab_rounds", "2"], [*text_calls[:-1], "flex", "--attention_kernel", "fa4"])
     for bad in (*bad_options, ["--refs", "3", "--text_tokens", "7"]):
         with pytest.raises(SystemExit):
             options.parse_args(["--variant", "qwen_image_21", *bad])
@@ -165,7 +168,8 @@ def test_ab_rounds_alternate_the_lever_and_pool_each_side(monkeypatch):
 
     monkeypatch.setattr(ab, "time_steps", timed)
     on, fields = ab.alternate(lambda i: torch.tensor(float(i)), switched.append, rounds=3, warmup=1, steps=4,
-                              device=torch.device("cpu"))
+                              device=torch.device("cpu"), lever="text_calls")
+    assert fields["ab_lever"] == ab.LEVERS["text_calls"] != ab.LEVERS["fused_swiglu"]
     assert switched == [False, True] * 3
     assert len(on.seconds) == 12 and on.warmup == 0 and on.losses == [1.0, 2.0, 3.0, 4.0] * 3
     assert len(fields["ab_round_means_s"]) == 3 and all(off > on_ for off, on_ in fields["ab_round_means_s"])

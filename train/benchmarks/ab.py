@@ -1,9 +1,11 @@
 """`--ab_rounds N`: one lever timed without and with it in alternating rounds on the same model, engine and batch,
 in one process. Identical benchmark processes differ by more than a lever of about a per cent of the step (the
 machine's clocks, where the allocator put things; docs/levers.md, 40-42); rounds a few seconds apart in one process
-share the model, the engine and the allocator's state. The lever is `--fused_swiglu` (the only one switched on a
-built model): train/model/swiglu.py's fuse and unfuse between rounds, each compiled form compiled once, in its first
-round's warm-up.
+share the model, the engine and the allocator's state. The levers switched on a built model (`--ab_lever`, LEVERS):
+fused_swiglu, train/model/swiglu.py's fuse and unfuse between rounds (with `--fused_swiglu`), each compiled form
+compiled once, in its first round's warm-up; text_calls, a later text run of 2.1's segmented op as one
+FlashAttention-4 call or as two merged calls (kept_attention.split_text_calls, with `--attention_kernel fa4`), which
+the compiled blocks do not see (the op is opaque to them).
 
 Each round is `--warmup` + `--steps` steps (train/benchmarks/timing.py's time_steps, the same seeds every round).
 The record's main figures are the rounds with the lever, pooled; its `ab_` fields hold the rounds without it, each
@@ -20,7 +22,10 @@ import torch
 
 from train.benchmarks.timing import Phase, time_steps
 
-LEVER = "fused SwiGLU"  # what switch(True) turns on: train.bench's --fused_swiglu
+LEVERS = {  # --ab_lever: what switch(True) turns on
+    "fused_swiglu": "fused SwiGLU",
+    "text_calls": "one FlashAttention-4 call per later text run",
+}
 
 
 def compiled_graphs() -> int:
@@ -46,6 +51,7 @@ def alternate(
     steps: int,
     device: torch.device,
     gc_every_steps: int = 0,
+    lever: str = "fused_swiglu",
 ) -> tuple[Phase, dict]:
     """`rounds` pairs of rounds, without the lever (switch(False)) then with it (switch(True)); the lever is left on.
     Returns the rounds with it, pooled, and the record's ab_ fields."""
@@ -59,7 +65,7 @@ def alternate(
     off, on = pooled(sides[False]), pooled(sides[True])
     off_stats = off.stats(1.0)
     fields = {
-        "ab_lever": LEVER,
+        "ab_lever": LEVERS[lever],
         "ab_rounds": rounds,
         "ab_off_s_per_step": off_stats["mean_s_per_step"],
         "ab_off_median_s_per_step": off_stats["median_s_per_step"],

@@ -213,8 +213,15 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
         "--ab_rounds",
         type=int,
         default=0,
-        help="with --fused_swiglu: N rounds without it and N with it, alternating on the same model and engine, each "
-        "round --warmup + --steps steps; the difference measured in one process (train/benchmarks/ab.py)",
+        help="N rounds without the lever of --ab_lever and N with it, alternating on the same model and engine, "
+        "each round --warmup + --steps steps; the difference measured in one process (train/benchmarks/ab.py)",
+    )
+    p.add_argument(
+        "--ab_lever",
+        choices=("fused_swiglu", "text_calls"),
+        default="fused_swiglu",
+        help="with --ab_rounds: fused_swiglu (with --fused_swiglu) or text_calls (with --attention_kernel fa4 and "
+        "--attention segmented: a later 2.1 text run as one FlashAttention-4 call instead of two merged ones)",
     )
 
 
@@ -256,9 +263,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--baseline runs SDPA as the plain loop would; drop --attention_kernel or --baseline")
     if args.fp8_impl != "ours" and not args.fp8_base:
         parser.error("--fp8_impl applies with --fp8_base")
-    if args.ab_rounds and (not args.fused_swiglu or args.profile or args.ab_rounds < 1):
-        parser.error("--ab_rounds alternates --fused_swiglu off and on: give it with --fused_swiglu, a count >= 1 "
-                     "and no --profile")
+    if args.ab_rounds:
+        _check_ab(parser, args)
     if args.fused_swiglu and (not args.fp8_base or args.fp8_impl != "ours"):
         parser.error("--fused_swiglu fuses train/model/fp8.py's base matmuls: use it with --fp8_base (--fp8_impl ours)")
     if (args.fp8_transposed or args.fp8_fast_accum) and args.fp8_impl != "ours":
@@ -277,6 +283,19 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if args.variant == "edit" and any(v.attention for v in variants):
             parser.error("--peer_variants: an attention implementation (BASE:MODE:ATTENTION) is for Qwen-Image-2.1's "
                          "peer; the MMDiT's DiffSynth DiT calls FlashAttention-3 where installed, else SDPA")
+
+
+def _check_ab(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--ab_rounds: a count, no profiler, and the setting its lever switches."""
+    if args.profile or args.ab_rounds < 1:
+        parser.error("--ab_rounds takes a count >= 1 and no --profile")
+    if args.ab_lever == "fused_swiglu" and not args.fused_swiglu:
+        parser.error("--ab_rounds alternates --fused_swiglu off and on: give it with --fused_swiglu")
+    if args.ab_lever == "text_calls" and (
+        args.attention_kernel != "fa4" or args.attention != "segmented" or args.variant != "qwen_image_21"
+    ):
+        parser.error("--ab_lever text_calls is 2.1's segmented op on FlashAttention-4: give --variant qwen_image_21 "
+                     "--attention segmented --attention_kernel fa4")
 
 
 def _check_variant(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

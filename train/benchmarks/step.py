@@ -78,16 +78,19 @@ def run_project(
     model: torch.nn.Module, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype, args: argparse.Namespace
 ) -> tuple[Phase, dict]:
     """Build the DeepSpeed engine over `model` (train.runtime.engine.build_engine) and time its step; with
-    --ab_rounds, in rounds with the fused SwiGLU off and on (ab.py). Returns the timed phase and the A/B's fields."""
+    --ab_rounds, in rounds with --ab_lever's lever off and on (ab.py). Returns the timed phase and the A/B's fields."""
     eng, _ = engine.build_engine(model, cfg.deepspeed)
     eng.train()
     fam = args_family(args)
     step = project_step(eng, b, cfg, d, dtype, fam)
     if args.ab_rounds:
-        def switch(on: bool) -> int:
+        def switch(on: bool) -> object:
+            if args.ab_lever == "text_calls":
+                return kept_attention.split_text_calls(not on)
             return (swiglu.fuse if on else swiglu.unfuse)(fam.blocks(model), fam.swiglu)
 
-        return ab.alternate(step, switch, args.ab_rounds, args.warmup, args.steps, d.device, args.gc_every_steps)
+        return ab.alternate(step, switch, args.ab_rounds, args.warmup, args.steps, d.device, args.gc_every_steps,
+                            args.ab_lever)
     phase = time_steps(step, args.warmup, args.steps, d.device, args.gc_every_steps)
     if args.profile and d.is_main:
         profile_steps(step, args.warmup + args.steps, d.device, f"{args.profile}.project.txt")

@@ -8,7 +8,10 @@ hand over (B, H, S, D) views of contiguous (B, S, H, D) tensors: FlashAttention'
 The forward returns its log-sum-exp (B, H, S) in float32, natural log, as the segmented op merges calls by it; the
 backward takes an out and log-sum-exp that may belong to a larger attention the call is one part of (FlashAttention's
 backward computes its softmax from the log-sum-exp and the output's row sums from the output it is given, as cuDNN's
-does), which gives the call's share of that attention's gradients.
+does), which gives the call's share of that attention's gradients. A causal call aligns its triangle bottom-right
+(query i of S sees keys 0..i + K - S; FlashAttention's convention since version 2.1), so a text run after the first
+is one causal call over every key up to its end (train/model/qwen_image21/attention.py), where SDPA's top-left
+triangle needs two calls and a merge.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from train.config.checks import flash_attention_4_problem
+
+CAUSAL_BOTTOM_RIGHT = True  # a causal call over K keys and S <= K queries: query i sees keys 0..i + K - S
 
 
 def check(device: torch.device) -> None:
@@ -27,8 +32,8 @@ def check(device: torch.device) -> None:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool):
-    """(out (B, H, S, D) with q's layout, lse (B, H, S) float32) of one call; causal: query i sees keys 0..i (the
-    calls are square where causal, so top-left and bottom-right alignment agree)."""
+    """(out (B, H, S, D) with q's layout, lse (B, H, S) float32) of one call; causal: query i of S sees keys
+    0..i + K - S of K (bottom-right, CAUSAL_BOTTOM_RIGHT)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse = _flash_attn_fwd(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=scale, causal=causal,

@@ -41,6 +41,7 @@ _cuda_ok = False  # detect_cuda() sets it: the CUDA device has the fused kernels
 _backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen at the first forward
 _SDP = torch.nn.attention.SDPBackend
 _external = None  # a kernel module (forward, backward) in place of SDPA's kernel: use_kernel("fa4") sets flash4.py
+_split_text = False  # train.bench's A/B (--ab_lever text_calls): causal calls as if aligned top-left on every kernel
 BACKEND = "qwen_edit_kept"  # the mark on a keeping block's attention processor (its _attention_backend)
 # cuDNN's log-sum-exp is (B, H, S, 1) from torch 2.9 on, (B, H, S) before; its backward takes it as its forward gave it
 _CUDNN_LSE_4D = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
@@ -166,6 +167,18 @@ def use_kernel(name: str, device: torch.device) -> None:
     _external = flash4 if name == "fa4" else None
 
 
+def causal_bottom_right() -> bool:
+    """Whether a causal fused call with fewer queries (S) than keys (K) aligns its triangle bottom-right (query i sees
+    keys 0..i + K - S), as FlashAttention-4's does, rather than top-left (keys 0..i), as SDPA's kernels do."""
+    return _external is not None and getattr(_external, "CAUSAL_BOTTOM_RIGHT", False) and not _split_text
+
+
+def split_text_calls(on: bool) -> None:
+    """train.bench's A/B: plan causal calls as if the kernel aligned them top-left (on) or as it does (off)."""
+    global _split_text
+    _split_text = on
+
+
 def choose_kernel(setting: str, device: torch.device) -> str:
     """train.attention_kernel resolved and put in use (use_kernel) for training on `device`: "auto" is "fa4" where
     FlashAttention-4 can run there (installed, compute capability 9.0 or newer), else "sdpa". Returns the kernel."""
@@ -183,7 +196,7 @@ def choose_kernel(setting: str, device: torch.device) -> str:
 
 def fused_forward(q, k, v, scale, is_causal: bool = False):
     """(out, lse) of one fused SDPA kernel call on (B, H, S, D) tensors: out has q's strides, lse is (B, H, S) float32.
-    is_causal: top-left aligned (query i sees keys 0..i), as SDPA's."""
+    is_causal: aligned as causal_bottom_right() says (the callers make non-square causal calls only where it is)."""
     b, h, s = q.shape[:3]
     kind = backend(q)
     if _external is not None:

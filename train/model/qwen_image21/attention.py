@@ -9,11 +9,14 @@ every processor; per run, the mask is:
     a reference [s, e)      keys [0, e), all of them              one kernel call
     the target [p, L)       every key                             one kernel call
     the first text [0, e)   a causal triangle                     one causal call (a square)
-    later text [s, e)       keys [0, s) all, [s, e) causally      two calls, merged by their log-sum-exps
+    later text [s, e)       keys [0, s) all, [s, e) causally      one causal call over keys [0, e) (FlashAttention-4),
+                                                                  or two calls merged by their log-sum-exps (SDPA)
 
-The kernels' causal triangle is aligned top-left (query i sees keys 0..i), so a later text run is split into a call
-over the keys before it and a causal call over its own keys (a square, where top-left is right), merged exactly:
-lse = logaddexp(lse_1, lse_2), out = sum_p exp(lse_p - lse) out_p.
+SDPA's kernels align a causal triangle top-left (query i sees keys 0..i), so on them a later text run is split into
+a call over the keys before it and a causal call over its own keys (a square, where top-left is right), merged
+exactly: lse = logaddexp(lse_1, lse_2), out = sum_p exp(lse_p - lse) out_p. FlashAttention-4 aligns it bottom-right
+(query i of S sees keys 0..i + K - S), which is the later text run's mask over keys [0, e) in one call
+(kept_attention.causal_bottom_right).
 
 All of it is one custom op, `qwen_edit::block_causal_attention`, opaque to torch.compile. Its forward calls the
 fused kernel torch's SDPA picks (cuDNN or FlashAttention on CUDA, the flash kernel on the CPU) through the aten ops
@@ -112,14 +115,16 @@ def flat_bounds(segments: Segments) -> list[int]:
     return [x for start, end, is_text in segments for x in (start, end, int(is_text))]
 
 
-def kernel_calls(bounds: list[int], length: int) -> list[tuple[int, int, int, int, bool]]:
+def kernel_calls(bounds: list[int], length: int, bottom_right: bool = False) -> list[tuple[int, int, int, int, bool]]:
     """The fused-kernel calls of the attention over `length` tokens whose prefix runs are `bounds` (flat start, end,
-    is_text triples): (query start, query end, key start, key end, causal) each; a later text run's two calls are
-    adjacent."""
+    is_text triples): (query start, query end, key start, key end, causal) each. A later text run is one causal call
+    over keys [0, end) where the kernel aligns causal calls bottom-right, else two adjacent calls."""
     calls, prefix_len = [], 0
     for start, end, is_text in zip(bounds[0::3], bounds[1::3], bounds[2::3], strict=True):
         if not is_text:
             calls.append((start, end, 0, end, False))
+        elif bottom_right:
+            calls.append((start, end, 0, end, True))
         else:
             if start > 0:
                 calls.append((start, end, 0, start, False))
@@ -133,7 +138,7 @@ def kernel_calls(bounds: list[int], length: int) -> list[tuple[int, int, int, in
 def _runs(bounds: list[int], length: int):
     """kernel_calls grouped by their queries: (query start, query end, [(key start, key end, causal), ...])."""
     runs: list = []
-    for q0, q1, k0, k1, causal in kernel_calls(bounds, length):
+    for q0, q1, k0, k1, causal in kernel_calls(bounds, length, kept_attention.causal_bottom_right()):
         if runs and runs[-1][0] == q0:
             runs[-1][2].append((k0, k1, causal))
         else:
@@ -190,7 +195,7 @@ def _attention_backward(grad, q, k, v, out, lse, bounds):
                  for k0, k1, causal in keys]
         if len(calls) == 1:
             dq[:, :, rows] = calls[0][0]
-        else:  # a later text run's two calls
+        else:  # a later text run's two calls (top-left kernels)
             add(dq[:, :, rows], *(call[0] for call in calls))
         for (k0, k1, _), (_, dk_share, dv_share) in zip(keys, calls, strict=True):
             shares.append((k0, dk_share, dv_share))
