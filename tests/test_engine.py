@@ -64,6 +64,39 @@ def test_multi_tensor_grad_checks_equal_deepspeeds(monkeypatch, poison):
         assert norm.item() == reference.item() == -1.0  # DeepSpeed's mark of an invalid norm
 
 
+MUON_CHECK = """
+import sys
+import torch
+from train.runtime import ds_patches
+
+assert ds_patches.import_muon_uncompiled()
+assert "torch._inductor.compile_fx" not in sys.modules, "the import compiled (inductor loaded)"
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+assert issubclass(MuonWithAuxAdam, original_muon.MuonWithAuxAdam)
+compiled = []
+torch.compile = lambda fn, **kwargs: compiled.append(fn.__name__) or fn  # eager: records what was compiled
+kernel = original_muon.zeropower_via_newtonschulz5
+g = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+assert torch.equal(kernel(g, 2), kernel.__wrapped__(g, 2)) and torch.equal(kernel(g, 3), kernel.__wrapped__(g, 3))
+assert compiled == ["zeropower_via_newtonschulz5"], compiled  # compiled at its first call, once
+assert not ds_patches.import_muon_uncompiled()  # imported already: nothing to do
+"""
+
+
+def test_muon_module_imports_without_compiling():
+    """DeepSpeed's ZeRO optimizers import its Muon module for isinstance checks: imported through
+    ds_patches.import_muon_uncompiled (a fresh process), its kernels are compiled with DeepSpeed's torch.compile at
+    their first call instead of at the import, which loaded inductor (seconds of every rank's start)."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MUON_CHECK], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _entry_point(name: str, tiny, tmp_path) -> tuple[object, list[str]]:
     """The command `name` and arguments that reach its rendezvous (train.main's model_parallel: a world of 2)."""
     from conftest import TINY_CONFIG, write_config

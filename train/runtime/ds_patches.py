@@ -1,4 +1,5 @@
-"""Multi-tensor versions of two per-tensor loops in DeepSpeed 0.19.8's ZeRO-1/2 optimizer step.
+"""Multi-tensor versions of two per-tensor loops in DeepSpeed 0.19.8's ZeRO-1/2 optimizer step, and its Muon module
+imported without compiling.
 
 Why: a LoRA optimizer holds about a thousand small tensors (r64 on the attention projections of 60 blocks:
 960). After the backward, DeepSpeed's overflow check (amax + amin + isfinite per tensor) and its gradient norm
@@ -8,11 +9,19 @@ quantities with `torch._foreach_norm` (a few launches): a tensor holds an inf/Na
 finite (or overflows, which DeepSpeed would then skip as well), and the global norm is the same sum of
 squared per-tensor norms, accumulated in float64 as DeepSpeed does.
 
+DeepSpeed's ZeRO optimizers import its Muon optimizer module in deepspeed.initialize and in every gradient
+reduction, for an isinstance check. That module decorates three kernels with torch.compile, whose first use loads
+inductor: 2.4 s of every rank's start on a CPU, for functions that only a Muon optimizer calls. For any other
+optimizer the module is imported first with those compiles put off until a kernel is called (import_muon_uncompiled).
+
 Only DeepSpeed 0.19.8 (the pinned version) is patched, since the replaced methods are internal; everything
 around them (the all-reduces over the data- and model-parallel groups, the NaN masking) is kept.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 
@@ -59,6 +68,43 @@ def get_grad_norm_direct(self, gradients, params, norm_type=2):
 
 
 _ORIGINAL: dict = {}
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _compile_on_first_call(compile_now):
+    """A decorator like `compile_now()` (DeepSpeed's compiler.compile) that compiles on the function's first call."""
+
+    def decorate(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now()(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
+def import_muon_uncompiled() -> bool:
+    """Import DeepSpeed's Muon optimizer module with its torch.compile decorations put off to each kernel's first call
+    (for an engine whose optimizer is not Muon, which never calls them); False when it was imported already or the
+    version differs."""
+    import deepspeed
+    from deepspeed.runtime import compiler
+
+    if deepspeed.__version__ != PATCHED_VERSION or MUON_MODULE in sys.modules:
+        return False
+    compile_now = compiler.compile
+    compiler.compile = lambda: _compile_on_first_call(compile_now)
+    try:
+        __import__(MUON_MODULE)
+    finally:
+        compiler.compile = compile_now
+    return True
 
 
 def apply() -> bool:

@@ -179,6 +179,8 @@ def build_engine(model: torch.nn.Module, ds_config: dict, mpu=None):
     from train.runtime import ds_patches
 
     ds_patches.apply()  # multi-tensor gradient checks in the step (see train/runtime/ds_patches.py)
+    if str((ds_config.get("optimizer") or {}).get("type", "")).lower() != "muon":
+        ds_patches.import_muon_uncompiled()  # DeepSpeed imports it for isinstance checks: no compile for those
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
                                                       mpu=mpu)
