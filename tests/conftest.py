@@ -131,11 +131,24 @@ def write_config(path: Path, base: Path = TINY_CONFIG, **changes) -> Path:
     return path
 
 
+def launcher_command(num_procs: int, port: int | None = None) -> list[str]:
+    """What `deepspeed --num_gpus N` runs on one node: DeepSpeed's launch.py over N local ranks, its world encoded as
+    the runner encodes it. The runner itself only parses its flags and starts this, after seconds of importing torch
+    and before as many of tearing it down, on every launch; the tests of the runner's own part (launch.sh, signals to
+    it, hostfiles, the scaling harness) start it."""
+    import base64
+
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_procs))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+            "--master_addr=127.0.0.1", f"--master_port={port or free_port()}", "--log_level=info"]
+
+
 def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: int | None = None,
                 extra: tuple[str, ...] = (), timeout: int = 900, port: int | None = None,
                 prelude: str = "") -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N train/main.py ...` (num_procs given) or plain `python train/main.py ...`; `prelude`:
-    Python code the plain process runs first (a fake or a switched-off check), then train/main.py as __main__."""
+    """`deepspeed --num_gpus N train/main.py ...` (num_procs given; launcher_command) or plain `python train/main.py
+    ...`; `prelude`: Python code the plain process runs first (a fake or a switched-off check), then train/main.py as
+    __main__."""
     args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
             "--output_dir", str(out), *extra]
     if num_procs is None:
@@ -144,8 +157,7 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
                  "runpy.run_path(sys.argv[0], run_name='__main__')")
         cmd = [sys.executable, *(["-c", start] if prelude else []), main, *args]
     else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
-               "--master_port", str(port or free_port()), str(REPO / "train" / "main.py"), *args]
+        cmd = [*launcher_command(num_procs, port), str(REPO / "train" / "main.py"), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
