@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, metrics, patch_family, run_trainer, small_tmpfs, write_config
+from conftest import REPO, launcher_command, metrics, patch_family, run_trainer, small_tmpfs, write_config
 from safetensors.torch import load_file
 
 from train import config
@@ -359,9 +359,8 @@ def test_cached_training_equals_online_and_sharded_precompute(tiny_edit, tmp_pat
 
     sharded = tmp_path / "sharded"
     cfg = write_config(tmp_path / "sharded.json", **{"qwen_edit.data.cache_dir": str(sharded)})
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "train" / "cache.py"), "--ds_config", str(cfg), "--model", str(tiny_edit / "model"),
-           "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "unused")]
+    cmd = [*launcher_command(2), str(REPO / "train" / "cache.py"), "--ds_config", str(cfg), "--model",
+           str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "unused")]
     check(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900))
     index = json.loads((sharded / "index.json").read_text())
     one = json.loads((tmp_path / "auto" / "cache" / "index.json").read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, free_port, metrics, run_trainer, small_tmpfs, write_config
+from conftest import REPO, free_port, launcher_command, metrics, run_trainer, small_tmpfs, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +43,8 @@ def reference_losses(tiny_edit, fault_config, tmp_path_factory) -> list[float]:
 
 
 def launch(tiny: Path, out: Path, config: Path, env_extra: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "train" / "main.py"), "--ds_config", str(config), "--model", str(tiny / "model"),
-           "--data", str(tiny / "data"), "--output_dir", str(out), "--max_steps", str(MAX_STEPS)]
+    cmd = [*launcher_command(2), str(REPO / "train" / "main.py"), "--ds_config", str(config), "--model",
+           str(tiny / "model"), "--data", str(tiny / "data"), "--output_dir", str(out), "--max_steps", str(MAX_STEPS)]
     env = {**os.environ, **(env_extra or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -349,9 +348,8 @@ def test_save_into_an_unwritable_directory(tiny_edit, tmp_path, permission_check
 
     out = tmp_path / "run"
     cfg = mp_config(tmp_path / "mp.json", **{"qwen_edit.output.save_every_steps": 3})
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model", str(tiny_edit / "model"), "--data",
-           str(tiny_edit / "data"), "--output_dir", str(out), "--max_steps", "6"]
+    cmd = [*launcher_command(2), str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model",
+           str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--output_dir", str(out), "--max_steps", "6"]
     env = {**os.environ, "QWEN_EDIT_SLOW_STAGE": "decoder:0.5", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **permission_checked)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, free_port, patch_family
+from conftest import REPO, TINY_CONFIG, launcher_command, patch_family
 
 from train import config, infer
 from train import main as trainer
@@ -51,8 +51,7 @@ def run_infer(tiny: Path, folder: Path, out: Path, num_procs: int | None = None,
     if num_procs is None:
         cmd = [sys.executable, "-m", "train.infer", *args]
     else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
-               "--master_port", str(free_port()), str(REPO / "train" / "infer.py"), *args]
+        cmd = [*launcher_command(num_procs), str(REPO / "train" / "infer.py"), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
