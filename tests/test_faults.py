@@ -34,12 +34,18 @@ def fault_config(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tiny_edit, fault_config, tmp_path_factory) -> list[float]:
-    """Per-step losses of an uninterrupted 2-process run."""
+def reference_run(tiny_edit, fault_config, tmp_path_factory) -> Path:
+    """The output directory of an uninterrupted 2-process run (tests that change it work on a copy)."""
     out = tmp_path_factory.mktemp("reference")
     check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", str(MAX_STEPS))))
     assert [r["step"] for r in metrics(out)] == list(range(1, MAX_STEPS + 1))
-    return [r["loss"] for r in metrics(out)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_losses(reference_run) -> list[float]:
+    """Per-step losses of the uninterrupted 2-process run."""
+    return [r["loss"] for r in metrics(reference_run)]
 
 
 def launch(tiny: Path, out: Path, config: Path, env_extra: dict | None = None) -> subprocess.Popen:
@@ -203,19 +209,22 @@ def test_readme_fixed_rate_extension_resumes_at_that_rate():
     assert rates == [pytest.approx(end)] * 3 and end == pytest.approx(1e-5)
 
 
-def test_resume_refuses_another_world_size(tiny_edit, fault_config, tmp_path):
-    """A 2-process checkpoint resumed by 1 process stops with exit 2 and says how to proceed; a fresh run into the
-    finished run's directory, and a resume with a DeepSpeed key typo, stop without changing its files."""
-    out = tmp_path / "run"
-    check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", "4")))
-    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
+def test_resume_refuses_another_world_size(tiny_edit, fault_config, reference_run, tmp_path):
+    """A 2-process checkpoint (a copy of the reference run's) resumed by 1 process stops with exit 2 and says how to
+    proceed; a fresh run into the finished run's directory, and a resume with a DeepSpeed key typo, stop without
+    changing its files."""
+    import shutil
+
+    out = shutil.copytree(reference_run, tmp_path / "run")
+    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "16", "--resume"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "saved by 2 processes, resumed by 1" in proc.stderr and "python -m train.export" in proc.stderr
     kept = {name: (out / name).read_bytes() for name in ("config.json", "metrics.jsonl", "latest")}
-    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8"))  # a fresh run: refused
-    assert proc.returncode == 2 and "holds another run (global_step4, latest" in proc.stderr, proc.stderr[-3000:]
+    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "16"))  # a fresh run: refused
+    assert proc.returncode == 2 and "holds another run (global_step12, global_step8, latest" in proc.stderr, \
+        proc.stderr[-3000:]
     typo = write_config(tmp_path / "typo.json", base=fault_config, zero_optimization={"stage": 2, "overlap_comn": 1})
-    proc = run_trainer(tiny_edit, out, config=typo, num_procs=2, extra=("--max_steps", "8", "--resume"))
+    proc = run_trainer(tiny_edit, out, config=typo, num_procs=2, extra=("--max_steps", "16", "--resume"))
     assert proc.returncode == 2 and "zero_optimization.overlap_comn: Extra inputs are not permitted" in (
         proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
     assert {name: (out / name).read_bytes() for name in kept} == kept, "a failed start changed the finished run"
