@@ -162,6 +162,25 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def start_refused(tiny: Path, out: Path, config: Path = TINY_CONFIG, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    """train/main.py's main() in this process, for a start that it refuses before anything trains (a bad config,
+    resume point or output directory): (its exit code, its stderr). The refusal is the code path of a fresh
+    `python train/main.py` without the seconds of its imports; the environment that a world of one sets up
+    (RANK, MASTER_PORT, ...) is put back afterwards, and main tears its process group down itself."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+    from unittest import mock
+
+    from train import main
+
+    args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
+            "--output_dir", str(out), *extra]
+    err = io.StringIO()
+    with mock.patch.dict(os.environ), redirect_stdout(io.StringIO()), redirect_stderr(err):
+        code = main.main(args)
+    return code, err.getvalue()
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

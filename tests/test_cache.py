@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, launcher_command, metrics, patch_family, run_trainer, small_tmpfs, write_config
+from conftest import (
+    REPO,
+    launcher_command,
+    metrics,
+    patch_family,
+    run_trainer,
+    small_tmpfs,
+    start_refused,
+    write_config,
+)
 from safetensors.torch import load_file
 
 from train import config
@@ -380,9 +389,9 @@ def test_cached_training_equals_online_and_sharded_precompute(tiny_edit, tmp_pat
 def test_require_without_cache_exits_2(tiny_edit, tmp_path):
     """data.cache = require and no cache: exit 2 with the message, before any model loads or step runs."""
     cfg = write_config(tmp_path / "require.json", **{"qwen_edit.data.cache": "require"})
-    proc = run_trainer(tiny_edit, tmp_path / "out", config=cfg, extra=("--max_steps", "2"))
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert 'qwen_edit.data.cache is "require" but' in proc.stderr and "python -m train.cache" in proc.stderr
+    code, err = start_refused(tiny_edit, tmp_path / "out", config=cfg, extra=("--max_steps", "2"))
+    assert code == 2, err[-3000:]
+    assert 'qwen_edit.data.cache is "require" but' in err and "python -m train.cache" in err
     assert not list((tmp_path / "out").glob("global_step*"))
 
 

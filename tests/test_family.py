@@ -158,15 +158,15 @@ def test_what_a_family_lacks_is_refused_with_the_setting_and_the_fix():
 def test_the_trainer_refuses_what_qwen_image21_lacks_before_it_starts(tiny_21_edits, tmp_path):
     """train/main.py on a 2.1 directory with a setting its family does not provide yet (kept attention outputs
     under checkpointing): exit 2 and the refusal naming the key, no traceback and no advice to upgrade diffusers."""
-    from conftest import run_trainer, write_config
+    from conftest import start_refused, write_config
 
     changes = {"qwen_edit.lora.target_modules": None, "qwen_edit.train.gradient_checkpointing": True,
                "qwen_edit.train.kept_attention_blocks": 1}
     config = write_config(tmp_path / "cfg.json", **changes)
-    out = run_trainer(tiny_21_edits, tmp_path / "out", config, timeout=300)
-    assert out.returncode == 2, out.stderr
-    assert "qwen_edit.train.kept_attention_blocks: Qwen-Image-2.1's attention cannot keep its output yet" in out.stderr
-    assert "Traceback" not in out.stderr and "install" not in out.stderr
+    code, err = start_refused(tiny_21_edits, tmp_path / "out", config)
+    assert code == 2, err
+    assert "qwen_edit.train.kept_attention_blocks: Qwen-Image-2.1's attention cannot keep its output yet" in err
+    assert "Traceback" not in err and "install" not in err
 
 
 def test_the_lora_targets_default_to_the_family_s():

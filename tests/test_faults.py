@@ -13,7 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, free_port, launcher_command, metrics, run_trainer, small_tmpfs, write_config
+from conftest import (
+    REPO,
+    free_port,
+    launcher_command,
+    metrics,
+    run_trainer,
+    small_tmpfs,
+    start_refused,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -216,13 +225,12 @@ def test_resume_refuses_another_world_size(tiny_edit, fault_config, reference_ru
     import shutil
 
     out = shutil.copytree(reference_run, tmp_path / "run")
-    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "16", "--resume"))
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "saved by 2 processes, resumed by 1" in proc.stderr and "python -m train.export" in proc.stderr
+    code, err = start_refused(tiny_edit, out, config=fault_config, extra=("--max_steps", "16", "--resume"))
+    assert code == 2, err[-3000:]
+    assert "saved by 2 processes, resumed by 1" in err and "python -m train.export" in err
     kept = {name: (out / name).read_bytes() for name in ("config.json", "metrics.jsonl", "latest")}
-    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "16"))  # a fresh run: refused
-    assert proc.returncode == 2 and "holds another run (global_step12, global_step8, latest" in proc.stderr, \
-        proc.stderr[-3000:]
+    code, err = start_refused(tiny_edit, out, config=fault_config, extra=("--max_steps", "16"))  # a fresh run
+    assert code == 2 and "holds another run (global_step12, global_step8, latest" in err, err[-3000:]
     typo = write_config(tmp_path / "typo.json", base=fault_config, zero_optimization={"stage": 2, "overlap_comn": 1})
     proc = run_trainer(tiny_edit, out, config=typo, num_procs=2, extra=("--max_steps", "16", "--resume"))
     assert proc.returncode == 2 and "zero_optimization.overlap_comn: Extra inputs are not permitted" in (
@@ -232,12 +240,12 @@ def test_resume_refuses_another_world_size(tiny_edit, fault_config, reference_ru
 
 def test_resume_errors(tiny_edit, fault_config, tmp_path):
     """--resume with no checkpoint, and with a tag that is not complete, exit 2 naming the fix."""
-    proc = run_trainer(tiny_edit, tmp_path / "empty", config=fault_config, extra=("--resume",))
-    assert proc.returncode == 2 and "has no 'latest' checkpoint" in proc.stderr, proc.stderr[-2000:]
+    code, err = start_refused(tiny_edit, tmp_path / "empty", config=fault_config, extra=("--resume",))
+    assert code == 2 and "has no 'latest' checkpoint" in err, err[-2000:]
     assert not (tmp_path / "empty").exists()  # nor its lock: a refused start leaves nothing it made
     (tmp_path / "partial" / "global_step4.partial").mkdir(parents=True)
-    proc = run_trainer(tiny_edit, tmp_path / "partial", config=fault_config, extra=("--resume", "global_step4"))
-    assert proc.returncode == 2 and "its save was interrupted" in proc.stderr, proc.stderr[-2000:]
+    code, err = start_refused(tiny_edit, tmp_path / "partial", config=fault_config, extra=("--resume", "global_step4"))
+    assert code == 2 and "its save was interrupted" in err, err[-2000:]
 
 
 def test_nonfinite_steps_are_skipped_then_stop(tiny_edit, tmp_path):
@@ -321,9 +329,8 @@ def test_real_full_disk_during_a_save(tiny_edit, fault_config, small_disk):
     assert "Traceback" not in proc.stderr and "inline_container" not in proc.stderr, proc.stderr[-3000:]
     assert (out / "latest").read_text().strip() == "global_step4"
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
-    proc = run_trainer(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
-    assert proc.returncode == 2 and f"--output_dir {out}: cannot be used (Read-only file system)" in proc.stderr, \
-        proc.stderr[-3000:]
+    code, err = start_refused(tiny_edit, out, config=fault_config, extra=("--max_steps", "8", "--resume"))
+    assert code == 2 and f"--output_dir {out}: cannot be used (Read-only file system)" in err, err[-3000:]
 
 
 def _without_dac_override() -> None:

@@ -126,7 +126,7 @@ def test_metrics_truncate_drops_a_torn_last_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_two_runs_on_one_directory(tiny_edit, tmp_path):
     """While a run trains, a second one on its directory (even with --resume) exits 2 naming the first."""
-    from conftest import write_config
+    from conftest import start_refused, write_config
     from test_faults import wait_for_step
 
     cfg = write_config(tmp_path / "cfg.json", **{"qwen_edit.output.log_every_steps": 1})
@@ -136,13 +136,13 @@ def test_two_runs_on_one_directory(tiny_edit, tmp_path):
                              stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step(tmp_path / "run", 1, first)
-        second = subprocess.run([*args, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        code, err = start_refused(tiny_edit, tmp_path / "run", config=cfg, extra=("--resume",))
         assert first.poll() is None, "the first run ended before the second was refused"
     finally:
         first.kill()
         first.wait(timeout=60)
-    assert second.returncode == 2, second.stderr[-3000:]
-    assert f"another run is using it (pid {first.pid} on " in second.stderr, second.stderr[-3000:]
+    assert code == 2, err[-3000:]
+    assert f"another run is using it (pid {first.pid} on " in err, err[-3000:]
 
 
 _NODE_RANK = """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics, run_trainer, write_config
+from conftest import metrics, run_trainer, start_refused, write_config
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -247,10 +247,10 @@ def test_bad_config_is_reported_before_anything_loads(tiny_edit, tmp_path):
     """A config error exits 2, names every key, and writes nothing into the output directory."""
     cfg = write_config(tmp_path / "bad.json", **{"qwen_edit.lora.rank": 0, "qwen_edit.train.mod": "lora"})
     out = tmp_path / "out"
-    proc = run_trainer(tiny_edit, out, config=cfg)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "qwen_edit.lora.rank: must be > 0" in proc.stderr
-    assert "qwen_edit.train.mod: unknown key" in proc.stderr
+    code, err = start_refused(tiny_edit, out, config=cfg)
+    assert code == 2, err[-3000:]
+    assert "qwen_edit.lora.rank: must be > 0" in err
+    assert "qwen_edit.train.mod: unknown key" in err
     assert not out.exists()
 
 
