@@ -90,6 +90,18 @@ def tiny_21_recolour(tiny_21, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def validated_zero2(tiny_edit, tmp_path_factory) -> dict[str, Path]:
+    """ZeRO-2 on 2 processes, 4 steps, once plain and once validating 3 edits every 2 steps
+    (test_validation.validated_runs; "edits": their file): the validation checks' runs and the reference of the
+    model-parallel pipelines' training and grids."""
+    from test_validation import edits_file, validated_runs
+
+    tmp = tmp_path_factory.mktemp("validated_zero2")
+    edits = edits_file(tiny_edit, tmp / "validation.jsonl")
+    return {**validated_runs(tiny_edit, tmp, edits), "edits": edits}
+
+
+@pytest.fixture(scope="session")
 def released_model(tmp_path_factory) -> Path:
     """A Qwen-Image-Edit-2509 model directory with the released architectures' configs and no weights (the
     transformer counts on the meta device)."""

@@ -239,29 +239,26 @@ def test_a_run_without_room_on_disk_stops_before_its_first_step(tiny_edit, tmp_p
 
 
 @pytest.mark.slow
-def test_two_pipelines_train_like_zero2_on_two_ranks(tiny_edit, tmp_path):
-    """4 processes = 2 pipelines whose decoders form a ZeRO-2 group: the 2-process ZeRO-2 run, step for step. With
-    validation images in both runs: each pipeline renders its share (items p::2, as ZeRO-2 rank p), and the
-    grids are the ZeRO-2 run's, pixel for pixel (conditioning recorded on the encoder stages, replayed on the
-    decoders; model_parallel/validation.py)."""
-    from test_model_parallel_validation import edits_file
-    from test_validation import TINY_INFERENCE
+def test_two_pipelines_train_like_zero2_on_two_ranks(tiny_edit, validated_zero2, tmp_path):
+    """4 processes = 2 pipelines whose decoders form a ZeRO-2 group: the 2-process ZeRO-2 run (the validated run of
+    the validation tests, same config), step for step. With validation images in both runs: each pipeline renders
+    its share (items p::2, as ZeRO-2 rank p), and the grids are the ZeRO-2 run's, pixel for pixel (conditioning
+    recorded on the encoder stages, replayed on the decoders; model_parallel/validation.py)."""
+    from test_validation import run_changes
 
-    validated = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE,
-                 "qwen_edit.validation.file": str(edits_file(tiny_edit, tmp_path / "validation.jsonl"))}
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    check(run_trainer(tiny_edit, ref, config=write_config(tmp_path / "ref.json", **validated), num_procs=2,
-                      extra=("--max_steps", "3")))
-    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json", **validated), num_procs=4,
-                      extra=("--max_steps", "3")))
+    ref, out = validated_zero2["validated"], tmp_path / "out"
+    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "mp.json", **run_changes(validated_zero2["edits"])),
+                      num_procs=4, extra=("--max_steps", "4")))
     assert_same_training(out, ref)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["replica_digests"]) == 2 and len(set(summary["replica_digests"])) == 1
     import numpy as np
     from PIL import Image
 
-    grids = [np.asarray(Image.open(run / "validation" / "step_000003.png").convert("RGB")) for run in (ref, out)]
-    assert grids[0].shape[0] > 3 * 16 and np.array_equal(*grids)
+    for step in (2, 4):
+        grids = [np.asarray(Image.open(run / "validation" / f"step_00000{step}.png").convert("RGB"))
+                 for run in (ref, out)]
+        assert grids[0].shape[0] > 3 * 16 and np.array_equal(*grids), step
 
 
 @pytest.mark.slow

@@ -4,14 +4,11 @@ writes the grids and trains bitwise as without them; a decoder cut with validati
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from conftest import write_config
-from test_validation import TINY_INFERENCE, check_validated_run
+from test_validation import TINY_INFERENCE, check_validated_run, edits_file, validated_runs
 
 from model_parallel import plan
 from train import config
@@ -21,18 +18,6 @@ from train.model.qwen_image import components
 from train.runtime.engine import Dist
 from train.runtime.record import NullMetrics
 from train.trainer import replay, validation
-
-
-def edits_file(tiny: Path, path: Path, num_edits: int = 3, references: bool = True) -> Path:
-    """Validation rows on the references of the tiny dataset's first rows (two per edit for 2509; none for the
-    text-to-image model, or without `references`)."""
-    data = tiny / "data"
-    rows = [json.loads(line) for line in (data / "metadata.jsonl").read_text().splitlines()[:num_edits]]
-    rows = [{"prompt": f"{row['prompt']} ({i})", **({"edit_image": [str(data / r) for r in row["edit_image"]]
-             if isinstance(row["edit_image"], list) else str(data / row["edit_image"])}
-             if references and "edit_image" in row else {})} for i, row in enumerate(rows)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.mark.parametrize("variant, num_refs", [("edit", 1), ("edit_plus", 2), ("t2i", 0), ("edit", 0)],
@@ -82,5 +67,5 @@ def test_validation_with_a_decoder_cut_is_refused(tiny_edit, tmp_path):
 def test_model_parallel_validation_grids_and_unchanged_training(tiny_edit, tmp_path):
     """Encoder + decoder process: the grids are rendered on the decoder stage from the encoder's conditioning;
     the same checks as the ZeRO-2 run's (test_validation.check_validated_run)."""
-    check_validated_run(tiny_edit, tmp_path, edits_file(tiny_edit, tmp_path / "validation.jsonl"),
-                        **{"qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu", "cpu"]}})
+    check_validated_run(validated_runs(tiny_edit, tmp_path, edits_file(tiny_edit, tmp_path / "validation.jsonl"),
+                                       **{"qwen_edit.parallel": {"mode": "model_parallel", "stages": ["cpu", "cpu"]}}))

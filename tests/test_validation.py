@@ -28,17 +28,40 @@ def check(proc) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
 
 
-def check_validated_run(tiny: Path, tmp_path: Path, edits: Path, **common) -> None:
-    """2 processes, 4 steps, with `common` config changes, once plain and once validating the 3 edits of `edits`
-    every 2 steps: 'before' images and grids at steps 2 and 4 (also in tensorboard); losses and the exported LoRA
-    equal those of the plain run, bit for bit."""
-    common = {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE, **common}
+def edits_file(tiny: Path, path: Path, num_edits: int = 3, references: bool = True) -> Path:
+    """Validation rows on the references of the tiny dataset's first rows (two per edit for 2509; none for the
+    text-to-image model, or without `references`)."""
+    data = tiny / "data"
+    rows = [json.loads(line) for line in (data / "metadata.jsonl").read_text().splitlines()[:num_edits]]
+    rows = [{"prompt": f"{row['prompt']} ({i})", **({"edit_image": [str(data / r) for r in row["edit_image"]]
+             if isinstance(row["edit_image"], list) else str(data / row["edit_image"])}
+             if references and "edit_image" in row else {})} for i, row in enumerate(rows)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_changes(edits: Path | None, **common) -> dict:
+    """The config changes of a validation test's run: every step logged, the tiny inference settings, `common`, and
+    with `edits` the validation of its edits every 2 steps."""
+    validation = {"qwen_edit.validation": {"file": str(edits), "every_steps": 2}} if edits else {}
+    return {"qwen_edit.output.log_every_steps": 1, "qwen_edit.inference": TINY_INFERENCE, **common, **validation}
+
+
+def validated_runs(tiny: Path, tmp_path: Path, edits: Path, **common) -> dict[str, Path]:
+    """2 processes, 4 steps, with `common` config changes (run_changes), once plain and once validating the 3 edits
+    of `edits`: {"plain": OUT, "validated": OUT}."""
     runs = {}
-    for name, extra in {"plain": {}, "validated": {"qwen_edit.validation": {"file": str(edits), "every_steps": 2}}
-                        }.items():
-        cfg = write_config(tmp_path / f"{name}.json", **common, **extra)
+    for name, validated in {"plain": None, "validated": edits}.items():
+        cfg = write_config(tmp_path / f"{name}.json", **run_changes(validated, **common))
         runs[name] = tmp_path / name
         check(run_trainer(tiny, runs[name], config=cfg, num_procs=2, extra=("--max_steps", "4")))
+    return runs
+
+
+def check_validated_run(runs: dict[str, Path]) -> None:
+    """validated_runs: 'before' images and grids at steps 2 and 4 (also in tensorboard); losses and the exported
+    LoRA equal those of the plain run, bit for bit."""
+    runs = {name: runs[name] for name in ("plain", "validated")}
     losses = {name: [r["loss"] for r in metrics(out)] for name, out in runs.items()}
     assert len(losses["plain"]) == 4 and losses["validated"] == losses["plain"], losses
     a, b = (load_file(out / "export" / "pytorch_lora_weights.safetensors") for out in runs.values())
@@ -65,14 +88,9 @@ def check_validated_run(tiny: Path, tmp_path: Path, edits: Path, **common) -> No
 
 
 @pytest.mark.slow
-def test_validation_grids_and_unchanged_training(tiny_edit, tmp_path):
+def test_validation_grids_and_unchanged_training(validated_zero2):
     """ZeRO-2 on 2 ranks: the 3 edits are spread over the ranks and gathered on rank 0 (check_validated_run)."""
-    data = tiny_edit / "data"
-    edits = tmp_path / "validation.jsonl"
-    rows = [{"edit_image": f"{data}/000{i}_ref.png", "prompt": f"make the circle {c}"}
-            for i, c in enumerate(["red", "blue", "green"])]
-    edits.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    check_validated_run(tiny_edit, tmp_path, edits)
+    check_validated_run(validated_zero2)
 
 
 def test_should_validate():
