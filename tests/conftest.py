@@ -90,6 +90,20 @@ def tiny_21_recolour(tiny_21, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def online_run(tiny_edit, tmp_path_factory) -> Path:
+    """One process on one CPU thread, ZeRO-2, 6 steps of the tiny config logged every step, the encoders online: the
+    reference of the model-parallel runs and of training from the cache (whose module runs on one thread)."""
+    from unittest import mock
+
+    out = tmp_path_factory.mktemp("online_run")
+    cfg = write_config(out.parent / f"{out.name}.json", **{"qwen_edit.output.log_every_steps": 1})
+    with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):
+        proc = run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "6"))
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return out
+
+
+@pytest.fixture(scope="session")
 def validated_zero2(tiny_edit, tmp_path_factory) -> dict[str, Path]:
     """ZeRO-2 on 2 processes, 4 steps, once plain and once validating 3 edits every 2 steps
     (test_validation.validated_runs; "edits": their file): the validation checks' runs and the reference of the

@@ -351,16 +351,17 @@ def check(proc) -> None:
 
 
 @pytest.mark.slow
-def test_cached_training_equals_online_and_sharded_precompute(tiny_edit, tmp_path):
-    """6 steps from the cache (data.cache = auto builds it first) give the online run's losses exactly; a 2-rank
-    `deepspeed train/cache.py` writes one shard per rank whose tensors equal the 1-process cache's."""
+def test_cached_training_equals_online_and_sharded_precompute(tiny_edit, online_run, tmp_path):
+    """6 steps from the cache (data.cache = auto builds it first) give the online run's (conftest.online_run, one
+    thread as here) losses exactly; a 2-rank `deepspeed train/cache.py` writes one shard per rank whose tensors
+    equal the 1-process cache's."""
+    cfg = write_config(tmp_path / "auto.json", **{"qwen_edit.data.cache": "auto",
+                                                  "qwen_edit.output.log_every_steps": 1})
+    proc = run_trainer(tiny_edit, tmp_path / "auto", config=cfg, extra=("--max_steps", "6"))
+    check(proc)
     losses = {}
-    for mode in ("off", "auto"):
-        cfg = write_config(tmp_path / f"{mode}.json", **{"qwen_edit.data.cache": mode,
-                                                         "qwen_edit.output.log_every_steps": 1})
-        proc = run_trainer(tiny_edit, tmp_path / mode, config=cfg, extra=("--max_steps", "6"))
-        check(proc)
-        records = metrics(tmp_path / mode)
+    for mode, out in (("off", online_run), ("auto", tmp_path / "auto")):
+        records = metrics(out)
         losses[mode] = [r["loss"] for r in records]
         assert all(0 <= r["data_wait_fraction"] <= 1 for r in records), records
     assert "the VL encoder and VAE are not loaded" in proc.stdout

@@ -153,12 +153,9 @@ def assert_same_training(out: Path, ref: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_edit, tmp_path_factory) -> Path:
-    """One process, ZeRO-2 mode, 6 steps logged every step."""
-    out = tmp_path_factory.mktemp("mp_reference")
-    cfg = write_config(out.parent / "ref.json", **{"qwen_edit.output.log_every_steps": 1})
-    check(run_trainer(tiny_edit, out, config=cfg, extra=("--max_steps", "6")))
-    return out
+def reference(online_run) -> Path:
+    """One process, ZeRO-2 mode, 6 steps logged every step (conftest.online_run)."""
+    return online_run
 
 
 @pytest.fixture(scope="module")
