@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import select
@@ -153,33 +152,39 @@ from train.runtime import engine, outdir
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RANK"]), world_size=4,
                         timeout=datetime.timedelta(seconds=120))  # a rank that never comes fails the test
 d = engine.Dist(dist.get_rank(), 4, int(os.environ["LOCAL_RANK"]), torch.device("cpu"))
-ds = {"checkpoint": {"use_node_local_storage": sys.argv[3] == "node_local"}}
-try:
-    with outdir.claim(sys.argv[2], resume=False, overwrite=False, holder=outdir.is_holder(ds, d)):
-        print("held", flush=True)
-        sys.stdin.readline()  # the test looks at the locks meanwhile
-except outdir.OutputDirError as e:
-    print(f"refused: {e}", flush=True)
-dist.barrier()
+for storage in sys.stdin:  # one claim per storage line the test sends, until "end"
+    if storage.strip() == "end":
+        break
+    ds = {"checkpoint": {"use_node_local_storage": storage.strip() == "node_local"}}
+    try:
+        with outdir.claim(sys.argv[2], resume=False, overwrite=False, holder=outdir.is_holder(ds, d)):
+            print("held", flush=True)
+            sys.stdin.readline()  # the test looks at the locks meanwhile
+    except outdir.OutputDirError as e:
+        print(f"refused: {e}", flush=True)
+    dist.barrier()
 dist.destroy_process_group()
 """
 
 
-_RENDEZVOUS = itertools.count()
-
-
-def run_two_nodes(tmp_path, storage: str, release: bool = True) -> tuple[list[subprocess.Popen], list[str]]:
+def start_two_nodes(tmp_path) -> list[subprocess.Popen]:
     """4 ranks over gloo as two 'nodes' of 2 (ranks 0-1 and 2-3), each node's ranks given their own output
-    directory (as node-local disks have one path but two contents); returns the processes and first lines.
-    Each call gets its own rendezvous file: torch's FileStore can leave its file behind, and a later group that
-    reads the earlier one's keys waits for ranks that are gone."""
-    store = f"file://{tmp_path / f'rendezvous{next(_RENDEZVOUS)}'}"
-    procs = [subprocess.Popen([sys.executable, "-c", _NODE_RANK, store, str(tmp_path / f"node{rank // 2}"), storage],
-                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank),
-                                   "LOCAL_RANK": str(rank % 2)}) for rank in range(4)]
-    lines = [first_line(p, timeout=300) for p in procs]
-    return procs, lines
+    directory (as node-local disks have one path but two contents); each claims it once per `claim` call. One
+    process group for every claim: a start of Python and torch per rank, not per claim."""
+    store = f"file://{tmp_path / 'rendezvous'}"
+    return [subprocess.Popen([sys.executable, "-c", _NODE_RANK, store, str(tmp_path / f"node{rank // 2}")],
+                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank),
+                                  "LOCAL_RANK": str(rank % 2)}) for rank in range(4)]
+
+
+def claim(procs: list[subprocess.Popen], storage: str) -> list[str]:
+    """Every rank claims its directory with `storage` ("node_local" or "shared"); their first lines ("held" or the
+    refusal). A held claim lasts until `release`."""
+    for p in procs:
+        p.stdin.write(f"{storage}\n")
+        p.stdin.flush()
+    return [first_line(p, timeout=300) for p in procs]
 
 
 def first_line(proc: subprocess.Popen, timeout: float) -> str:
@@ -190,11 +195,18 @@ def first_line(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline().strip()
 
 
-def end(procs: list[subprocess.Popen]) -> None:
+def release(procs: list[subprocess.Popen]) -> None:
+    """The ranks leave their held claims."""
     for p in procs:
-        if p.poll() is None:
-            p.stdin.write("\n")
-            p.stdin.flush()
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+
+def end(procs: list[subprocess.Popen]) -> None:
+    """The ranks leave their process group and exit."""
+    for p in procs:
+        p.stdin.write("end\n")
+        p.stdin.flush()
     for p in procs:
         assert p.wait(timeout=120) == 0
 
@@ -205,8 +217,9 @@ def test_node_local_storage_locks_every_nodes_directory(tmp_path):
     node writes its own checkpoint copy there), so a second run on either node is refused; with shared storage
     only global rank 0 holds the one directory every node sees. A used directory on one node's disk alone
     refuses the fresh run on every rank."""
-    procs, lines = run_two_nodes(tmp_path, "node_local")
+    procs = start_two_nodes(tmp_path)
     try:
+        lines = claim(procs, "node_local")
         assert lines == ["held"] * 4, lines
         for node, rank in ((0, 0), (1, 2)):
             holder = (tmp_path / f"node{node}" / outdir.LOCK_FILE).read_text()
@@ -214,19 +227,20 @@ def test_node_local_storage_locks_every_nodes_directory(tmp_path):
             with pytest.raises(outdir.OutputDirError, match=f"another run is using it \\(pid {procs[rank].pid} "):
                 with outdir.claim(tmp_path / f"node{node}", resume=True, overwrite=False, holder=True):
                     pass
-    finally:
-        end(procs)
-    (tmp_path / "node1" / "global_step4").mkdir()  # a finished run's checkpoint on node 1's disk only
-    procs, lines = run_two_nodes(tmp_path, "node_local")
-    end(procs)
-    assert all(line.startswith(f"refused: --output_dir {tmp_path / 'node1'} holds another run (global_step4)")
-               for line in lines), lines
-    (tmp_path / "node1" / "global_step4").rmdir()
-    procs, lines = run_two_nodes(tmp_path, "shared")
-    try:
+        release(procs)
+        (tmp_path / "node1" / "global_step4").mkdir()  # a finished run's checkpoint on node 1's disk only
+        lines = claim(procs, "node_local")
+        assert all(line.startswith(f"refused: --output_dir {tmp_path / 'node1'} holds another run (global_step4)")
+                   for line in lines), lines
+        (tmp_path / "node1" / "global_step4").rmdir()
+        lines = claim(procs, "shared")
         assert lines == ["held"] * 4, lines
         assert (tmp_path / "node0" / outdir.LOCK_FILE).read_text().startswith(f"pid {procs[0].pid} ")
         with outdir.claim(tmp_path / "node1", resume=True, overwrite=False, holder=True):
             pass  # nobody on 'node 1' holds a lock: with shared storage node 1 sees node 0's directory
-    finally:
+        release(procs)
         end(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
