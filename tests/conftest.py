@@ -188,23 +188,30 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def start_refused(tiny: Path, out: Path, config: Path = TINY_CONFIG, extra: tuple[str, ...] = ()) -> tuple[int, str]:
-    """train/main.py's main() in this process, for a start that it refuses before anything trains (a bad config,
-    resume point or output directory): (its exit code, its stderr). The refusal is the code path of a fresh
-    `python train/main.py` without the seconds of its imports; the environment that a world of one sets up
-    (RANK, MASTER_PORT, ...) is put back afterwards, and main tears its process group down itself."""
+def main_in_process(command, argv: list[str]) -> tuple[int, str, str]:
+    """`command.main(argv)` (a module of train/: main, infer, ...) in this process: (exit code, stdout, stderr). The
+    command's own code path without the seconds of a fresh Python's imports, for a start it refuses or a run of
+    little work. The environment that a world of one sets up (RANK, MASTER_PORT, ...) is put back afterwards; the
+    command tears its process group down itself."""
     import io
     from contextlib import redirect_stderr, redirect_stdout
     from unittest import mock
 
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ), redirect_stdout(out), redirect_stderr(err):
+        code = command.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def start_refused(tiny: Path, out: Path, config: Path = TINY_CONFIG, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    """train/main.py in this process (main_in_process), for a start that it refuses before anything trains (a bad
+    config, resume point or output directory): (its exit code, its stderr)."""
     from train import main
 
     args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
             "--output_dir", str(out), *extra]
-    err = io.StringIO()
-    with mock.patch.dict(os.environ), redirect_stdout(io.StringIO()), redirect_stderr(err):
-        code = main.main(args)
-    return code, err.getvalue()
+    code, _, err = main_in_process(main, args)
+    return code, err
 
 
 def metrics(out: Path) -> list[dict]:

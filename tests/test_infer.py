@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, launcher_command, patch_family
+from conftest import REPO, TINY_CONFIG, launcher_command, main_in_process, patch_family
 
 from train import config, infer
 from train import main as trainer
@@ -44,10 +44,14 @@ def write_edits(folder: Path, tiny: Path) -> Path:
 GOOD = {"000000.png", "000001.png", "named/yellow.png", "000005.png", "000006.png"}
 
 
+def infer_args(tiny: Path, folder: Path, out: Path, input_name: str = "edits.jsonl") -> list[str]:
+    return ["--model", str(tiny / "model"), "--input", str(folder / input_name), "--out", str(out),
+            "--config", str(folder / "infer.json"), "--seed", "100"]
+
+
 def run_infer(tiny: Path, folder: Path, out: Path, num_procs: int | None = None, input_name: str = "edits.jsonl"):
     """`python -m train.infer ...` (num_procs None) or `deepspeed --num_gpus N train/infer.py ...`."""
-    args = ["--model", str(tiny / "model"), "--input", str(folder / input_name), "--out", str(out),
-            "--config", str(folder / "infer.json"), "--seed", "100"]
+    args = infer_args(tiny, folder, out, input_name)
     if num_procs is None:
         cmd = [sys.executable, "-m", "train.infer", *args]
     else:
@@ -114,7 +118,8 @@ def test_resume_writes_only_missing_outputs(one_process, tiny_edit, tmp_path):
     shutil.copytree(out1, out)
     (out / "000001.png").unlink()
     stats = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*.png")}
-    check(run_infer(tiny_edit, folder, out))
+    code, _, err = main_in_process(infer, infer_args(tiny_edit, folder, out))  # the command, in this process
+    assert code == 0, err[-3000:]
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stats} == stats
     assert (out / "000001.png").read_bytes() == (out1 / "000001.png").read_bytes()
     summary = json.loads((out / "summary.json").read_text())
@@ -126,8 +131,8 @@ def test_every_row_bad_exits_nonzero(tiny_edit, tmp_path):
     """When no row can be rendered the command fails (exit 1) and still writes the report."""
     folder = write_edits(tmp_path, tiny_edit)
     (folder / "bad.jsonl").write_text('{"edit_image": "nope.png", "prompt": "x"}\nnot json\n')
-    proc = run_infer(tiny_edit, folder, tmp_path / "out", input_name="bad.jsonl")
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    code, _, err = main_in_process(infer, infer_args(tiny_edit, folder, tmp_path / "out", "bad.jsonl"))
+    assert code == 1, err[-3000:]
     assert len((tmp_path / "out" / "bad_rows.txt").read_text().splitlines()) == 2
 
 
