@@ -98,8 +98,9 @@ def test_the_kernel_probe_times_each_variant_and_checks_it(tmp_path, interpreted
         assert "256x4" in proc.stdout and "x inductor" not in proc.stdout
     else:
         assert "256x4" in record["not_available"] and "256x4     not available" in proc.stdout
-    bad = subprocess.run([*cmd[:4], "--variants", "3000x8"], env=env, capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "'3000x8' is none of inductor, eager or BxW" in bad.stderr
+    if not interpreted:  # a flag error, the same under either TRITON_INTERPRET: asked once
+        bad = subprocess.run([*cmd[:4], "--variants", "3000x8"], env=env, capture_output=True, text=True, timeout=600)
+        assert bad.returncode == 2 and "'3000x8' is none of inductor, eager or BxW" in bad.stderr
 
 
 LORA = LoraConfig(rank=4, alpha=4.0, target_modules=list(FAM.lora.targets))
