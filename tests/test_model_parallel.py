@@ -284,17 +284,16 @@ def test_idle_time_follows_the_schedule(tiny_edit, tmp_path, slow):
 
 
 @pytest.mark.slow
-def test_sequential_schedule_trains_like_the_overlapped_one(tiny_edit, two_stage_run, tmp_path):
+def test_sequential_schedule_trains_like_the_overlapped_one(slowed_schedules):
     """parallel.overlap false (the encoder encodes a micro-batch only when the decoder asks for it): the same
-    losses, gradient norms and LoRA export as the overlapped run, bit for bit; the summary names the schedule."""
-    out = tmp_path / "out"
-    check(run_trainer(tiny_edit, out, config=mp_config(tmp_path / "seq.json", **{
-        "qwen_edit.parallel.overlap": False}), num_procs=2, extra=("--max_steps", "6")))
-    assert records(out) == records(two_stage_run)
-    a, b = lora(out), lora(two_stage_run)
+    losses, gradient norms and LoRA export as the overlapped run, bit for bit (the two runs of slowed_schedules: a
+    stage's sleep changes no number); the summary names the schedule."""
+    sequential, overlapped = slowed_schedules[False], slowed_schedules[True]
+    assert records(sequential) == records(overlapped) and len(records(sequential)) == SLOWED_STEPS
+    a, b = lora(sequential), lora(overlapped)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["overlap"] is False and summary["encoder"]["micro_batches"] == 6
+    summary = json.loads((sequential / "summary.json").read_text())
+    assert summary["overlap"] is False and summary["encoder"]["micro_batches"] == SLOWED_STEPS
 
 
 def run_slowed(tiny_edit, out: Path, slow: str, num_steps: int, **changes) -> dict:
@@ -310,19 +309,33 @@ def run_slowed(tiny_edit, out: Path, slow: str, num_steps: int, **changes) -> di
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.slow
-def test_sequential_schedule_costs_both_stages_times(tiny_edit, tmp_path):
-    """Both stages made slower per micro-batch (encoder 1 s, decoder 1.3 s: about equal with the tiny encoders'
-    own CPU time), run with parallel.overlap false and true. Te, Td: the encoder's and decoder's measured busy
-    times per micro-batch. Sequential: the decoder idles Te every micro-batch (it asks, then waits for the
-    encoding) and the encoder idles Td, so a step takes Te + Td. Overlapped: a step takes max(Te, Td), and the
-    decoder idles far less than Te per micro-batch. Tolerances for a loaded 2-core machine: 35 % + 0.5 s on
-    totals; the sequential step at least 1.5x the overlapped one (about 1.9x expected)."""
-    n = 8
-    step_s = {}
+SLOWED_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def slowed_schedules(tiny_edit, tmp_path_factory) -> dict[bool, Path]:
+    """Both stages made slower per micro-batch (encoder 1 s, decoder 1.3 s), SLOWED_STEPS steps, once with
+    parallel.overlap false and once true: {overlap: output directory}."""
+    runs = {}
     for overlap in (False, True):
-        s = run_slowed(tiny_edit, tmp_path / f"overlap_{overlap}", "encoder:1.0,decoder:1.3", n,
-                       **{"qwen_edit.parallel.overlap": overlap})
+        runs[overlap] = tmp_path_factory.mktemp(f"overlap_{overlap}")
+        run_slowed(tiny_edit, runs[overlap], "encoder:1.0,decoder:1.3", SLOWED_STEPS,
+                   **{"qwen_edit.parallel.overlap": overlap})
+    return runs
+
+
+@pytest.mark.slow
+def test_sequential_schedule_costs_both_stages_times(slowed_schedules):
+    """Both stages made slower per micro-batch (slowed_schedules; encoder 1 s, decoder 1.3 s: about equal with the
+    tiny encoders' own CPU time), run with parallel.overlap false and true. Te, Td: the encoder's and decoder's
+    measured busy times per micro-batch. Sequential: the decoder idles Te every micro-batch (it asks, then waits
+    for the encoding) and the encoder idles Td, so a step takes Te + Td. Overlapped: a step takes max(Te, Td), and
+    the decoder idles far less than Te per micro-batch. Tolerances for a loaded 2-core machine: 35 % + 0.5 s on
+    totals; the sequential step at least 1.5x the overlapped one (about 1.9x expected)."""
+    n = SLOWED_STEPS
+    step_s = {}
+    for overlap, out in slowed_schedules.items():
+        s = json.loads((out / "summary.json").read_text())
         assert s["overlap"] is overlap
         te = s["encoder"]["busy_s"] / n
         td = (s["decoder_wall_s"] - s["decoder_wait_s"]) / n
