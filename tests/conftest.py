@@ -191,15 +191,20 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
 def main_in_process(command, argv: list[str]) -> tuple[int, str, str]:
     """`command.main(argv)` (a module of train/: main, infer, ...) in this process: (exit code, stdout, stderr). The
     command's own code path without the seconds of a fresh Python's imports, for a start it refuses or a run of
-    little work. The environment that a world of one sets up (RANK, MASTER_PORT, ...) is put back afterwards; the
-    command tears its process group down itself."""
+    little work. What a world of one sets up is put back afterwards: the environment (RANK, MASTER_PORT, ...) and
+    torch's thread count (engine.prepare_environment's); the command tears its process group down itself."""
     import io
     from contextlib import redirect_stderr, redirect_stdout
     from unittest import mock
 
-    out, err = io.StringIO(), io.StringIO()
-    with mock.patch.dict(os.environ), redirect_stdout(out), redirect_stderr(err):
-        code = command.main(argv)
+    import torch
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    try:
+        with mock.patch.dict(os.environ), redirect_stdout(out), redirect_stderr(err):
+            code = command.main(argv)
+    finally:
+        torch.set_num_threads(threads)
     return code, out.getvalue(), err.getvalue()
 
 

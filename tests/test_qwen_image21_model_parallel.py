@@ -18,6 +18,7 @@ from test_validation import TINY_INFERENCE
 
 from train import config
 from train.model import family, support
+from train.runtime import engine
 
 STEPS = 4
 FAMILY_TARGETS = {"qwen_edit.lora.target_modules": None, "qwen_edit.output.log_every_steps": 1}
@@ -42,13 +43,20 @@ def test_two_stages_train_like_one_process_and_render_the_pipelines_images(tiny_
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_recolour / "model", local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     seed = json.loads((out / "config.json").read_text())["qwen_edit"]["train"]["seed"]
-    wanted = pipe(
-        prompt="blue",
-        image=[Image.open(tiny_21_recolour / "data" / "0000_ref.png").convert("RGBA")],
-        num_inference_steps=TINY_INFERENCE["num_inference_steps"],
-        output_resolution=128,
-        generator=torch.Generator().manual_seed(seed),
-    ).images[0]
+    threads = torch.get_num_threads()
+    # the decoder process's threads (engine.prepare_environment: the cores shared by the 2 processes): CPU kernels
+    # may round differently with another count, and this process's count is whatever earlier tests left it
+    torch.set_num_threads(max(1, engine.usable_cores() // 2))
+    try:
+        wanted = pipe(
+            prompt="blue",
+            image=[Image.open(tiny_21_recolour / "data" / "0000_ref.png").convert("RGBA")],
+            num_inference_steps=TINY_INFERENCE["num_inference_steps"],
+            output_resolution=128,
+            generator=torch.Generator().manual_seed(seed),
+        ).images[0]
+    finally:
+        torch.set_num_threads(threads)
     before = Image.open(out / "validation" / "before" / "000000.png")
     assert before.mode == "RGBA" and np.array_equal(np.asarray(before), np.asarray(wanted))
 
