@@ -176,12 +176,39 @@ def test_requested_hold_waits_before_its_steps_forward(monkeypatch):
     """QWEN_EDIT_HOLD_AT=3: step 3 waits HOLD_S before its forward (the killed-rank test holds the run there, so
     that the kill lands between two known checkpoints); the other steps do not wait."""
     slept, seen = [], []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(faults, "hold", slept.append)
     faulty = faults.FaultPlan.from_env({faults.HOLD_AT: "3"}).around_loss(
         lambda step: seen.append((step, len(slept))) or torch.ones(()))
     for step in (1, 2, 3, 4):
         faulty(step)
     assert slept == [faults.HOLD_S] and seen == [(1, 0), (2, 0), (3, 1), (4, 1)]
+
+
+def test_a_hold_waits_its_time_or_ends_at_sigterm():
+    """faults.hold waits its seconds; a SIGTERM (the launcher ending the job after a rank died) ends it at once and
+    still reaches the handler that was in place, which is back afterwards."""
+    import os
+    import signal
+    import threading
+    import time
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        start = time.monotonic()
+        faults.hold(0.3)
+        assert time.monotonic() - start >= 0.3 and received == []
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        start = time.monotonic()
+        faults.hold(60)
+        timer.join()
+        assert time.monotonic() - start < 10 and received == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler in place again
+        time.sleep(0.2)
+        assert received == [signal.SIGTERM] * 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_plan_parses_once_and_names_a_bad_value():

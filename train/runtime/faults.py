@@ -3,8 +3,8 @@
 QWEN_EDIT_FAIL_SAVE_AT=N      the save of step N raises ENOSPC after every rank wrote its files, before commit
 QWEN_EDIT_NAN_LOSS_AT=N,M     the loss of optimizer steps N, M (1-based) is replaced by NaN
 QWEN_EDIT_OOM_AT=N            step N raises torch.cuda.OutOfMemoryError
-QWEN_EDIT_HOLD_AT=N           step N waits (HOLD_S) before its forward: a hung step, so that a test can kill a rank
-                              at a known point (after step N-1's log line and before step N's save)
+QWEN_EDIT_HOLD_AT=N           step N waits (HOLD_S, or until SIGTERM) before its forward: a hung step, so that a test
+                              can kill a rank at a known point (after step N-1's log line and before step N's save)
 
 The training loop reads these once, into a `FaultPlan`, before its first step, and wraps its loss function only
 when a step fault is requested: a normal run's hot loop neither parses the environment nor calls into this module.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 FAIL_SAVE_AT, NAN_LOSS_AT, OOM_AT = "QWEN_EDIT_FAIL_SAVE_AT", "QWEN_EDIT_NAN_LOSS_AT", "QWEN_EDIT_OOM_AT"
 HOLD_AT = "QWEN_EDIT_HOLD_AT"
 HOLD_S = 600.0  # longer than any test waits for a held run
+HOLD_POLL_S = 0.1
 
 StepLoss = Callable[..., torch.Tensor]
 """loss_of(step, *args): the loss of one micro-batch of optimizer step `step` (1-based)."""
@@ -63,7 +65,7 @@ class FaultPlan:
 
         def faulty(step: int, *args, **kwargs) -> torch.Tensor:
             if step in self.hold_at:
-                time.sleep(HOLD_S)
+                hold(HOLD_S)
             if step in self.oom_at:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
             loss = loss_of(step, *args, **kwargs)
@@ -75,6 +77,29 @@ class FaultPlan:
         """Raise the injected ENOSPC when the save of `step` is asked to fail."""
         if step in self.fail_save_at:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+def hold(seconds: float) -> None:
+    """Wait `seconds`, or until a SIGTERM reaches the handler in place (the trainer's, which still runs): when
+    another rank dies, the launcher ends the job with SIGTERM, and a held rank that waited on would only be
+    killed after the launcher's 30 s of grace. Without a handler of Python's, SIGTERM ends the process anyway."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous):
+        time.sleep(seconds)
+        return
+    asked = []
+
+    def handle(signum, frame):
+        asked.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, handle)
+    try:
+        deadline = time.monotonic() + seconds
+        while not asked and time.monotonic() < deadline:
+            time.sleep(HOLD_POLL_S)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def maybe_fail_save(step: int) -> None:
