@@ -71,8 +71,7 @@ class Ranks:
 
 
 def join(rank: int, world: int, port: int) -> None:
-    """This process as rank `rank` of `world` CPU processes over gloo, as DeepSpeed's launcher sets one up; DeepSpeed's
-    Muon module imported as the trainer's engine imports it (uncompiled: the jobs' engines run AdamW)."""
+    """This process as rank `rank` of `world` CPU processes over gloo, as DeepSpeed's launcher sets one up."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -83,10 +82,7 @@ def join(rank: int, world: int, port: int) -> None:
     )
     import deepspeed
 
-    from train.runtime import ds_patches
-
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    ds_patches.import_muon_uncompiled()
 
 
 def _serve(rank: int, world: int, port: int, jobs, results) -> None:

@@ -339,7 +339,10 @@ def test_offloaded_optimizer_device_bytes_are_deepspeeds(fresh_two_ranks, stage)
     to the host, so none is counted (the bucket is, apart), beyond the one gradient autograd has just made and its
     hook has not yet copied into the bucket (at most the largest parameter's: 75 MB at full size, within the margin).
     Against DeepSpeed on 2 ranks; the H200 showed the same at full size (docs/performance.md "The last resort")."""
-    for rank, seen in fresh_two_ranks.run(_counting_from_here, _offloaded_device_bytes, stage).items():
+    # not under _counting_from_here: on a loaded machine the count came out one gradient-sized bf16 tensor higher (one
+    # run in two) with a frozen start and ranks that imported DeepSpeed's Muon module uncompiled; never in six runs
+    # without either
+    for rank, seen in fresh_two_ranks.run(_offloaded_device_bytes, stage).items():
         assert seen["weights"] == 2 and seen["reductions"] >= 1, seen
         counted = state_bytes_per_param(False, stage, 2, True) + (seen["largest"] if stage == 2 else 0)
         assert seen["peak"] == pytest.approx(counted, abs=0.05), (rank, stage, seen)
