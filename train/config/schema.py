@@ -208,8 +208,10 @@ class TrainConfig:
     buffers, since DeepCompile takes every parameter in its graph for one the optimizer holds, and the trainable
     weights that no output reaches (Qwen-Image's last block's text stream after its attention) are frozen, since it
     needs a gradient for each. Excludes train.compile (per block), offload_blocks, kept attention and DeepSpeed's
-    optimizer offload; the memory plan then leaves them out. Off by default: its loss curve has not yet been
-    compared with the default path's on a GPU."""
+    optimizer offload; the memory plan then leaves them out. Off by default: its loss curve matches the default
+    path's on one GPU (docs/performance.md), but at full size the plan's per-block compilation, kept attention and
+    offload are what fit and speed the step on one GPU; it is for several GPUs, where ZeRO-2's per-parameter hooks
+    cost most (docs/multinode.md), once `train.bench --scaling` shows the gain there."""
     max_nonfinite_steps: int = 10
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped with a warning; stop after this many."""
     gc_every_steps: int = 1
