@@ -169,14 +169,19 @@ def launcher_command(num_procs: int, port: int | None = None) -> list[str]:
             "--master_addr=127.0.0.1", f"--master_port={port or free_port()}", "--log_level=info"]
 
 
+def trainer_args(tiny: Path, out: Path, config: Path = TINY_CONFIG, extra: tuple[str, ...] = ()) -> list[str]:
+    """train/main.py's arguments for the tiny checkpoint `tiny` (its model/ and data/), writing into `out`."""
+    return ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
+            "--output_dir", str(out), *extra]
+
+
 def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: int | None = None,
                 extra: tuple[str, ...] = (), timeout: int = 900, port: int | None = None,
                 prelude: str = "") -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train/main.py ...` (num_procs given; launcher_command) or plain `python train/main.py
     ...`; `prelude`: Python code the plain process runs first (a fake or a switched-off check), then train/main.py as
     __main__."""
-    args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
-            "--output_dir", str(out), *extra]
+    args = trainer_args(tiny, out, config, extra)
     if num_procs is None:
         main = str(REPO / "train" / "main.py")
         start = (f"{prelude}\nimport runpy, sys\nsys.argv = sys.argv[1:]\n"
@@ -213,9 +218,7 @@ def start_refused(tiny: Path, out: Path, config: Path = TINY_CONFIG, extra: tupl
     config, resume point or output directory): (its exit code, its stderr)."""
     from train import main
 
-    args = ["--ds_config", str(config), "--model", str(tiny / "model"), "--data", str(tiny / "data"),
-            "--output_dir", str(out), *extra]
-    code, _, err = main_in_process(main, args)
+    code, _, err = main_in_process(main, trainer_args(tiny, out, config, extra))
     return code, err
 
 

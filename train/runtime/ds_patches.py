@@ -11,7 +11,7 @@ squared per-tensor norms, accumulated in float64 as DeepSpeed does.
 
 DeepSpeed's ZeRO optimizers import its Muon optimizer module in deepspeed.initialize and in every gradient
 reduction, for an isinstance check. That module decorates three kernels with torch.compile, whose first use loads
-inductor: 2.4 s of every rank's start on a CPU, for functions that only a Muon optimizer calls. For any other
+inductor: seconds of every rank's start, for functions that only a Muon optimizer calls. For any other
 optimizer the module is imported first with those compiles put off until a kernel is called (import_muon_uncompiled).
 
 Only DeepSpeed 0.19.8 (the pinned version) is patched, since the replaced methods are internal; everything
