@@ -5,7 +5,8 @@ share the model, the engine and the allocator's state. The levers switched on a 
 fused_swiglu, train/model/swiglu.py's fuse and unfuse between rounds (with `--fused_swiglu`), each compiled form
 compiled once, in its first round's warm-up; text_calls, a later text run of 2.1's segmented op as one
 FlashAttention-4 call or as two merged calls (kept_attention.split_text_calls, with `--attention_kernel fa4`), which
-the compiled blocks do not see (the op is opaque to them).
+the compiled blocks do not see (the op is opaque to them); lean_step, the ZeRO step's lighter host work
+(train/runtime/ds_patches.py's lean_step) or DeepSpeed's own methods, outside every compiled graph.
 
 Each round is `--warmup` + `--steps` steps (train/benchmarks/timing.py's time_steps, the same seeds every round).
 The record's main figures are the rounds with the lever, pooled; its `ab_` fields hold the rounds without it, each
@@ -25,6 +26,7 @@ from train.benchmarks.timing import Phase, time_steps
 LEVERS = {  # --ab_lever: what switch(True) turns on
     "fused_swiglu": "fused SwiGLU",
     "text_calls": "one FlashAttention-4 call per later text run",
+    "lean_step": "the ZeRO step's lighter host work",
 }
 
 

@@ -218,10 +218,11 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ab_lever",
-        choices=("fused_swiglu", "text_calls"),
+        choices=("fused_swiglu", "text_calls", "lean_step"),
         default="fused_swiglu",
-        help="with --ab_rounds: fused_swiglu (with --fused_swiglu) or text_calls (with --attention_kernel fa4 and "
-        "--attention segmented: a later 2.1 text run as one FlashAttention-4 call instead of two merged ones)",
+        help="with --ab_rounds: fused_swiglu (with --fused_swiglu), text_calls (with --attention_kernel fa4 and "
+        "--attention segmented: a later 2.1 text run as one FlashAttention-4 call instead of two merged ones) or "
+        "lean_step (the ZeRO step's host work of train/runtime/ds_patches.py against DeepSpeed's own)",
     )
 
 

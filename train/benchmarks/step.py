@@ -49,7 +49,7 @@ from train.config import Config
 from train.data import sources
 from train.model import kept_attention, prepare, swiglu
 from train.model.interface import ModelFamily
-from train.runtime import engine
+from train.runtime import ds_patches, engine
 from train.trainer import loop
 
 
@@ -87,6 +87,8 @@ def run_project(
         def switch(on: bool) -> object:
             if args.ab_lever == "text_calls":
                 return kept_attention.split_text_calls(not on)
+            if args.ab_lever == "lean_step":
+                return ds_patches.lean_step(on)
             return (swiglu.fuse if on else swiglu.unfuse)(fam.blocks(model), fam.swiglu)
 
         return ab.alternate(step, switch, args.ab_rounds, args.warmup, args.steps, d.device, args.gc_every_steps,
