@@ -42,6 +42,7 @@ import torch
 PATCHED_VERSION = "0.19.8"
 
 
+@torch.no_grad()
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms as one float32 vector (multi-tensor kernels; empty tensors give 0)."""
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
@@ -66,7 +67,7 @@ def get_grad_norm_direct(self, gradients, params, norm_type=2):
         return _ORIGINAL["get_grad_norm_direct"](self, gradients, params, norm_type)
     grads = [g for g in gradients if not getattr(g, "_zero_padding", False)][:len(params)]
     if self.model_parallel_rank == 0 and not _any_pipe_replicated(self, params):  # every gradient counts
-        selected = [g.detach() for g in grads]
+        selected = grads
     else:
         selected = []
         for g, p in zip(grads, params, strict=False):
@@ -134,12 +135,15 @@ def _update_model_bit16_weights(self, group_index):
     """DeepSpeed's re-pointing of the bit16 parameters at their slices of the flat buffer, for a group where one
     points elsewhere (after a checkpoint load, say); nothing where all point there already."""
     flat = self.bit16_groups_flat[group_index]
-    base, size = flat.data_ptr(), flat.element_size()
     ordered = self.round_robin_bit16_groups[group_index]
-    if all(p.data_ptr() == base + offset * size
-           for p, offset in zip(ordered, self.round_robin_bit16_offsets[group_index], strict=True)) and all(
-           p.data_ptr() == ordered[new].data_ptr()
-           for p, new in zip(self.bit16_groups[group_index], self.round_robin_bit16_indices[group_index], strict=True)):
+    expected = self.__dict__.setdefault("_bit16_pointers", {})
+    key = (group_index, flat.data_ptr())
+    if key not in expected:
+        size = flat.element_size()
+        expected[key] = [flat.data_ptr() + offset * size for offset in self.round_robin_bit16_offsets[group_index]]
+    if [p.data_ptr() for p in ordered] == expected[key] and all(
+            p is ordered[new] for p, new in zip(self.bit16_groups[group_index],
+                                                self.round_robin_bit16_indices[group_index], strict=True)):
         return
     _ORIGINAL["_update_model_bit16_weights"](self, group_index)
 
