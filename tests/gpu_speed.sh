@@ -119,13 +119,16 @@ for row in $rows; do
       # in three alternating rounds in one process (ab.py)
       run_row q21_lean_step_ab 220 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever lean_step \
         "${timing[@]}" ;;
-    lean_step_ab)  # the same on the MMDiT's fastest configuration (ZeRO stage 1, 960 LoRA tensors)
+    q21_fa4_into_ab)  # FlashAttention-4 writing the segmented op's outputs in place, or returning new tensors copied
+      # where they belong, in three alternating rounds in one process (ab.py)
+      run_row q21_fa4_into_ab 220 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever fa4_into "${timing[@]}" ;;
+    lean_step_ab)  # the lean step on the MMDiT's fastest configuration (ZeRO stage 1, 960 LoRA tensors; an H200's memory)
       run_row lean_step_ab 260 "${fast[@]}" --ab_rounds 3 --ab_lever lean_step "${timing[@]}" ;;
     q21_cudagraphs)  # each compiled block replayed as a CUDA graph (reduce-overhead): the host's launches on 2.1
       run_row q21_cudagraphs 180 "${q21[@]}" --attention_kernel fa4 --compile_mode reduce-overhead "${timing[@]}" ;;
     *) echo "unknown row $row (rows: peer cudagraphs fast torchao_training torchao_inference refs2 z2511" \
             "curves exact_accum microbatch2 autotune peer_more floor floor_refs2 q21_peer q21_peer_swiglu q21_fa4" \
-            "q21_swiglu q21_swiglu_ab q21_text_calls_ab q21_lean_step_ab lean_step_ab q21_cudagraphs" \
+            "q21_swiglu q21_swiglu_ab q21_text_calls_ab q21_lean_step_ab q21_fa4_into_ab lean_step_ab q21_cudagraphs" \
             "q21_swiglu_profile)" ;;
   esac
 done

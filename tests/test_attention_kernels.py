@@ -53,13 +53,15 @@ def test_the_dense_probe_times_one_unmasked_call_over_the_whole_sequence(monkeyp
     assert "one dense call" in attention_kernels.format_report(record)
 
 
-def _fake_flash_attn_4(monkeypatch) -> None:
+def _fake_flash_attn_4(monkeypatch) -> list:
     """flash_attn.cute.interface with the contract of FlashAttention-4's two functions, in float32 math: q, k, v, out
     and gradients (B, S, H, D); the log-sum-exp (B, H, S), natural log; a causal triangle aligned bottom-right (query
     i of S sees keys 0..i + K - S); the backward's softmax from the log-sum-exp and its row sums from the output it is
-    given."""
+    given; outputs written into the tensors given for them. Returns the list of the given outputs' shapes."""
     import sys
     import types
+
+    written: list = []
 
     def scores(q, k, scale, causal):
         s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
@@ -69,41 +71,51 @@ def _fake_flash_attn_4(monkeypatch) -> None:
     def heads_first(*xs):
         return [x.transpose(1, 2).float() for x in xs]
 
-    def fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    def into(given, made):  # FlashAttention-4 writes into an output tensor it is given
+        if given is None:
+            return made
+        assert given.shape == made.shape and given.stride(-1) == 1
+        written.append(tuple(given.shape))
+        return given.copy_(made)
+
+    def fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, out=None, lse=None):
         q, k, v = heads_first(q, k, v)
         s = scores(q, k, softmax_scale, causal)
-        lse = s.logsumexp(-1)
-        return ((s - lse[..., None]).exp() @ v).transpose(1, 2).contiguous(), lse, None, None, None
+        m = s.logsumexp(-1)
+        o = ((s - m[..., None]).exp() @ v).transpose(1, 2).contiguous()
+        return into(out, o), into(lse, m), None, None, None
 
-    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, dq=None, dk=None, dv=None):
         q, k, v, out, dout = heads_first(q, k, v, out, dout)
         scale = softmax_scale or q.shape[-1] ** -0.5
         p = (scores(q, k, softmax_scale, causal) - lse[..., None]).exp()
         ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
         grads = (ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout)
-        return tuple(g.transpose(1, 2).contiguous() for g in grads)
+        return tuple(into(given, g.transpose(1, 2).contiguous()) for g, given in zip(grads, (dq, dk, dv), strict=True))
 
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_fwd, interface._flash_attn_bwd = fwd, bwd
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    return written
 
 
 def test_the_segmented_op_on_flash_attention_4_equals_it_on_sdpa(monkeypatch):
     """The op's calls through train/model/flash4.py (a stand-in with FlashAttention-4's contract on the CPU: layout,
     log-sum-exp, bottom-right causal triangle, backward from a larger attention's out and lse) give the op's output
     and gradients on SDPA's kernel, with a later text run as one causal call over every key before its end, and as
-    two calls where the A/B splits it."""
+    two calls where the A/B splits it; the kernel writes the op's outputs in place (its rows of out, lse and dq, the
+    target call's dk and dv), or returns new ones where the A/B has them copied."""
     from train.model import flash4, kept_attention
     from train.model.qwen_image21 import attention
 
-    _fake_flash_attn_4(monkeypatch)
+    written = _fake_flash_attn_4(monkeypatch)
     calls = []
     fused_forward = kept_attention.fused_forward
     monkeypatch.setattr(kept_attention, "fused_forward",
-                        lambda q, k, v, scale, causal=False: calls.append((q.shape[2], k.shape[2], causal))
-                        or fused_forward(q, k, v, scale, causal))
+                        lambda q, k, v, scale, causal=False, **into: calls.append((q.shape[2], k.shape[2], causal))
+                        or fused_forward(q, k, v, scale, causal, **into))
     mask, shapes = attention21.layout(2, (4, 6), 7)
     ids, target = T.QwenImage21Transformer2DModel.build_token_metadata(mask, shapes)
     segments = T._qwenimage21_prefix_segments(ids, int((~target).sum()))
@@ -127,16 +139,24 @@ def test_the_segmented_op_on_flash_attention_4_equals_it_on_sdpa(monkeypatch):
         one_call.remove((end - start, end - start, True))
         one_call.append((end - start, end, True))
     assert len(later_text) == 2
-    for split_text in (False, True):
+    length = mask.numel()
+    for split_text, copy in ((False, False), (True, False), (False, True)):
         calls.clear()
+        written.clear()
         kept_attention.split_text_calls(split_text)
+        kept_attention.copy_outputs(copy)
         try:
             for ours, theirs in zip(run(), on_sdpa, strict=True):
                 torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
             assert kept_attention.causal_bottom_right() is not split_text
         finally:
             kept_attention.split_text_calls(False)
+            kept_attention.copy_outputs(False)
         assert calls == split if split_text else sorted(calls) == sorted(one_call)
+        # the kernel wrote the target call's dk and dv over every key, and each one-call run's rows of out, lse and dq
+        single = len(calls) - (2 * len(later_text) if split_text else 0)  # the calls of one-call runs
+        assert written.count((1, length, 3, 16)) == (0 if copy else 2)
+        assert len(written) == (0 if copy else 2 + 3 * single)
 
 
 def test_the_mmdit_blocks_run_their_attention_on_the_chosen_kernel(monkeypatch):

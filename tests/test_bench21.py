@@ -100,8 +100,10 @@ def test_options_of_the_21_variant():
     text_calls = ["--ab_rounds", "2", "--ab_lever", "text_calls", "--attention", "segmented"]
     assert options.parse_args(["--variant", "qwen_image_21", *text_calls, "--attention_kernel", "fa4"]).ab_rounds == 2
     assert options.parse_args(["--variant", "qwen_image_21", "--ab_rounds", "2", "--ab_lever", "lean_step"]).ab_rounds
+    into = ["--ab_rounds", "2", "--ab_lever", "fa4_into", "--attention", "segmented"]
+    assert options.parse_args(["--variant", "qwen_image_21", *into, "--attention_kernel", "fa4"]).ab_rounds == 2
     bad_options = (["--refs", "11"], ["--attention", "dense"], ["--zero_cond_t"], ["--floor"], ["--fused_swiglu"],
-                   text_calls, ["--ab_rounds", "2"], [*text_calls[:-1], "flex", "--attention_kernel", "fa4"])
+                   text_calls, into, ["--ab_rounds", "2"], [*text_calls[:-1], "flex", "--attention_kernel", "fa4"])
     for bad in (*bad_options, ["--refs", "3", "--text_tokens", "7"]):
         with pytest.raises(SystemExit):
             options.parse_args(["--variant", "qwen_image_21", *bad])

@@ -117,13 +117,13 @@ def test_kernel_calls_without_padding_and_diffusers_processor_with_it(model, mon
     forward, backward = [], []
     fused_forward, fused_backward = kept_attention.fused_forward, kept_attention.fused_backward
 
-    def spy_forward(q, k, v, scale, is_causal=False):
+    def spy_forward(q, k, v, scale, is_causal=False, **into):
         forward.append((q.shape[2], k.shape[2], is_causal))
-        return fused_forward(q, k, v, scale, is_causal)
+        return fused_forward(q, k, v, scale, is_causal, **into)
 
-    def spy_backward(grad, q, k, v, out, lse, scale, is_causal=False):
+    def spy_backward(grad, q, k, v, out, lse, scale, is_causal=False, into=(None, None, None)):
         backward.append((q.shape[2], k.shape[2], is_causal))
-        return fused_backward(grad, q, k, v, out, lse, scale, is_causal)
+        return fused_backward(grad, q, k, v, out, lse, scale, is_causal, into)
 
     monkeypatch.setattr(kept_attention, "fused_forward", spy_forward)
     monkeypatch.setattr(kept_attention, "fused_backward", spy_backward)
@@ -226,6 +226,11 @@ def test_the_compiled_sum_of_key_shares_writes_what_the_eager_one_does():
         attention.sum_shares(expected[:, :, 2:-2], *shares)
         compiled(got[:, :, 2:-2], *shares)
         assert torch.equal(got, expected) and bool(expected[:, :, 2:-2].abs().sum() > 0)
+        into, target = got[:, :, 2:-2], torch.randn(1, 2, length, 8, generator=generator).to(torch.bfloat16)
+        into.copy_(target)  # the target call's share, written by the kernel, added last: sum_shares' order
+        attention.compiled_sum(3, fn=attention.sum_shares_into)(into, *shares)
+        attention.sum_shares(expected[:, :, 2:-2], *shares, target)
+        assert torch.equal(got, expected)
         graphs.append(probes.compiled_graphs())
     assert graphs[2] == graphs[1], "a third size compiled again"
 
@@ -245,6 +250,7 @@ def test_every_number_of_key_shares_has_a_compiled_sum_of_its_own():
         assert torch.equal(got, expected)
     assert attention.summer(torch.device("cpu")) is attention.sum_shares
     assert attention.summer(torch.device("cuda")) is attention.compiled_sum_shares
+    assert attention.summer(torch.device("cuda"), into=True) is attention.compiled_sum_shares_into
 
 
 @pytest.mark.gpu

@@ -79,7 +79,7 @@ def test_compiled_segmented_blocks_take_new_layouts_without_recompiling(monkeypa
     torch._dynamo.reset()
     sums = {"compiled": attention.compiled_sum_shares, "eager": attention.sum_shares}
     use = ["compiled"]
-    monkeypatch.setattr(attention, "summer", lambda device: sums[use[0]])
+    monkeypatch.setattr(attention, "summer", lambda device, into=False: sums[use[0]])
     compiled = prepared(attention="segmented", compile_blocks=True)
     layouts = [((4, 4), (4, 4)), ((4, 6), (4, 6)), ((6, 4), (2, 4)), ((6, 6), (6, 4))]
     for layout in layouts[:2]:

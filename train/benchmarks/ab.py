@@ -1,12 +1,14 @@
-"""`--ab_rounds N`: one lever timed without and with it in alternating rounds on the same model, engine and batch,
-in one process. Identical benchmark processes differ by more than a lever of about a per cent of the step (the
+"""`--ab_rounds N`: one lever timed without and with it in alternating rounds on the same model, engine and batch, in
+one process. Identical benchmark processes differ by more than a lever of about a per cent of the step (the
 machine's clocks, where the allocator put things; docs/levers.md, 40-42); rounds a few seconds apart in one process
 share the model, the engine and the allocator's state. The levers switched on a built model (`--ab_lever`, LEVERS):
 fused_swiglu, train/model/swiglu.py's fuse and unfuse between rounds (with `--fused_swiglu`), each compiled form
 compiled once, in its first round's warm-up; text_calls, a later text run of 2.1's segmented op as one
 FlashAttention-4 call or as two merged calls (kept_attention.split_text_calls, with `--attention_kernel fa4`), which
-the compiled blocks do not see (the op is opaque to them); lean_step, the ZeRO step's lighter host work
-(train/runtime/ds_patches.py's lean_step) or DeepSpeed's own methods, outside every compiled graph.
+the compiled blocks do not see (the op is opaque to them); fa4_into, the same op's FlashAttention-4 calls writing
+their rows of its outputs in place or returning new tensors copied there (kept_attention.copy_outputs); lean_step,
+the ZeRO step's lighter host work (train/runtime/ds_patches.py's lean_step) or DeepSpeed's own methods, outside
+every compiled graph.
 
 Each round is `--warmup` + `--steps` steps (train/benchmarks/timing.py's time_steps, the same seeds every round).
 The record's main figures are the rounds with the lever, pooled; its `ab_` fields hold the rounds without it, each
@@ -27,6 +29,7 @@ LEVERS = {  # --ab_lever: what switch(True) turns on
     "fused_swiglu": "fused SwiGLU",
     "text_calls": "one FlashAttention-4 call per later text run",
     "lean_step": "the ZeRO step's lighter host work",
+    "fa4_into": "FlashAttention-4 writing the segmented op's outputs in place",
 }
 
 

@@ -218,11 +218,12 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ab_lever",
-        choices=("fused_swiglu", "text_calls", "lean_step"),
+        choices=("fused_swiglu", "text_calls", "lean_step", "fa4_into"),
         default="fused_swiglu",
         help="with --ab_rounds: fused_swiglu (with --fused_swiglu), text_calls (with --attention_kernel fa4 and "
-        "--attention segmented: a later 2.1 text run as one FlashAttention-4 call instead of two merged ones) or "
-        "lean_step (the ZeRO step's host work of train/runtime/ds_patches.py against DeepSpeed's own)",
+        "--attention segmented: a later 2.1 text run as one FlashAttention-4 call instead of two merged ones), "
+        "fa4_into (the same settings: FlashAttention-4 writing the segmented op's outputs in place instead of copies) "
+        "or lean_step (the ZeRO step's host work of train/runtime/ds_patches.py against DeepSpeed's own)",
     )
 
 
@@ -292,11 +293,11 @@ def _check_ab(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--ab_rounds takes a count >= 1 and no --profile")
     if args.ab_lever == "fused_swiglu" and not args.fused_swiglu:
         parser.error("--ab_rounds alternates --fused_swiglu off and on: give it with --fused_swiglu")
-    if args.ab_lever == "text_calls" and (
+    if args.ab_lever in ("text_calls", "fa4_into") and (
         args.attention_kernel != "fa4" or args.attention != "segmented" or args.variant != "qwen_image_21"
     ):
-        parser.error("--ab_lever text_calls is 2.1's segmented op on FlashAttention-4: give --variant qwen_image_21 "
-                     "--attention segmented --attention_kernel fa4")
+        parser.error(f"--ab_lever {args.ab_lever} is 2.1's segmented op on FlashAttention-4: give --variant "
+                     "qwen_image_21 --attention segmented --attention_kernel fa4")
 
 
 def _check_variant(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

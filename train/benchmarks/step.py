@@ -89,6 +89,8 @@ def run_project(
                 return kept_attention.split_text_calls(not on)
             if args.ab_lever == "lean_step":
                 return ds_patches.lean_step(on)
+            if args.ab_lever == "fa4_into":
+                return kept_attention.copy_outputs(not on)
             return (swiglu.fuse if on else swiglu.unfuse)(fam.blocks(model), fam.swiglu)
 
         return ab.alternate(step, switch, args.ab_rounds, args.warmup, args.steps, d.device, args.gc_every_steps,

@@ -11,7 +11,9 @@ backward computes its softmax from the log-sum-exp and the output's row sums fro
 does), which gives the call's share of that attention's gradients. A causal call aligns its triangle bottom-right
 (query i of S sees keys 0..i + K - S; FlashAttention's convention since version 2.1), so a text run after the first
 is one causal call over every key up to its end (train/model/qwen_image21/attention.py), where SDPA's top-left
-triangle needs two calls and a merge.
+triangle needs two calls and a merge. Both functions write into output tensors they are given (FlashAttention-4's
+`out`, `lse`, `dq`, `dk`, `dv`), so the segmented op's calls write their rows of the whole attention's output and
+gradients in place.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from train.config.checks import flash_attention_4_problem
 
 CAUSAL_BOTTOM_RIGHT = True  # a causal call over K keys and S <= K queries: query i sees keys 0..i + K - S
+WRITES_INTO = True  # the kernels write into given output tensors: no copy of a call's output into the whole
 
 
 def check(device: torch.device) -> None:
@@ -31,21 +34,26 @@ def check(device: torch.device) -> None:
         raise RuntimeError(problem)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """(out (B, H, S, D) with q's layout, lse (B, H, S) float32) of one call; causal: query i of S sees keys
-    0..i + K - S of K (bottom-right, CAUSAL_BOTTOM_RIGHT)."""
+    0..i + K - S of K (bottom-right, CAUSAL_BOTTOM_RIGHT). Given `out` (B, H, S, D, its last dimension contiguous) and
+    `lse` (B, H, S), the kernel writes into them (views of a whole attention's output, say) and returns them."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse = _flash_attn_fwd(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=scale, causal=causal,
-                               return_lse=True)[:2]
-    return out.transpose(1, 2), lse.contiguous()
+    o, m = _flash_attn_fwd(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=scale, causal=causal,
+                           return_lse=True, out=None if out is None else out.transpose(1, 2), lse=lse)[:2]
+    return (o.transpose(1, 2) if out is None else out), (m.contiguous() if lse is None else lse)
 
 
 def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, scale: float | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), (B, H, S, D) each, of forward's call given the (possibly larger attention's) out and lse."""
+             lse: torch.Tensor, scale: float | None, causal: bool,
+             into: tuple = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), (B, H, S, D) each, of forward's call given the (possibly larger attention's) out and lse; where
+    `into` gives a tensor for one of them (B, H, S, D, its last dimension contiguous), the kernel writes it there."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = _flash_attn_bwd(*(x.transpose(1, 2) for x in (q, k, v, out, grad)), lse.contiguous(),
-                                 softmax_scale=scale, causal=causal)[:3]
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    given = [None if x is None else x.transpose(1, 2) for x in into]
+    grads = _flash_attn_bwd(*(x.transpose(1, 2) for x in (q, k, v, out, grad)), lse.contiguous(),
+                            softmax_scale=scale, causal=causal, dq=given[0], dk=given[1], dv=given[2])[:3]
+    return tuple(g.transpose(1, 2) if x is None else x for g, x in zip(grads, into, strict=True))

@@ -42,6 +42,7 @@ _backends: dict = {}  # (device type, dtype, head dim) -> the SDPBackend chosen 
 _SDP = torch.nn.attention.SDPBackend
 _external = None  # a kernel module (forward, backward) in place of SDPA's kernel: use_kernel("fa4") sets flash4.py
 _split_text = False  # train.bench's A/B (--ab_lever text_calls): causal calls as if aligned top-left on every kernel
+_copy_outputs = False  # train.bench's A/B (--ab_lever fa4_into): outputs copied where they belong, never written there
 BACKEND = "qwen_edit_kept"  # the mark on a keeping block's attention processor (its _attention_backend)
 # cuDNN's log-sum-exp is (B, H, S, 1) from torch 2.9 on, (B, H, S) before; its backward takes it as its forward gave it
 _CUDNN_LSE_4D = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
@@ -194,29 +195,54 @@ def choose_kernel(setting: str, device: torch.device) -> str:
     return setting
 
 
-def fused_forward(q, k, v, scale, is_causal: bool = False):
+def writes_into() -> bool:
+    """Whether the kernel in use writes into output tensors it is given (FlashAttention-4's), so that a caller's views
+    of a larger output are filled without a copy (unless train.bench's A/B has it copy: copy_outputs)."""
+    return _external is not None and getattr(_external, "WRITES_INTO", False) and not _copy_outputs
+
+
+def copy_outputs(on: bool) -> None:
+    """train.bench's A/B: have the kernel return new outputs that are then copied where they belong (on), or write
+    into them where it can (off)."""
+    global _copy_outputs
+    _copy_outputs = on
+
+
+def fused_forward(q, k, v, scale, is_causal: bool = False, out=None, lse=None):
     """(out, lse) of one fused SDPA kernel call on (B, H, S, D) tensors: out has q's strides, lse is (B, H, S) float32.
-    is_causal: aligned as causal_bottom_right() says (the callers make non-square causal calls only where it is)."""
+    is_causal: aligned as causal_bottom_right() says (the callers make non-square causal calls only where it is).
+    Given `out` and `lse` (views of a larger attention's, say), the results land there (written by the kernel where
+    writes_into(), else copied) and those are returned."""
     b, h, s = q.shape[:3]
     kind = backend(q)
+    if writes_into():
+        o, m = _external.forward(q, k, v, scale, is_causal, out=out, lse=lse)
+        return (_like(o, q) if out is None else o), m
     if _external is not None:
-        out, lse = _external.forward(q, k, v, scale, is_causal)
+        o, m = _external.forward(q, k, v, scale, is_causal)
     elif q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
     elif kind == _SDP.CUDNN_ATTENTION:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
-                                                                       scale=scale)[:2]
+        o, m = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
+                                                                   scale=scale)[:2]
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False,
-                                                                       scale=scale)[:2]
-    return _like(out, q), lse.reshape(b, h, s).contiguous()
+        o, m = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+    m = m.reshape(b, h, s)
+    if out is None:
+        return _like(o, q), m.contiguous()
+    out.copy_(o)
+    return out, (m.contiguous() if lse is None else lse.copy_(m))
 
 
-def fused_backward(grad, q, k, v, out, lse, scale, is_causal: bool = False):
+def fused_backward(grad, q, k, v, out, lse, scale, is_causal: bool = False, into: tuple = (None, None, None)):
     """(dq, dk, dv) of fused_forward's call by the same kernel's backward, each with its input's strides. `out` and
     `lse` may be those of a larger attention that this call is one part of (the same queries over more keys,
-    merged by log-sum-exp): the gradients are then this part's share of that attention's."""
+    merged by log-sum-exp): the gradients are then this part's share of that attention's. Where `into` gives a tensor
+    for one of them, it lands there (written by the kernel where writes_into(), else copied) and that is returned."""
     grad = _like(grad, out)
+    if writes_into():
+        grads = _external.backward(grad, q, k, v, out, lse, scale, is_causal, into=into)
+        return tuple(_like(g, x) if given is None else g for g, x, given in zip(grads, (q, k, v), into, strict=True))
     if _external is not None:
         grads = _external.backward(grad, q, k, v, out, lse, scale, is_causal)
     elif q.device.type == "cpu":
@@ -232,7 +258,8 @@ def fused_backward(grad, q, k, v, out, lse, scale, is_causal: bool = False):
         zero = torch.zeros((), dtype=torch.long, device=q.device)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, is_causal, zero, zero, scale=scale)
-    return tuple(_like(g, x) for g, x in zip(grads, (q, k, v), strict=True))
+    return tuple(_like(g, x) if given is None else given.copy_(g)
+                 for g, x, given in zip(grads, (q, k, v), into, strict=True))
 
 
 @torch.library.custom_op("qwen_edit::kept_attention", mutates_args=(),

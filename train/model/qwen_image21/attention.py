@@ -160,11 +160,13 @@ def _attention(q, k, v, bounds):
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     for q0, q1, keys in _runs(bounds, q.shape[2]):
+        if len(keys) == 1:  # the call's results are its rows of out and lse
+            ((k0, k1, causal),) = keys
+            kept_attention.fused_forward(*_dense(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]), None, causal,
+                                         out=out[:, :, q0:q1], lse=lse[:, :, q0:q1])
+            continue
         parts = [kept_attention.fused_forward(*_dense(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]), None, causal)
                  for k0, k1, causal in keys]
-        if len(parts) == 1:
-            out[:, :, q0:q1], lse[:, :, q0:q1] = parts[0]
-            continue
         total = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
         out[:, :, q0:q1] = sum(o.float() * (part_lse - total).exp()[..., None] for o, part_lse in parts)
         lse[:, :, q0:q1] = total
@@ -182,33 +184,45 @@ def _(q, k, v, bounds):
 def _attention_backward(grad, q, k, v, out, lse, bounds):
     """(dq, dk, dv), each with its input's strides: every call's backward with the whole attention's out and lse.
     A prefix key's gradient is the float32 sum of the shares of the calls that saw it, taken region by region
-    between the calls' key bounds (sum_shares); the target's keys have one share, the target call's."""
-    prefix_len = bounds[-2] if bounds else 0
+    between the calls' key bounds (sum_shares); the target's keys have one share, the target call's. Where the kernel
+    writes into given tensors (kept_attention.writes_into), a run's one call writes its rows of dq, and the target
+    call, over every key, writes its shares into dk and dv, to which the prefix regions add the other calls'."""
+    prefix_len, length = (bounds[-2] if bounds else 0), q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    add = summer(q.device)
-    shares: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (key start, dk share, dv share) of every call
-    for q0, q1, keys in _runs(bounds, q.shape[2]):
+    direct = kept_attention.writes_into()
+    shares: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (key start, dk share, dv share) of the other calls
+    for q0, q1, keys in _runs(bounds, length):
         rows = slice(q0, q1)
         grad_rows, q_rows, out_rows = _dense(grad[:, :, rows], q[:, :, rows], out[:, :, rows])
-        calls = [kept_attention.fused_backward(grad_rows, q_rows, *_dense(k[:, :, k0:k1], v[:, :, k0:k1]), out_rows,
-                                               lse[:, :, rows].contiguous(), None, causal)
-                 for k0, k1, causal in keys]
-        if len(calls) == 1:
-            dq[:, :, rows] = calls[0][0]
-        else:  # a later text run's two calls (top-left kernels)
-            add(dq[:, :, rows], *(call[0] for call in calls))
+        calls = []
+        for k0, k1, causal in keys:
+            whole = direct and k1 - k0 == length  # the target's call, writing dk and dv
+            into = (dq[:, :, rows] if len(keys) == 1 else None, dk if whole else None, dv if whole else None)
+            calls.append(kept_attention.fused_backward(grad_rows, q_rows, *_dense(k[:, :, k0:k1], v[:, :, k0:k1]),
+                                                       out_rows, lse[:, :, rows].contiguous(), None, causal, into))
+        if len(calls) > 1:  # a later text run's two calls (top-left kernels)
+            summer(q.device)(dq[:, :, rows], *(call[0] for call in calls))
         for (k0, k1, _), (_, dk_share, dv_share) in zip(keys, calls, strict=True):
+            if direct and k1 - k0 == length:
+                continue
             shares.append((k0, dk_share, dv_share))
             if k1 > prefix_len:  # the target's call, over every key
                 dk[:, :, prefix_len:] = dk_share[:, :, prefix_len - k0:]
                 dv[:, :, prefix_len:] = dv_share[:, :, prefix_len - k0:]
+    _sum_prefix(dk, dv, shares, prefix_len, summer(q.device, into=direct))
+    return dq, dk, dv
+
+
+def _sum_prefix(dk, dv, shares, prefix_len: int, add: Callable) -> None:
+    """dk and dv over the prefix's keys from the calls' `shares`, region by region between their key bounds (`add`:
+    sum_shares, or sum_shares_into where dk and dv hold the target call's shares already)."""
     spans = [(k0, k0 + dk_share.shape[2]) for k0, dk_share, _ in shares]
     cuts = sorted({0, prefix_len, *(min(end, prefix_len) for _, end in spans), *(start for start, _ in spans)})
     for a, b in pairwise(cuts):
         seen = [share for share, (start, end) in zip(shares, spans, strict=True) if start <= a and b <= end]
-        add(dk[:, :, a:b], *(dk_share[:, :, a - k0:b - k0] for k0, dk_share, _ in seen))
-        add(dv[:, :, a:b], *(dv_share[:, :, a - k0:b - k0] for k0, _, dv_share in seen))
-    return dq, dk, dv
+        if seen:
+            add(dk[:, :, a:b], *(dk_share[:, :, a - k0:b - k0] for k0, dk_share, _ in seen))
+            add(dv[:, :, a:b], *(dv_share[:, :, a - k0:b - k0] for k0, _, dv_share in seen))
 
 
 def sum_shares(out: torch.Tensor, *shares: torch.Tensor) -> None:
@@ -219,19 +233,27 @@ def sum_shares(out: torch.Tensor, *shares: torch.Tensor) -> None:
     out.copy_(total)
 
 
-_sums: dict[tuple[int, str], Callable] = {}  # (number of shares, backend) -> its compiled sum
+def sum_shares_into(out: torch.Tensor, *shares: torch.Tensor) -> None:
+    """out = the shares summed in float32 in their order and out (the last share) added, rounded once."""
+    total = shares[0].float()
+    for share in shares[1:]:
+        total = total + share
+    out.copy_(total + out)
 
 
-def compiled_sum(count: int, backend: str = "inductor") -> Callable:
-    """sum_shares for `count` shares, compiled with dynamic shapes, as a function with a code object of its own.
-    Dynamo keeps a function's graphs on its code object and runs it eagerly once it has compiled it recompile_limit
-    (8) times; one compiled sum_shares for every count would pass that in a run whose layouts make many counts (the
-    first text's keys are seen by every call of a row, more with every reference)."""
-    key = (count, backend)
+_sums: dict[tuple[str, int, str], Callable] = {}  # (function, number of shares, backend) -> its compiled form
+
+
+def compiled_sum(count: int, backend: str = "inductor", fn: Callable = sum_shares) -> Callable:
+    """`fn` (sum_shares or sum_shares_into) for `count` shares, compiled with dynamic shapes, as a function with a code
+    object of its own. Dynamo keeps a function's graphs on its code object and runs it eagerly once it has compiled it
+    recompile_limit (8) times; one compiled sum for every count would pass that in a run whose layouts make many
+    counts (the first text's keys are seen by every call of a row, more with every reference)."""
+    key = (fn.__name__, count, backend)
     if key not in _sums:
-        code = sum_shares.__code__.replace(co_name=f"sum_{count}_shares")
-        fn = types.FunctionType(code, sum_shares.__globals__, code.co_name)
-        _sums[key] = torch.compile(fn, dynamic=True, backend=backend)
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{count}")
+        _sums[key] = torch.compile(types.FunctionType(code, fn.__globals__, code.co_name), dynamic=True,
+                                   backend=backend)
     return _sums[key]
 
 
@@ -241,10 +263,17 @@ def compiled_sum_shares(out: torch.Tensor, *shares: torch.Tensor) -> None:
     compiled_sum(len(shares))(out, *shares)
 
 
-def summer(device: torch.device) -> Callable:
-    """The backward's sum of key shares: compiled on CUDA (in place of a float32 accumulator added to share by
-    share), as written elsewhere."""
-    return compiled_sum_shares if device.type == "cuda" else sum_shares
+def compiled_sum_shares_into(out: torch.Tensor, *shares: torch.Tensor) -> None:
+    """sum_shares_into through the compiled function for that many shares."""
+    compiled_sum(len(shares), fn=sum_shares_into)(out, *shares)
+
+
+def summer(device: torch.device, into: bool = False) -> Callable:
+    """The backward's sum of key shares (sum_shares, or sum_shares_into with `into`): compiled on CUDA (in place of a
+    float32 accumulator added to share by share), as written elsewhere."""
+    if device.type != "cuda":
+        return sum_shares_into if into else sum_shares
+    return compiled_sum_shares_into if into else compiled_sum_shares
 
 
 @_attention_backward.register_fake
