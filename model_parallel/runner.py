@@ -311,6 +311,7 @@ def main(cfg: config.Config, resume: str | None, overwrite: bool = False) -> int
         code = 2
     except checkpoint.SaveError as e:  # perhaps on some ranks only: no collective teardown, the launcher ends the rest
         print(f"error: {e}", file=sys.stderr, flush=True)
+        worlds.check_out(links)  # the store's host stops waiting for this process (see worlds.check_out)
         return 1
     engine.teardown()
     worlds.leave(links, cfg.project.parallel.collective_timeout_s)

@@ -123,6 +123,19 @@ class ModelParallelGroups:
         return list(self._dp_ranks)
 
 
+def check_out(links: Links) -> None:
+    """Check out of the launch-wide store without a collective, for a process that ends on an error of its own (a
+    failed save): the store's host, which waits in leave() for every process, then exits instead of staying until
+    DeepSpeed's launch.py kills it 30 s after terminating it (its SIGTERM alone does not end that wait). A store
+    already gone is no error here: the process is ending with its own message."""
+    if links.store is None:
+        return
+    try:
+        links.store.add("left", 1)
+    except RuntimeError:  # torch's store errors (DistStoreError, DistNetworkError) derive from it
+        pass
+
+
 def leave(links: Links, timeout_s: int) -> None:
     """Check out of the launch-wide store; its host (launch rank 0, an encoder) leaves last.
 

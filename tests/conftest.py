@@ -103,6 +103,29 @@ def online_run(tiny_edit, tmp_path_factory) -> Path:
     return out
 
 
+REFERENCE_STEPS = 12
+
+
+@pytest.fixture(scope="session")
+def fault_config(tmp_path_factory) -> Path:
+    """Tiny config that saves every 4 steps (the last 2 checkpoints kept) and logs every step."""
+    path = tmp_path_factory.mktemp("fault_cfg") / "faults.json"
+    return write_config(path, **{"qwen_edit.output.save_every_steps": 4, "qwen_edit.output.log_every_steps": 1,
+                                 "qwen_edit.output.keep_last": 2})
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_edit, fault_config, tmp_path_factory) -> Path:
+    """ZeRO-2 on 2 processes through the launcher, REFERENCE_STEPS steps of fault_config uninterrupted: the reference
+    of the fault tests' resumed runs and of training on 1 process with gradient accumulation (tests that change its
+    directory work on a copy)."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", str(REFERENCE_STEPS)))
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert [r["step"] for r in metrics(out)] == list(range(1, REFERENCE_STEPS + 1))
+    return out
+
+
 @pytest.fixture(scope="session")
 def validated_zero2(tiny_edit, tmp_path_factory) -> dict[str, Path]:
     """ZeRO-2 on 2 processes, 4 steps, once plain and once validating 3 edits every 2 steps

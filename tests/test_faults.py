@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import (
+    REFERENCE_STEPS,
     REPO,
     free_port,
     launcher_command,
@@ -26,29 +27,12 @@ from conftest import (
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 12
+MAX_STEPS = REFERENCE_STEPS  # the uninterrupted reference run's (conftest.reference_run)
 
 
 def check(proc) -> None:
     tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
-
-
-@pytest.fixture(scope="module")
-def fault_config(tmp_path_factory) -> Path:
-    """Tiny config that saves every 4 steps and logs every step."""
-    path = tmp_path_factory.mktemp("cfg") / "faults.json"
-    return write_config(path, **{"qwen_edit.output.save_every_steps": 4, "qwen_edit.output.log_every_steps": 1,
-                                 "qwen_edit.output.keep_last": 2})
-
-
-@pytest.fixture(scope="module")
-def reference_run(tiny_edit, fault_config, tmp_path_factory) -> Path:
-    """The output directory of an uninterrupted 2-process run (tests that change it work on a copy)."""
-    out = tmp_path_factory.mktemp("reference")
-    check(run_trainer(tiny_edit, out, config=fault_config, num_procs=2, extra=("--max_steps", str(MAX_STEPS))))
-    assert [r["step"] for r in metrics(out)] == list(range(1, MAX_STEPS + 1))
-    return out
 
 
 @pytest.fixture(scope="module")

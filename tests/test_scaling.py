@@ -7,14 +7,11 @@ Timings are printed by the harness, never asserted here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, main_in_process
 
 from train.benchmarks import scaling
 
@@ -88,37 +85,16 @@ def test_a_failed_run_reports_the_trainers_error_not_the_launchers(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU harness: DeepCompile is available on this machine")
 def test_scaling_harness_on_cpu_processes(tiny_edit, tmp_path):
-    """2 processes vs 1 for ZeRO-2 through the launcher; DeepCompile refused by the config as train/main.py would."""
+    """2 processes vs 1 for ZeRO-2 through the launcher; DeepCompile refused by the config as train/main.py would. The
+    harness (train.bench --scaling) runs in this process: it only starts the launches and reads their records."""
+    from train import bench
+
     out = tmp_path / "scaling"
-    cmd = [
-        sys.executable,
-        "-m",
-        "train.bench",
-        "--scaling",
-        "--model",
-        str(tiny_edit / "model"),
-        "--data",
-        str(tiny_edit / "data"),
-        "--config",
-        str(TINY_CONFIG),
-        "--gpus",
-        "2",
-        "--settings",
-        "zero2,deepcompile",
-        "--steps",
-        "3",
-        "--skip",
-        "1",
-        "--set",
-        "qwen_edit.data.num_workers=0",
-        "--out",
-        str(out),
-        "--json",
-        str(out / "s.jsonl"),
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    argv = ["--scaling", "--model", str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--config",
+            str(TINY_CONFIG), "--gpus", "2", "--settings", "zero2,deepcompile", "--steps", "3", "--skip", "1",
+            "--set", "qwen_edit.data.num_workers=0", "--out", str(out), "--json", str(out / "s.jsonl")]
+    code, stdout, stderr = main_in_process(bench, argv)
+    assert code == 0, f"exit {code}\n{stdout[-3000:]}\n{stderr[-5000:]}"
     r = json.loads((out / "s.jsonl").read_text().splitlines()[-1])
     runs = {run["world_size"]: run for run in r["runs"]}
     assert [run["setting"] for run in r["runs"]] == ["zero2", "zero2"] and set(runs) == {1, 2}
@@ -129,5 +105,5 @@ def test_scaling_harness_on_cpu_processes(tiny_edit, tmp_path):
     zero2, deepcompile = r["settings"]
     assert zero2["efficiency"] == pytest.approx(runs[2]["samples_per_s_per_gpu"] / runs[1]["samples_per_s_per_gpu"])
     assert deepcompile["status"] == "not available" and "no CUDA GPU" in deepcompile["reason"]
-    assert "not available: qwen_edit.train.deepcompile" in proc.stdout and "efficiency" in proc.stdout
+    assert "not available: qwen_edit.train.deepcompile" in stdout and "efficiency" in stdout
     assert not (out / "runs" / "zero2_1gpu").exists() and (out / "zero2_2gpu.log").is_file()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics, run_trainer, start_refused, write_config
+from conftest import REFERENCE_STEPS, metrics, run_trainer, start_refused, write_config
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -147,16 +147,18 @@ def test_exported_lora_loads_into_pipeline_and_changes_output(zero2_run, tiny_ed
     assert (after - before).abs().max() > 1e-3
 
 
-def test_two_ranks_equal_one_rank_with_accumulation(tiny_edit, tmp_path):
-    """2 processes x micro-batch 1 and 1 process x GAS 2 see the same samples and noise: same weights (fp32).
-    So does ZeRO stage 1 without gradient hooks on 2 processes (ds_configs/lora_fast.json's setting)."""
-    out_dp, out_gas, out_z1 = tmp_path / "dp", tmp_path / "gas", tmp_path / "z1"
-    check(run_trainer(tiny_edit, out_dp, num_procs=2, extra=("--max_steps", "6")))
-    gas_cfg = write_config(tmp_path / "gas.json", gradient_accumulation_steps=2)
-    check(run_trainer(tiny_edit, out_gas, config=gas_cfg, extra=("--max_steps", "6")))
-    z1_cfg = write_config(tmp_path / "z1.json", zero_optimization={"stage": 1, "overlap_comm": False,
-                                                                  "contiguous_gradients": False})
-    check(run_trainer(tiny_edit, out_z1, config=z1_cfg, num_procs=2, extra=("--max_steps", "6")))
+def test_two_ranks_equal_one_rank_with_accumulation(tiny_edit, fault_config, reference_run, tmp_path):
+    """2 processes x micro-batch 1 (ZeRO-2: conftest.reference_run, shared with the fault tests) and 1 process x GAS
+    2 see the same samples and noise: same weights (fp32). So does ZeRO stage 1 without gradient hooks on 2
+    processes (ds_configs/lora_fast.json's setting). The reference's config saves every 4 steps: a save changes no
+    number."""
+    out_dp, out_gas, out_z1 = reference_run, tmp_path / "gas", tmp_path / "z1"
+    steps = ("--max_steps", str(REFERENCE_STEPS))
+    gas_cfg = write_config(tmp_path / "gas.json", base=fault_config, gradient_accumulation_steps=2)
+    check(run_trainer(tiny_edit, out_gas, config=gas_cfg, extra=steps))
+    z1_cfg = write_config(tmp_path / "z1.json", base=fault_config, zero_optimization={
+        "stage": 1, "overlap_comm": False, "contiguous_gradients": False})
+    check(run_trainer(tiny_edit, out_z1, config=z1_cfg, num_procs=2, extra=steps))
     a = load_file(out_dp / "export" / "pytorch_lora_weights.safetensors")
     moved = max((a[k]).abs().max().item() for k in a if "lora_B" in k)
     assert moved > 1e-3, "LoRA B never moved from zero: the comparison would be vacuous"
