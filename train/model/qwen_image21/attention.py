@@ -25,9 +25,12 @@ and log-sum-exp. Its backward runs each call's own backward kernel with those: a
 softmax from the log-sum-exp and the output it is given, so each call over part of the keys yields exactly its
 share of the whole attention's gradients, as ring attention splits the keys across devices. The shares of a key
 are summed in float32 and rounded once, region by region between the calls' key bounds (on CUDA one compiled kernel
-per region, which reads each share once). The run boundaries are SymInts in the ops' schemas, so a compiled block
-traces them as symbols: once its shapes are dynamic, a row of another layout runs the same graph instead of
-compiling one per layout.
+per region, which reads each share once). Where the kernel writes into tensors it is given (FlashAttention-4's;
+kept_attention.writes_into), each call writes its rows of the output, the log-sum-exp and dq in place, and the target
+call, over every key, writes dk and dv, to which the prefix regions then add the other calls' shares in the same
+order (sum_shares_into): no copies of the calls' outputs. The run boundaries are SymInts in the ops' schemas, so a
+compiled block traces them as symbols: once its shapes are dynamic, a row of another layout runs the same graph
+instead of compiling one per layout.
 
 Without a mask this needs the same keys hidden from every row: a micro-batch whose rows are padded (prompts of
 different lengths; encoder_hidden_states_mask), a float32 model on CUDA, or an older GPU without the fused kernels
