@@ -5,6 +5,7 @@ and skipped steps, with one host synchronisation per step."""
 from __future__ import annotations
 
 import pytest
+import torch
 from ranks import Ranks
 
 STEPS = 5
@@ -89,7 +90,7 @@ def test_lean_step_equals_deepspeeds_with_one_host_sync(two_ranks):
         assert a["norms"][POISONED] == float("inf")
         assert a["norms"][CLIPPED] > 100 * max(n for i, n in enumerate(a["norms"]) if i not in (CLIPPED, POISONED))
         for wa, wb in zip(a["weights"], b["weights"], strict=True):
-            assert torch_equal(wa, wb)
+            assert torch.equal(wa, wb)
         assert b["syncs"] == [1] * STEPS, b["syncs"]
         assert all(n > 1 for i, n in enumerate(a["syncs"]) if i != POISONED), a["syncs"]  # a skip returns early
         assert all(a["in_flat"]) and all(b["in_flat"])
@@ -102,10 +103,5 @@ def test_a_moved_parameter_is_pointed_back_at_the_flat_buffer(two_ranks):
     for rank in range(two_ranks.world):
         assert all(ours[rank]["in_flat"])
         for wa, wb in zip(theirs[rank]["weights"], ours[rank]["weights"], strict=True):
-            assert torch_equal(wa, wb)
+            assert torch.equal(wa, wb)
 
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return torch.equal(a, b)

@@ -18,7 +18,7 @@ The step itself (ZeRO-1/2 in bf16, gradients on the device) is made lighter on t
 - the overflow check is folded into the gradient norm: the step already skips on an invalid norm (inf/NaN, which a
   gradient holding an inf or NaN makes, marked -1), so the separate pass over every gradient and its host
   synchronisation are dropped (check_overflow);
-- the clipping factor for an invalid norm is chosen on the device (torch.where) instead of by a host
+- the clipping factor for an invalid norm is chosen on the device (a masked fill) instead of by a host
   synchronisation (unscale_and_clip_grads), and the norm is marked invalid with a scalar fill instead of a tensor
   copied from the host, which synchronises as well (get_grad_norm_direct);
 - after the all-gather DeepSpeed points every bit16 parameter at its slice of the flat buffer again (a narrow and a
