@@ -113,6 +113,7 @@ def _zero_state_per_param(rank: int, world: int, stage: int) -> dict:
 
         engine.optimizer.reduce_gradients = measured_reduce
     engine.backward(engine(x).float().square().mean())
+    torch.distributed.barrier()  # the backward's all-reduce has finished on both ranks before its buffers are counted
     seen["after_backward"] = _live_bytes(engine.module.parameters()) - base
     seen["in_step"] = seen["after_backward"] + _step_transient(engine.step)
     return {k: v / n for k, v in seen.items()}
