@@ -71,7 +71,8 @@ class Ranks:
 
 
 def join(rank: int, world: int, port: int) -> None:
-    """This process as rank `rank` of `world` CPU processes over gloo, as DeepSpeed's launcher sets one up."""
+    """This process as rank `rank` of `world` CPU processes over gloo, as DeepSpeed's launcher sets one up and as the
+    trainer joins (engine.skip_cpu_shm_op: no JIT build of DeepSpeed's shared-memory op, which training never calls)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -82,6 +83,9 @@ def join(rank: int, world: int, port: int) -> None:
     )
     import deepspeed
 
+    from train.runtime.engine import skip_cpu_shm_op
+
+    skip_cpu_shm_op()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 

@@ -1,6 +1,6 @@
 """The ZeRO step with train/runtime/ds_patches.py's lighter host work against DeepSpeed's own methods, on two CPU
-ranks over gloo (bf16, ZeRO-2, clipping, DeepSpeed's AdamW, as the trainer builds its engine): the same weights, norms
-and skipped steps, with one host synchronisation per step."""
+ranks over gloo (bf16, ZeRO-2, clipping, AdamW on torch's kernels as the trainer builds its engine on a CPU): the same
+weights, norms and skipped steps, with one host synchronisation per step."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _train(rank: int, world: int, lean: bool, moved: bool = False) -> dict:
     """One rank: STEPS steps of a small bf16 ZeRO-2 engine with the lighter step in (`lean`) or out; `moved`: one
     parameter's data is replaced by a copy before the last step, as a checkpoint load may leave it. Returns the
     weights, the engine's norms and skipped steps, and the host synchronisations (aten._local_scalar_dense) of each
-    engine.step()."""
+    engine.step() outside the wrapped optimizer's own step."""
     import deepspeed
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,10 +42,21 @@ def _train(rank: int, world: int, lean: bool, moved: bool = False) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
                               "reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "steps_per_print": 10**9,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    inner = engine.optimizer.optimizer  # torch's AdamW reads its step count on the host (not so FusedAdam on a GPU):
+    inner_step = inner.step  # its syncs are not the ZeRO step's and are left out of the count
+
+    def step_uncounted(*args, **kwargs):
+        before = Syncs.count
+        try:
+            return inner_step(*args, **kwargs)
+        finally:
+            Syncs.count = before
+
+    inner.step = step_uncounted
     generator = torch.Generator().manual_seed(rank)
     syncs, norms = [], []
     for step in range(STEPS):

@@ -35,6 +35,21 @@ def _live_bytes(params=(), dtype=None, excluded=frozenset()) -> int:
     return sum(n for ptr, n in seen.items() if ptr and ptr not in excluded)
 
 
+def _largest_storages(params=(), count: int = 6) -> list[str]:
+    """The `count` largest tensor storages _live_bytes would count now, as "dtype numel" of a tensor on each."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    seen = {}
+    for obj in [*gc.get_objects(), *(p.grad for p in params)]:
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.untyped_storage().data_ptr():
+            storage = obj.untyped_storage()
+            seen.setdefault(storage.data_ptr(), (storage.nbytes(), f"{obj.dtype} {obj.numel()}"))
+    return [f"{text} ({nbytes} bytes)" for nbytes, text in sorted(seen.values(), reverse=True)[:count]]
+
+
 def _counting_from_here(rank: int, world: int, job, *args):
     """Run job(rank, world, *args) with what the process holds at its start frozen (gc.freeze): _live_bytes then
     collects and walks only the objects made since, which are all that a job counts (bytes above its start). A full
@@ -115,8 +130,9 @@ def _zero_state_per_param(rank: int, world: int, stage: int) -> dict:
     engine.backward(engine(x).float().square().mean())
     torch.distributed.barrier()  # the backward's all-reduce has finished on both ranks before its buffers are counted
     seen["after_backward"] = _live_bytes(engine.module.parameters()) - base
+    largest = _largest_storages(engine.module.parameters())  # named in a failure's message
     seen["in_step"] = seen["after_backward"] + _step_transient(engine.step)
-    return {k: v / n for k, v in seen.items()}
+    return {**{k: v / n for k, v in seen.items()}, "largest_after_backward": largest}
 
 
 @pytest.fixture(scope="module")
