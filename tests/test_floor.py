@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers.models.transformers import transformer_qwenimage
 
-from train.benchmarks import build, floor, options
+from train.benchmarks import build, floor, options, step
 from train.benchmarks.workload import FAMILY, make_workload
 from train.config import TrainConfig
+from train.model import kept_attention
 from train.model.qwen_image.tiny import SCHEDULER_CONFIG
 from train.trainer import loop
 
@@ -47,6 +49,30 @@ def test_census_finds_the_calls_the_step_makes():
     assert not any(c.input_grad for c in linears if c.kind in ("fp8_vector", "frozen") and c.m == 1)
     mlp_up = [c for c in linears if c.kind == "fp8" and c.n == 4 * c.k]
     assert sorted(c.m for c in mlp_up) == sorted([w.image_tokens, w.text_tokens] * blocks)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "fa4"])
+def test_routed_attention_is_timed_through_the_steps_op(monkeypatch, kernel):
+    """With --attention_kernel other than sdpa, the step's blocks run their attention as kept attention's op
+    (step.route_attention): the floor's census model is routed the same way, so its census records the op's calls
+    and the floor times them through the op, on the kernel the step runs; with sdpa, diffusers' default."""
+    monkeypatch.setattr(transformer_qwenimage, "dispatch_attention_fn", transformer_qwenimage.dispatch_attention_fn)
+    args = options.parse_args(["--tiny", "--fp8_base", "--floor", "--attention_kernel", kernel])
+    model = step.floor_census_model(args, torch.float32)
+    w = make_workload(args.area, args.refs, args.text_tokens, args.micro_batch)
+    b = build.synthetic_batch(w, model, torch.device("cpu"), torch.float32, text_mask=False)
+    kwargs, _, _ = loop.noisy_inputs(
+        b, TrainConfig(), torch.Generator().manual_seed(0), SCHEDULER_CONFIG, torch.float32, FAMILY
+    )
+    _, attention = floor.census(model, {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()})
+    assert len(attention) == len(model.transformer_blocks)
+    routed = kernel != "sdpa"
+    assert all((dict(a.options).get("backend") == kept_attention.BACKEND) is routed for a in attention)
+    through_op = []
+    fused = kept_attention.fused_forward
+    monkeypatch.setattr(kept_attention, "fused_forward", lambda *a, **k: through_op.append(1) or fused(*a, **k))
+    rows = floor.time_attention(attention[0], 1, torch.device("cpu"), torch.float32, 1)
+    assert [r["call"] for r in rows] == ["forward", "backward"] and bool(through_op) is routed
 
 
 def test_floor_row_on_the_cpu(tmp_path):

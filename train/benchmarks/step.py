@@ -199,6 +199,15 @@ def build_measured_model(
     return model, model_info, flops_per_gpu
 
 
+def floor_census_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    """build.census_model, its attention routed as the step's is with --attention_kernel: the census then records the
+    op's calls, and the floor times the kernel the step runs."""
+    model = census_model(args, dtype)
+    if args.attention_kernel != "sdpa":
+        route_attention(model, args_family(args))
+    return model
+
+
 def route_attention(model: torch.nn.Module, fam: ModelFamily) -> int:
     """Every block's attention as kept_attention's op, so on the kernel --attention_kernel chose, for a family whose
     attention the op can take (its record's `attention_module`: the MMDiT's unmasked joint attention; 2.1's
@@ -239,7 +248,8 @@ def measure_floor(
     args: argparse.Namespace, b: sources.Batch, cfg: Config, d: engine.Dist, dtype: torch.dtype, project: Phase
 ) -> dict:
     """The floor's fields (train/benchmarks/floor.py): the step's attention and matmuls timed alone at the shapes of
-    its first micro-batch, against the project's timed step."""
+    its first micro-batch, against the project's timed step; with --attention_kernel, its attention through the same
+    op and kernel as the step's routed blocks."""
     kwargs, _, _ = loop.noisy_inputs(
         b,
         cfg.project.train,
@@ -251,7 +261,7 @@ def measure_floor(
     meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
     median = project.stats(1.0)["median_s_per_step"]
     return floor.measure(
-        census_model(args, dtype),
+        floor_census_model(args, dtype),
         meta,
         project.s_per_step,
         median,
