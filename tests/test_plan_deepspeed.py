@@ -17,11 +17,11 @@ from train.plan.sizes import (
 )
 
 
-def _live_bytes(params=(), dtype=None, excluded=frozenset()) -> int:
-    """Bytes of every tensor storage alive in this process (each storage once; under _counting_from_here, of those
-    made since the job began), or only of tensors of `dtype`, less the storages whose data pointers are `excluded`:
-    the tensors Python holds, and the gradients of `params` (autograd makes them in C++, where gc does not see them
-    until they are read)."""
+def _live_storages(params=(), dtype=None, excluded=frozenset()) -> dict[int, tuple[int, str]]:
+    """{data pointer: (bytes, "dtype numel" of a tensor on it)} of every tensor storage alive in this process (under
+    _counting_from_here, of those made since the job began), or only of tensors of `dtype`, less the storages whose
+    data pointers are `excluded`: the tensors Python holds, and the gradients of `params` (autograd makes them in
+    C++, where gc does not see them until they are read)."""
     import gc
 
     import torch
@@ -31,23 +31,18 @@ def _live_bytes(params=(), dtype=None, excluded=frozenset()) -> int:
     for obj in [*gc.get_objects(), *(p.grad for p in params)]:
         if isinstance(obj, torch.Tensor) and not obj.is_meta and dtype in (None, obj.dtype):
             storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(n for ptr, n in seen.items() if ptr and ptr not in excluded)
+            seen[storage.data_ptr()] = (storage.nbytes(), f"{obj.dtype} {obj.numel()}")
+    return {ptr: v for ptr, v in seen.items() if ptr and ptr not in excluded}
 
 
-def _largest_storages(params=(), count: int = 6) -> list[str]:
-    """The `count` largest tensor storages _live_bytes would count now, as "dtype numel" of a tensor on each."""
-    import gc
+def _live_bytes(params=(), dtype=None, excluded=frozenset()) -> int:
+    """The bytes of _live_storages (each storage once)."""
+    return sum(n for n, _ in _live_storages(params, dtype, excluded).values())
 
-    import torch
 
-    gc.collect()
-    seen = {}
-    for obj in [*gc.get_objects(), *(p.grad for p in params)]:
-        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.untyped_storage().data_ptr():
-            storage = obj.untyped_storage()
-            seen.setdefault(storage.data_ptr(), (storage.nbytes(), f"{obj.dtype} {obj.numel()}"))
-    return [f"{text} ({nbytes} bytes)" for nbytes, text in sorted(seen.values(), reverse=True)[:count]]
+def _largest(storages: dict[int, tuple[int, str]], count: int = 6) -> list[str]:
+    """The `count` largest of _live_storages' storages, for a failure's message."""
+    return [f"{text} ({nbytes} bytes)" for nbytes, text in sorted(storages.values(), reverse=True)[:count]]
 
 
 def _counting_from_here(rank: int, world: int, job, *args):
@@ -129,10 +124,10 @@ def _zero_state_per_param(rank: int, world: int, stage: int) -> dict:
         engine.optimizer.reduce_gradients = measured_reduce
     engine.backward(engine(x).float().square().mean())
     torch.distributed.barrier()  # the backward's all-reduce has finished on both ranks before its buffers are counted
-    seen["after_backward"] = _live_bytes(engine.module.parameters()) - base
-    largest = _largest_storages(engine.module.parameters())  # named in a failure's message
+    storages = _live_storages(engine.module.parameters())
+    seen["after_backward"] = sum(n for n, _ in storages.values()) - base
     seen["in_step"] = seen["after_backward"] + _step_transient(engine.step)
-    return {**{k: v / n for k, v in seen.items()}, "largest_after_backward": largest}
+    return {**{k: v / n for k, v in seen.items()}, "largest_after_backward": _largest(storages)}
 
 
 @pytest.fixture(scope="module")
