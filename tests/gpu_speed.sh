@@ -41,7 +41,8 @@ timing=(--steps "$steps" --warmup "$warmup")
 q21=(--variant qwen_image_21 --refs 1 --lora_targets default --lora_rank 64 --compile --fp8_base --fp8_transposed
      --fp8_fast_accum --attention segmented)
 
-run_row() {  # NAME SECONDS_IT_NEEDS BENCH_ARGS...: run when the budget has that much left
+run_row() {  # NAME SECONDS_IT_NEEDS BENCH_ARGS...: run when the budget has that much left (about 1.5x the
+  # seconds the row took, compilation included: q21_peer 98-133 s and the 2.1 A/B rows 100-126 s on an H100)
   local name=$1 need=$2
   shift 2
   local left=$(( budget - ($(date +%s) - start) ))
@@ -97,10 +98,10 @@ for row in $rows; do
       run_row peer_more 200 "${fast[@]}" "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile_dynamic,torchao_fp8_w8a16:compile,torchao_int8_w8a16:compile ;;
     q21_peer)  # Qwen-Image-2.1, one reference, FlashAttention-4: against the peer on SDPA and on its own pick
-      run_row q21_peer 330 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" --peer diffsynth \
+      run_row q21_peer 200 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile:torch,bf16:compile ;;
     q21_peer_swiglu)  # the same with levers 39's fused SwiGLU on our side
-      run_row q21_peer_swiglu 330 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" --peer diffsynth \
+      run_row q21_peer_swiglu 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" --peer diffsynth \
         --peer_variants bf16:compile:torch,bf16:compile ;;
     q21_fa4)  # the same step alone: the reference for the 2.1 single-lever rows
       run_row q21_fa4 150 "${q21[@]}" --attention_kernel fa4 "${timing[@]}" ;;
@@ -110,18 +111,18 @@ for row in $rows; do
       run_row q21_swiglu_profile 200 "${q21[@]}" --attention_kernel fa4 --fused_swiglu "${timing[@]}" \
         --profile "$out/q21_swiglu" ;;
     q21_swiglu_ab)  # levers 39 in one process: the fused SwiGLU off and on in three alternating rounds (ab.py)
-      run_row q21_swiglu_ab 220 "${q21[@]}" --attention_kernel fa4 --fused_swiglu --ab_rounds 3 "${timing[@]}" ;;
+      run_row q21_swiglu_ab 170 "${q21[@]}" --attention_kernel fa4 --fused_swiglu --ab_rounds 3 "${timing[@]}" ;;
     q21_text_calls_ab)  # a later text run as one FlashAttention-4 call (bottom-right causal) or two merged calls,
       # in three alternating rounds in one process (ab.py)
-      run_row q21_text_calls_ab 220 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever text_calls \
+      run_row q21_text_calls_ab 170 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever text_calls \
         "${timing[@]}" ;;
     q21_lean_step_ab)  # the ZeRO step's lighter host work (train/runtime/ds_patches.py) or DeepSpeed's own methods,
       # in three alternating rounds in one process (ab.py)
-      run_row q21_lean_step_ab 220 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever lean_step \
+      run_row q21_lean_step_ab 170 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever lean_step \
         "${timing[@]}" ;;
     q21_fa4_into_ab)  # FlashAttention-4 writing the segmented op's outputs in place, or returning new tensors copied
       # where they belong, in three alternating rounds in one process (ab.py)
-      run_row q21_fa4_into_ab 220 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever fa4_into "${timing[@]}" ;;
+      run_row q21_fa4_into_ab 170 "${q21[@]}" --attention_kernel fa4 --ab_rounds 3 --ab_lever fa4_into "${timing[@]}" ;;
     lean_step_ab)  # the lean step on the MMDiT's fastest configuration (ZeRO stage 1, 960 LoRA tensors; an H200's memory)
       run_row lean_step_ab 260 "${fast[@]}" --ab_rounds 3 --ab_lever lean_step "${timing[@]}" ;;
     q21_cudagraphs)  # each compiled block replayed as a CUDA graph (reduce-overhead): the host's launches on 2.1
