@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "ds_configs" / "tiny_cpu.json"
@@ -202,17 +203,13 @@ def run_trainer(tiny: Path, out: Path, config: Path = TINY_CONFIG, num_procs: in
                 extra: tuple[str, ...] = (), timeout: int = 900, port: int | None = None,
                 prelude: str = "") -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N train/main.py ...` (num_procs given; launcher_command) or plain `python train/main.py
-    ...`; `prelude`: Python code the plain process runs first (a fake or a switched-off check), then train/main.py as
-    __main__."""
+    ...` (started warm: tests/warm.py); `prelude`: Python code the plain process runs first (a fake or a
+    switched-off check)."""
     args = trainer_args(tiny, out, config, extra)
-    if num_procs is None:
-        main = str(REPO / "train" / "main.py")
-        start = (f"{prelude}\nimport runpy, sys\nsys.argv = sys.argv[1:]\n"
-                 "runpy.run_path(sys.argv[0], run_name='__main__')")
-        cmd = [sys.executable, *(["-c", start] if prelude else []), main, *args]
-    else:
-        cmd = [*launcher_command(num_procs, port), str(REPO / "train" / "main.py"), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if num_procs is None:
+        return warm.run([str(REPO / "train" / "main.py"), *args], cwd=REPO, env=env, timeout=timeout, prelude=prelude)
+    cmd = [*launcher_command(num_procs, port), str(REPO / "train" / "main.py"), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

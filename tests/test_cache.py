@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from conftest import (
     REPO,
     launcher_command,
@@ -403,9 +403,8 @@ def test_bench_data_cpu_smoke(tmp_path):
     from train.benchmarks import inputs
 
     out = tmp_path / "bench_data.jsonl"
-    cmd = [sys.executable, "-m", "train.bench_data", "--tiny", "--train_step", "--samples", "2", "--warmup", "1",
-           "--num_workers", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = warm.run(["-m", "train.bench_data", "--tiny", "--train_step", "--samples", "2", "--warmup", "1",
+                     "--num_workers", "1", "--json", str(out)], cwd=REPO, timeout=600)
     check(proc)
     assert "cached / online" in proc.stdout
     record = json.loads(out.read_text().splitlines()[-1])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from conftest import REPO, TINY_CONFIG, run_trainer, write_config
 from safetensors.torch import load_file, save_file
 from test_train import check
@@ -57,8 +58,8 @@ def lora_run(tiny_edit, tmp_path_factory) -> Path:
 def lora_exports(lora_run, tmp_path_factory) -> dict[str, Path]:
     """The checkpoint exported through the CLI (diffusers) and in-process (comfyui)."""
     out = tmp_path_factory.mktemp("lora_exports")
-    proc = subprocess.run([sys.executable, "-m", "train.export", "--checkpoint", str(lora_run / TAG),
-                           "--out", str(out / "diffusers")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = warm.run(["-m", "train.export", "--checkpoint", str(lora_run / TAG), "--out", str(out / "diffusers")],
+                    cwd=REPO, timeout=300)
     check(proc)
     assert f"exported {out / 'diffusers' / LORA_WEIGHT_NAME}" in proc.stdout
     comfy = exports.export(lora_run / TAG, out / "comfyui", fmt="comfyui", family_of=family.family_for)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import warm
 from conftest import (
     REFERENCE_STEPS,
     REPO,
@@ -238,9 +239,9 @@ def test_nonfinite_steps_are_skipped_then_stop(tiny_edit, tmp_path):
                                                  "qwen_edit.train.max_nonfinite_steps": 2})
     env = {**os.environ, "QWEN_EDIT_NAN_LOSS_AT": "2,3"}
     out = tmp_path / "ok"
-    args = [sys.executable, str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model",
-            str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--max_steps", "5"]
-    proc = subprocess.run([*args, "--output_dir", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
+    args = [str(REPO / "train" / "main.py"), "--ds_config", str(cfg), "--model", str(tiny_edit / "model"), "--data",
+            str(tiny_edit / "data"), "--max_steps", "5"]
+    proc = warm.run([*args, "--output_dir", str(out)], cwd=REPO, env=env)
     check(proc)
     assert "step 2 skipped: non-finite" in proc.stdout + proc.stderr
     records = metrics(out)
@@ -249,8 +250,7 @@ def test_nonfinite_steps_are_skipped_then_stop(tiny_edit, tmp_path):
 
     assert all(t.isfinite().all() for t in load_file(out / "export" / "pytorch_lora_weights.safetensors").values())
     cfg = write_config(tmp_path / "nan1.json", base=cfg, **{"qwen_edit.train.max_nonfinite_steps": 1})
-    proc = subprocess.run([*args[:3], str(cfg), *args[4:], "--output_dir", str(tmp_path / "stop")], cwd=REPO,
-                          env=env, capture_output=True, text=True)
+    proc = warm.run([*args[:2], str(cfg), *args[3:], "--output_dir", str(tmp_path / "stop")], cwd=REPO, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (  # the trainer's own stop: its line, no traceback
         "error: 2 optimizer steps had a NaN/inf loss or gradient norm (last at step 3); stopping. Lower the learning "
@@ -261,10 +261,9 @@ def test_nonfinite_steps_are_skipped_then_stop(tiny_edit, tmp_path):
 def test_oom_names_the_settings_that_help(tiny_edit, tmp_path):
     """An out-of-memory error reports the step, micro-batch, resolution and the memory knobs."""
     env = {**os.environ, "QWEN_EDIT_OOM_AT": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "--ds_config",
-                           str(REPO / "ds_configs" / "tiny_cpu.json"), "--model", str(tiny_edit / "model"),
-                           "--data", str(tiny_edit / "data"), "--output_dir", str(tmp_path / "out"),
-                           "--max_steps", "3"], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = warm.run([str(REPO / "train" / "main.py"), "--ds_config", str(REPO / "ds_configs" / "tiny_cpu.json"),
+                     "--model", str(tiny_edit / "model"), "--data", str(tiny_edit / "data"), "--output_dir",
+                     str(tmp_path / "out"), "--max_steps", "3"], cwd=REPO, env=env)
     assert proc.returncode != 0
     msg = proc.stderr
     assert "CUDA out of memory at step 2: micro-batch 1, target 128x128 px (64 tokens)" in msg, msg[-3000:]

@@ -7,11 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from conftest import REPO, TINY_CONFIG, launcher_command, main_in_process, patch_family
 
 from train import config, infer
@@ -50,13 +50,13 @@ def infer_args(tiny: Path, folder: Path, out: Path, input_name: str = "edits.jso
 
 
 def run_infer(tiny: Path, folder: Path, out: Path, num_procs: int | None = None, input_name: str = "edits.jsonl"):
-    """`python -m train.infer ...` (num_procs None) or `deepspeed --num_gpus N train/infer.py ...`."""
+    """`python -m train.infer ...` (num_procs None; started warm: tests/warm.py) or `deepspeed --num_gpus N
+    train/infer.py ...`."""
     args = infer_args(tiny, folder, out, input_name)
-    if num_procs is None:
-        cmd = [sys.executable, "-m", "train.infer", *args]
-    else:
-        cmd = [*launcher_command(num_procs), str(REPO / "train" / "infer.py"), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if num_procs is None:
+        return warm.run(["-m", "train.infer", *args], cwd=REPO, env=env, timeout=600)
+    cmd = [*launcher_command(num_procs), str(REPO / "train" / "infer.py"), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
