@@ -35,9 +35,13 @@ def _live_storages(params=(), dtype=None, excluded=frozenset()) -> dict[int, tup
     return {ptr: v for ptr, v in seen.items() if ptr and ptr not in excluded}
 
 
+def _total(storages: dict[int, tuple[int, str]]) -> int:
+    """The bytes of _live_storages' storages (each once)."""
+    return sum(n for n, _ in storages.values())
+
+
 def _live_bytes(params=(), dtype=None, excluded=frozenset()) -> int:
-    """The bytes of _live_storages (each storage once)."""
-    return sum(n for n, _ in _live_storages(params, dtype, excluded).values())
+    return _total(_live_storages(params, dtype, excluded))
 
 
 def _largest(storages: dict[int, tuple[int, str]], count: int = 6) -> list[str]:
@@ -125,7 +129,7 @@ def _zero_state_per_param(rank: int, world: int, stage: int) -> dict:
     engine.backward(engine(x).float().square().mean())
     torch.distributed.barrier()  # the backward's all-reduce has finished on both ranks before its buffers are counted
     storages = _live_storages(engine.module.parameters())
-    seen["after_backward"] = sum(n for n, _ in storages.values()) - base
+    seen["after_backward"] = _total(storages) - base
     seen["in_step"] = seen["after_backward"] + _step_transient(engine.step)
     return {**{k: v / n for k, v in seen.items()}, "largest_after_backward": _largest(storages)}
 

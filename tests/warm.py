@@ -6,7 +6,7 @@ The server is multiprocessing's forkserver with the trainer preloaded (`set_fork
 fork of it, so every run still has its own process (its own exit code through the trainer's `os._exit`, its own
 environment, working directory, argv, stdout and stderr, its own torch and DeepSpeed state), and the command's
 code runs as `__main__` by runpy as the interpreter would. What the fork cannot give is an environment that the
-libraries read while they load (OpenMP's thread count, the accelerator DeepSpeed picks): the server loaded them
+libraries read while they load (OpenMP's thread count, huggingface_hub's offline switch): the server loaded them
 under the test session's environment. So a command goes warm only when its environment differs from the server's
 in variables read at run time (RUN_TIME_VARIABLES); any other difference starts a fresh interpreter. The commands
 launched by DeepSpeed (several ranks) are real processes; this serves the one-process runs.
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-PRELOAD = ["train.main"]  # what the server imports once: the trainer, with torch, diffusers, transformers, DeepSpeed
+PRELOAD = ["train.main"]  # what the server imports once: the trainer, with torch, diffusers and transformers
 # Names (prefixes) of the variables that no library reads while it loads, so a command may differ from the server
 # in them: the trainer's test hooks, output buffering, pytest's marker, the terminal's size, and what torch sets in
 # the test process itself once it compiles or asks for CUDA (read at each use; inductor sets its pointer again
@@ -80,9 +80,7 @@ def _command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str,
     else:
         sys.argv = list(argv)
         sys.path.insert(0, str(Path(argv[0]).resolve().parent))
-        runpy.run_path(argv[0], run_name="__main__")
-    sys.stdout.flush()
-    sys.stderr.flush()
+        runpy.run_path(argv[0], run_name="__main__")  # a command that returns: multiprocessing flushes both streams
 
 
 def run(argv: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 900,
